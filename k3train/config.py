@@ -1,0 +1,110 @@
+"""Structured config schemas: the typed shape of conf/config.yaml.
+
+Registered in Hydra's ConfigStore as `config_schema`, which conf/config.yaml lists first in its defaults, so a
+misspelt key (`train.batch_szie=4`) or a wrong type (`train.batch_size=abc`) fails at start-up naming the key.
+Cross-field checks live in __post_init__ and run when the Trainer's typed config is built
+(`OmegaConf.to_object`), before any model or data is touched.
+
+The groups model, optim, schedule, precision and data are `_target_` nodes checked by the classes they build.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+
+@dataclass
+class TrainConfig:
+    """The training recipe. Fields that change what an update means must match on resume (see RESUME_MUST_MATCH)."""
+
+    batch_size: int = 8  # sequences per micro-batch, per process
+    seq_len: int = 256
+    gradient_accumulation_steps: int = 1  # micro-batches per optimizer update
+    max_steps: Optional[int] = 200  # optimizer updates; null: until the token budget or the data runs out
+    max_tokens: Optional[int] = None  # token budget; the run stops at whichever limit comes first
+    eval_interval: int = 50  # updates between evaluations (0: only the final one)
+    eval_batches: int = 8  # val batches per evaluation, always the same prefix of the val split
+    log_interval: int = 10
+    checkpoint_interval: int = 100  # updates between checkpoints (0: only the final one)
+    keep_last_k: int = 0  # besides last.pt, keep step-numbered copies of the last k checkpoints
+    grad_clip: Optional[float] = 1.0  # max global grad norm; null or 0 disables clipping (the norm is still logged)
+    max_consecutive_skips: int = 10  # non-finite loss/grad updates in a row before the run stops
+    seed: int = 1337
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    deterministic: bool = False
+    overfit_batch: bool = False  # repeat the first (accumulated) batch forever: a plumbing check
+    compile: bool = False
+    qk_clip_tau: Optional[float] = 100.0  # QK-Clip threshold for MLA layers; null disables
+    progress: str = "auto"  # auto (a bar on a terminal, log lines otherwise) | bar | lines
+    # End this session after this many updates (counted from step 0) with a checkpoint, leaving the plan (and so
+    # the schedule) unchanged; the next session continues with resume=auto. For time-sliced jobs and tests.
+    stop_after: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+
+        for name in ("batch_size", "seq_len", "gradient_accumulation_steps", "eval_batches", "log_interval"):
+            positive(name)
+        for name in ("eval_interval", "checkpoint_interval", "keep_last_k"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"train.max_steps must be >= 1 or null, got {self.max_steps}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"train.max_tokens must be >= 1 or null, got {self.max_tokens}")
+        if self.grad_clip is not None and self.grad_clip < 0:
+            raise ValueError(f"train.grad_clip must be >= 0 or null, got {self.grad_clip}")
+        if self.qk_clip_tau is not None and self.qk_clip_tau <= 0:
+            raise ValueError(f"train.qk_clip_tau must be > 0 or null, got {self.qk_clip_tau}")
+        if self.progress not in ("auto", "bar", "lines"):
+            raise ValueError(f"train.progress must be auto, bar or lines, got {self.progress!r}")
+        if self.stop_after is not None and self.stop_after < 1:
+            raise ValueError(f"train.stop_after must be >= 1 or null, got {self.stop_after}")
+        if self.max_consecutive_skips < 1:
+            raise ValueError(f"train.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+
+    @property
+    def clip_norm(self) -> Optional[float]:
+        return self.grad_clip if self.grad_clip else None
+
+
+# Recipe fields that define what one update is: a resumed run must agree on them. Everything else (max_steps,
+# intervals, eval size, clipping, seed...) may change between sessions.
+RESUME_MUST_MATCH = ("batch_size", "seq_len", "gradient_accumulation_steps", "overfit_batch")
+
+
+@dataclass
+class ProfileConfig:
+    """A torch.profiler window; its counters count optimizer attempts (skipped updates included)."""
+
+    enabled: bool = False
+    wait: int = 1
+    warmup: int = 1
+    active: int = 3
+
+    def __post_init__(self) -> None:
+        if self.wait < 0 or self.warmup < 0 or self.active < 1:
+            raise ValueError("profile.wait and profile.warmup must be >= 0 and profile.active >= 1")
+
+
+@dataclass
+class Config:
+    model: Any = MISSING
+    optim: Any = MISSING
+    schedule: Any = MISSING
+    precision: Any = MISSING
+    data: Any = MISSING
+    train: TrainConfig = field(default_factory=TrainConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    # null: a fresh run | auto: continue from this output directory's checkpoint if there is one | a path
+    resume: Optional[str] = None
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="config_schema", node=Config)

@@ -1,0 +1,72 @@
+"""SmokeTestLM: a plumbing check, not a language model.
+
+Token-local embedding followed by a linear vocabulary head: logits at position t depend on token t alone, so
+there is no attention, no sequence mixing and nothing of the Kimi K3 architecture. It exists to test the data,
+trainer, checkpoint and metrics plumbing quickly; its losses must never be reported as model results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class SmokeTestConfig:
+    vocab_size: Optional[int] = None
+    d_model: int = 64
+    max_seq_len: int = 4096
+    model_type: str = "smoke_test_lm"
+
+    def __post_init__(self) -> None:
+        if self.model_type != "smoke_test_lm":
+            raise ValueError(f"SmokeTestConfig.model_type must be 'smoke_test_lm', got {self.model_type!r}")
+
+
+class SmokeTestLM(nn.Module):
+    is_plumbing_check = True  # the Trainer labels every log line of this model as plumbing
+
+    def __init__(self, config: SmokeTestConfig):
+        super().__init__()
+        if config.vocab_size is None:
+            raise ValueError("SmokeTestLM needs vocab_size (model.vocab_size=null is filled from the dataset)")
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.lm_head.weight, std=0.02)
+
+    @classmethod
+    def from_fields(cls, **fields) -> "SmokeTestLM":
+        return cls(SmokeTestConfig(**fields))
+
+    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None):
+        """x: [B, T] token ids -> logits [B, T, V]; loss: mean cross-entropy over all B*T targets (fp32)."""
+        logits = self.lm_head(self.embed(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    def check_data(self, vocab_size: int, seq_len: int) -> None:
+        if vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"model vocab_size {self.config.vocab_size} != dataset vocab_size {vocab_size}: "
+                "set model.vocab_size=null to take it from the dataset"
+            )
+        if seq_len > self.config.max_seq_len:
+            raise ValueError(f"train.seq_len={seq_len} exceeds model.max_seq_len={self.config.max_seq_len}")
+
+    def diagnostics(self) -> dict:
+        return {}
+
+    def param_counts(self) -> dict:
+        total = sum(p.numel() for p in self.parameters())
+        return {"total": total, "active": total, "embedding": self.embed.weight.numel()}
+
+    def config_dict(self) -> dict:
+        return asdict(self.config)

@@ -1,0 +1,38 @@
+"""Validation loss on a fixed prefix of the val split, leaving every piece of training state as it was."""
+
+from __future__ import annotations
+
+import torch
+
+from k3train.data import EndOfData
+from k3train.train.rng import capture_rng_state, restore_rng_state
+
+
+@torch.no_grad()
+def evaluate(model, val_loader, num_batches: int, precision, device: torch.device) -> dict:
+    """Mean loss over the first num_batches val batches (fewer if the split is shorter).
+
+    Model mode, the val cursor and all RNG states are restored afterwards, so evaluating never changes what
+    training does next; routers see model.eval() and leave their balancing state alone.
+    """
+    was_training = model.training
+    rng = capture_rng_state()
+    cursor = val_loader.state_dict()
+    model.eval()
+    val_loader.reset()
+    losses = []
+    try:
+        for _ in range(num_batches):
+            try:
+                x, y = val_loader.next_batch()
+            except EndOfData:
+                break
+            with precision.autocast(device):
+                _, loss = model(x.to(device), targets=y.to(device))
+            losses.append(loss.float())
+    finally:
+        val_loader.load_state_dict(cursor)
+        restore_rng_state(rng)
+        model.train(was_training)
+    loss = torch.stack(losses).mean().item()
+    return {"loss": loss, "batches": len(losses), "tokens": len(losses) * val_loader.tokens_per_batch}

@@ -1,0 +1,99 @@
+"""run.json: every input that shaped a run, and one entry per session (start, resume point, end reason).
+
+Rewritten atomically at each session start and end, so a crash leaves the previous complete manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import torch
+
+
+def environment(device: torch.device) -> dict:
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "cpu_threads": torch.get_num_threads(),
+        "git_commit": _git_commit(),
+        "argv": sys.argv,
+    }
+    if device.type == "cuda":
+        env["device_name"] = torch.cuda.get_device_name(device)
+    return env
+
+
+def _git_commit() -> str | None:
+    """The code's commit when k3train runs from a git checkout (editable install); None otherwise."""
+    package_dir = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(package_dir), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, timeout=5, check=True,
+        )
+        head = subprocess.run(
+            ["git", "-C", str(package_dir), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("-dirty" if out.stdout.strip() else "")
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, default=str)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class RunManifest:
+    def __init__(self, run_dir: Path, enabled: bool = True):
+        self.path = Path(run_dir) / "run.json"
+        self.enabled = enabled
+        self.data: dict = {}
+        self.session: dict = {}
+
+    def start_session(self, *, config: dict, overrides: list, model: dict, data: dict, optimizer: dict,
+                      env: dict, resume_from: str | None, resume_step: int | None) -> None:
+        if self.path.exists():
+            self.data = json.loads(self.path.read_text(encoding="utf-8"))
+        else:
+            self.data = {"run_id": uuid.uuid4().hex[:12], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                         "sessions": []}
+        # The top level always describes the latest session; each session keeps its own overrides.
+        self.data.update(config=config, model=model, data=data, optimizer=optimizer, environment=env)
+        self.session = {
+            "session": len(self.data["sessions"]),
+            "start": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "overrides": overrides,
+            "resume_from": resume_from,
+            "resume_step": resume_step,
+            "end": None,
+            "end_reason": None,
+        }
+        self.data["sessions"].append(self.session)
+        self._write()
+
+    def end_session(self, reason: str, step: int, tokens: int) -> None:
+        self.session.update(end=time.strftime("%Y-%m-%dT%H:%M:%S%z"), end_reason=reason, final_step=step,
+                            final_tokens=tokens)
+        self._write()
+
+    def _write(self) -> None:
+        if self.enabled:
+            _write_json_atomic(self.path, self.data)

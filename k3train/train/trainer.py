@@ -1,0 +1,373 @@
+"""The update loop: batch -> forward -> loss / accumulation -> backward -> clip -> step (+ QK-Clip) -> schedule.
+
+The Trainer composes parts built elsewhere (model, optimizer, schedule, precision, loaders, metrics) and owns
+only the loop and its counters. Everything it needs to continue exactly is in `checkpoint_payload()`.
+
+Accumulation: each micro-batch's mean loss is divided by the number of micro-batches, so k micro-batches of
+B/k sequences give the gradient of one batch of B (every micro-batch has the same token count). For a MoE with
+Quantile Balancing this is arithmetic, not a promise of identical routing: the router bias changes on every
+training forward pass, so k micro-batches see k bias updates where one big batch would see one.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from k3train.config import ProfileConfig, TrainConfig
+from k3train.data import EndOfData
+from k3train.train.checkpoint import check_compatible, keep_last, save_checkpoint
+from k3train.train.evaluate import evaluate
+from k3train.train.metrics import MetricsWriter
+from k3train.train.precision import Precision
+from k3train.train.profile import make_profiler
+from k3train.train.rng import capture_rng_state, restore_rng_state
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite updates in a row."""
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # successful optimizer updates: the schedule's position
+    tokens: int = 0  # training tokens consumed, skipped updates included (they consumed data)
+    skipped_updates: int = 0
+    consecutive_skips: int = 0
+
+
+class Trainer:
+    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 schedule_factory: Callable, precision: Precision, train_loader, val_loader,
+                 config: TrainConfig, device: torch.device, metrics: MetricsWriter, run_dir: Path,
+                 meta: dict, profile: Optional[ProfileConfig] = None):
+        self.model = model  # the uncompiled module: its state_dict keys stay stable
+        self.forward = torch.compile(model) if config.compile else model
+        self.optimizer = optimizer
+        self.precision = precision
+        self.scaler = precision.make_scaler(device)
+        self.train_loader, self.val_loader = train_loader, val_loader
+        self.config, self.device, self.metrics = config, device, metrics
+        self.run_dir = Path(run_dir)
+        self.checkpoint_path = self.run_dir / "last.pt"
+        self.meta = meta
+        self.profile = profile or ProfileConfig()
+        self.state = TrainState()
+        self.label = "[plumbing: smoke_test_lm] " if getattr(model, "is_plumbing_check", False) else ""
+        self.tokens_per_update = train_loader.tokens_per_batch * config.gradient_accumulation_steps
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self._fixed_batches: Optional[list] = None  # overfit_batch mode
+        self.qk_clip_tau = config.qk_clip_tau if _has_mla(model) else None
+        if self.qk_clip_tau is not None:
+            from k3train.optim import qk_clip
+
+            qk_clip.set_max_logit_tracking(model, True)
+        self.total_steps = self._plan_total_steps()
+        self.schedule = schedule_factory(total_steps=self.total_steps)
+
+    # ---- planning -------------------------------------------------------------------------------------------
+    def _plan_total_steps(self) -> int:
+        limits = []
+        if self.config.max_steps is not None:
+            limits.append(self.config.max_steps)
+        if self.config.max_tokens is not None:
+            limits.append(math.ceil(self.config.max_tokens / self.tokens_per_update))
+        if not self.config.overfit_batch:
+            remaining = self.train_loader.batches_remaining() // self.config.gradient_accumulation_steps
+            limits.append(self.state.step + remaining)
+        if not limits:
+            raise ValueError("train.overfit_batch=true needs train.max_steps or train.max_tokens")
+        total = min(limits)
+        if total < 1:
+            raise ValueError(
+                f"the train split has too few tokens for one update of {self.tokens_per_update} tokens: "
+                "lower train.batch_size, train.seq_len or train.gradient_accumulation_steps"
+            )
+        return total
+
+    def _stop_reason(self) -> Optional[str]:
+        s, c = self.state, self.config
+        if c.max_steps is not None and s.step >= c.max_steps:
+            return "max_steps"
+        if c.max_tokens is not None and s.tokens >= c.max_tokens:
+            return "max_tokens"
+        if c.stop_after is not None and s.step >= c.stop_after:
+            return "stop_after"
+        if not c.overfit_batch and self.train_loader.batches_remaining() < c.gradient_accumulation_steps:
+            return "end_of_data"
+        return None
+
+    # ---- one update -----------------------------------------------------------------------------------------
+    def _micro_batches(self):
+        accum = self.config.gradient_accumulation_steps
+        if not self.config.overfit_batch:
+            return [self.train_loader.next_batch() for _ in range(accum)]
+        if self._fixed_batches is None:
+            # Always the first batches of the split, so a resumed overfit run repeats the same ones.
+            cursor = self.train_loader.state_dict()
+            self.train_loader.reset()
+            self._fixed_batches = [self.train_loader.next_batch() for _ in range(accum)]
+            self.train_loader.load_state_dict(cursor)
+        return self._fixed_batches
+
+    def train_step(self) -> dict:
+        """One optimizer attempt over gradient_accumulation_steps micro-batches. Returns the step's figures."""
+        accum = self.config.gradient_accumulation_steps
+        lr_factor = self.schedule.apply(self.optimizer, self.state.step)
+        losses = []
+        for x, y in self._micro_batches():
+            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            with self.precision.autocast(self.device):
+                _, loss = self.forward(x, targets=y)
+            self.scaler.scale(loss / accum).backward()
+            losses.append(loss.detach().float())
+        self.state.tokens += self.tokens_per_update
+        loss = torch.stack(losses).mean().item()
+
+        self.scaler.unscale_(self.optimizer)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
+        result = {"loss": loss, "grad_norm": grad_norm, "lr_factor": lr_factor}
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            if self.config.clip_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(grads, self.config.clip_norm, torch.tensor(grad_norm))
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            if self.qk_clip_tau is not None:
+                from k3train.optim import qk_clip
+
+                result["qk_clip"] = qk_clip.qk_clip_(self.model, self.qk_clip_tau)
+            self.state.step += 1
+            self.state.consecutive_skips = 0
+            result["skipped"] = False
+        else:
+            self.scaler.update()  # fp16: an overflow lowers the loss scale; otherwise a no-op
+            self.state.skipped_updates += 1
+            self.state.consecutive_skips += 1
+            result["skipped"] = True
+        self.optimizer.zero_grad(set_to_none=True)
+        return result
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    def fit(self) -> str:
+        """Train until a stop condition; returns the end reason. Final eval and checkpoint on a clean stop."""
+        self._announce()
+        progress = _Progress(self.config, self.state.step, self.total_steps, self.label)
+        window = _Window(self.state)
+        reason = self._stop_reason()
+        with make_profiler(self.profile, self.run_dir, self.device) as profiler:
+            while reason is None:
+                t0 = time.perf_counter()
+                try:
+                    result = self.train_step()
+                except EndOfData:  # a loader that ran dry despite the plan: stop at the last update boundary
+                    self.optimizer.zero_grad(set_to_none=True)
+                    reason = "end_of_data"
+                    break
+                window.add(result, time.perf_counter() - t0, self.tokens_per_update)
+                profiler.step()
+                if result["skipped"]:
+                    self._on_skip(result)
+                else:
+                    progress.update(self.state.step, result["loss"], window.tokens_per_s())
+                    self._after_update(window, progress)
+                reason = self._stop_reason()
+        self._finish(reason, progress)
+        return reason
+
+    def _announce(self) -> None:
+        c = self.config
+        line = (f"{self.label}training {self.total_steps} updates of {self.tokens_per_update:,} tokens "
+                f"(batch {c.batch_size} x seq {c.seq_len} x accum {c.gradient_accumulation_steps}) "
+                f"from step {self.state.step} on {self.device}, precision {self.precision.dtype}")
+        print(line, flush=True)
+
+    def _on_skip(self, result: dict) -> None:
+        s = self.state
+        self.metrics.log("skip", step=s.step, tokens=s.tokens, loss=result["loss"], grad_norm=result["grad_norm"],
+                         skipped_updates=s.skipped_updates, consecutive=s.consecutive_skips,
+                         loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None)
+        _print(f"{self.label}step {s.step}: non-finite loss {result['loss']} or grad norm "
+               f"{result['grad_norm']}; update skipped ({s.consecutive_skips} in a row)")
+        if s.consecutive_skips >= self.config.max_consecutive_skips:
+            raise TrainingDiverged(
+                f"{s.consecutive_skips} non-finite updates in a row at step {s.step}: the run has diverged. "
+                f"Lower optim.lr, enable train.grad_clip, or resume from an earlier checkpoint "
+                f"({self.checkpoint_path}) with a different recipe"
+            )
+
+    def _after_update(self, window: "_Window", progress: "_Progress") -> None:
+        s, c = self.state, self.config
+        if s.step % c.log_interval == 0 or s.step == self.total_steps:
+            record = self.metrics.log("train", step=s.step, tokens=s.tokens, **window.summary(),
+                                      lr={g.get("name", str(i)): g["lr"]
+                                          for i, g in enumerate(self.optimizer.param_groups)},
+                                      peak_memory_mb=_peak_memory_mb(self.device),
+                                      skipped_updates=s.skipped_updates, **self._diagnostics())
+            progress.log_line(record, self.total_steps)
+            window.reset()
+        if c.eval_interval and s.step % c.eval_interval == 0 and s.step < self.total_steps:
+            self.run_eval(progress)
+        if c.checkpoint_interval and s.step % c.checkpoint_interval == 0 and s.step < self.total_steps:
+            self.save()
+
+    def _diagnostics(self) -> dict:
+        out = {}
+        if hasattr(self.model, "diagnostics"):
+            out["model"] = self.model.diagnostics()
+        if hasattr(self.optimizer, "diagnostics"):
+            out["optimizer"] = self.optimizer.diagnostics()
+        return out
+
+    def run_eval(self, progress: Optional["_Progress"] = None) -> dict:
+        result = evaluate(self.model, self.val_loader, self.config.eval_batches, self.precision, self.device)
+        self.metrics.log("eval", step=self.state.step, tokens=self.state.tokens, **result)
+        msg = f"{self.label}eval step {self.state.step}: val loss {result['loss']:.4f} ({result['batches']} batches)"
+        (progress.write if progress else _print)(msg)
+        return result
+
+    def _finish(self, reason: str, progress: "_Progress") -> None:
+        progress.close()
+        if reason != "stop_after" and self.state.step > 0:
+            self.run_eval()
+        self.save()
+        self.metrics.log("end", step=self.state.step, tokens=self.state.tokens, reason=reason,
+                         skipped_updates=self.state.skipped_updates)
+        _print(f"{self.label}stopped at step {self.state.step} ({reason}); checkpoint {self.checkpoint_path}")
+
+    # ---- checkpointing --------------------------------------------------------------------------------------
+    def checkpoint_payload(self) -> dict:
+        return {
+            "meta": self.meta,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "trainer": asdict(self.state),
+            "schedule": {"step": self.state.step, "total_steps": self.total_steps},
+            "loaders": {"train": self.train_loader.state_dict(), "val": self.val_loader.state_dict()},
+            "rng": capture_rng_state(),
+        }
+
+    def save(self) -> None:
+        """Checkpoint at an update boundary (gradients are already cleared)."""
+        t0 = time.perf_counter()
+        size = save_checkpoint(self.checkpoint_path, self.checkpoint_payload())
+        keep_last(self.run_dir, self.checkpoint_path, self.state.step, self.config.keep_last_k)
+        self.metrics.log("checkpoint", step=self.state.step, tokens=self.state.tokens,
+                         path=str(self.checkpoint_path), bytes=size, seconds=round(time.perf_counter() - t0, 3))
+
+    def restore(self, payload: dict, path: Path) -> None:
+        """Continue from a checkpoint: validate compatibility first, then restore every stateful part."""
+        check_compatible(payload["meta"], self.meta, path)
+        self.model.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.scaler.load_state_dict(payload["scaler"])
+        self.train_loader.load_state_dict(payload["loaders"]["train"])
+        self.val_loader.load_state_dict(payload["loaders"]["val"])
+        self.state = TrainState(**payload["trainer"])
+        restore_rng_state(payload["rng"])
+        # The plan may legitimately change on resume (max_steps, max_tokens); recompute it from the new state.
+        self.total_steps = self._plan_total_steps()
+        self.schedule.total_steps = self.total_steps
+        self.metrics.log("resume", step=self.state.step, tokens=self.state.tokens, path=str(path),
+                         train_cursor=self.train_loader.state_dict().get("cursor"),
+                         lr={g.get("name", str(i)): g["initial_lr"] * self.schedule.factor(self.state.step)
+                             for i, g in enumerate(self.optimizer.param_groups)},
+                         total_steps=self.total_steps)
+        _print(f"{self.label}resumed from {path} at step {self.state.step} ({self.state.tokens:,} tokens), "
+               f"train cursor {self.train_loader.state_dict().get('cursor')}, RNG restored")
+
+
+def _has_mla(model: torch.nn.Module) -> bool:
+    return any(hasattr(m, "track_max_logit") for m in model.modules())
+
+
+def _print(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is KiB on Linux: the process's peak resident memory stands in for device memory on CPU.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class _Window:
+    """Figures accumulated between two train events."""
+
+    def __init__(self, state: TrainState):
+        self.reset()
+
+    def reset(self) -> None:
+        self.losses, self.grad_norms, self.seconds, self.tokens = [], [], 0.0, 0
+        self.qk: dict = {}
+
+    def add(self, result: dict, seconds: float, tokens: int) -> None:
+        self.seconds += seconds
+        self.tokens += tokens
+        if not result["skipped"]:
+            self.losses.append(result["loss"])
+            self.grad_norms.append(result["grad_norm"])
+            if "qk_clip" in result:
+                self.qk = result["qk_clip"]
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> dict:
+        n = max(1, len(self.losses))
+        out = {"loss": sum(self.losses) / n, "grad_norm": sum(self.grad_norms) / n,
+               "grad_norm_max": max(self.grad_norms, default=0.0), "tokens_per_s": self.tokens_per_s(),
+               "step_time_s": self.seconds / n}
+        if self.qk:
+            out["qk_clip"] = self.qk
+        return out
+
+
+class _Progress:
+    """A tqdm bar on a terminal (or progress=bar), plain log lines otherwise."""
+
+    def __init__(self, config: TrainConfig, start: int, total: int, label: str):
+        self.label = label
+        use_bar = config.progress == "bar" or (config.progress == "auto" and sys.stdout.isatty())
+        self.bar = None
+        if use_bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc=label.strip() or "train", unit="step",
+                            dynamic_ncols=True)
+        self.t_start, self.start = time.perf_counter(), start
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+
+    def log_line(self, record: dict, total: int) -> None:
+        if self.bar is not None:
+            return
+        step = record["step"]
+        elapsed = time.perf_counter() - self.t_start
+        done = step - self.start
+        eta = elapsed / done * (total - step) if done else 0.0
+        _print(f"{self.label}step {step}/{total} | loss {record['loss']:.4f} | grad {record['grad_norm']:.3f} | "
+               f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s']:.3f} s/step | "
+               f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+
+    def write(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            _print(msg)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
