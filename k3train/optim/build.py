@@ -1,0 +1,51 @@
+"""Hydra targets for conf/optim/*.yaml (`_partial_: true`): the Trainer calls `factory(model)`.
+
+Both return ONE torch.optim.Optimizer whose groups carry "name", "kind" and "initial_lr" (= lr); the Trainer's
+schedule sets group["lr"] = group["initial_lr"] * factor(step). The partition is checked against the model here,
+so a parameter missing from the optimizer (or in two groups) fails at build time, by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from k3train.optim.muon import MuonAdamW
+from k3train.optim.param_groups import GROUPS, check_partition, partition_parameters
+
+
+def adamw(model: nn.Module, *, lr: float, weight_decay: float, betas: Sequence[float],
+          eps: float) -> torch.optim.Optimizer:
+    """The AdamW baseline: groups "decay" and "no_decay", no-decay by the same rules as muon_adamw."""
+    groups = {"decay": [], "no_decay": []}
+    for a in partition_parameters(model):
+        groups["decay" if a.weight_decay else "no_decay"].append(a.param)
+    param_groups = [dict(name=name, kind="adamw", params=params, weight_decay=weight_decay if name == "decay" else 0.0,
+                         initial_lr=lr)
+                    for name, params in groups.items() if params]
+    check_partition(model, param_groups)
+    return torch.optim.AdamW(param_groups, lr=lr, betas=tuple(betas), eps=eps)
+
+
+def muon_adamw(model: nn.Module, *, lr: float, weight_decay: float, betas: Sequence[float], eps: float,
+               momentum: float, nesterov: bool, ns_steps: int, rms_match: float, head_wise: bool,
+               orthogonality_check_interval: int) -> MuonAdamW:
+    """Muon for hidden matrices, AdamW for the rest (see param_groups.py), sharing lr and weight decay
+    (Moonlight's RMS matching makes that work); groups in the order of param_groups.GROUPS, empty ones left out."""
+    assignments = partition_parameters(model, head_wise=head_wise)
+    param_groups = []
+    for name, (kind, decay) in GROUPS.items():
+        members = [a for a in assignments if a.group == name]
+        if not members:
+            continue
+        group = dict(name=name, kind=kind, params=[a.param for a in members],
+                     weight_decay=weight_decay if decay else 0.0, initial_lr=lr)
+        if kind == "muon":
+            group["head_splits"] = [a.head_split for a in members]
+        param_groups.append(group)
+    check_partition(model, param_groups)
+    return MuonAdamW(param_groups, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
+                     momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, rms_match=rms_match,
+                     orthogonality_check_interval=orthogonality_check_interval)

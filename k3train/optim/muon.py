@@ -1,0 +1,241 @@
+"""Muon for hidden matrices and AdamW for everything else, as ONE torch.optim.Optimizer.
+
+Each param group has a "name" and a "kind":
+- "muon": 2D weights and 3D stacked expert weights [E, out, in]. The momentum (Nesterov) is orthogonalised by a
+  Newton-Schulz quintic per *matrix view*: a plain 2D weight is one matrix; a weight annotated with
+  `head_split = (H, dim)` is H head matrices; a 3D expert stack is E matrices. Views of one parameter are
+  orthogonalised as one batch. The update is scaled by rms_match * sqrt(max(A, B)) of the view's matrix shape so
+  that its RMS matches AdamW's (Moonlight, arXiv 2502.16982), which lets Muon share AdamW's lr and weight decay.
+- "adamw": decoupled AdamW with bias correction (embeddings, LM head, norms, biases, gates, conv kernels, ...).
+
+Momentum follows torch.optim.Muon exactly (EMA form: buf.lerp_(g, 1 - mu); Nesterov: g.lerp(buf, mu)); an EMA
+buffer is (1 - mu) times a classic `mu * buf + g` buffer, so checkpoints of the two forms are not interchangeable.
+Which parameter goes to which group, and why, is decided in k3train/optim/param_groups.py.
+
+Sources: KellerJordan/Muon (muon.py), torch/optim/_muon.py, MoonshotAI/Moonlight.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+KINDS = ("muon", "adamw")
+
+HeadSplit = tuple[int, int]  # (n_heads, dim), see CONTRACTS.md
+
+
+def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5,
+                                coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+                                eps: float = 1e-7) -> Tensor:
+    """Approximately orthogonalise each matrix of G [..., A, B]; returns bf16 [..., A, B].
+
+    The quintic pushes every singular value of X / ||X||_F towards 1 but, tuned for speed, lands them roughly in
+    [0.5, 1.5] rather than at 1 (KellerJordan/Muon). Tall matrices are transposed so the Gram matrix X X^T is the
+    small one. Leading dims are a batch; per matrix the result equals torch.optim.Muon's, bit for bit.
+    """
+    if G.ndim < 2:
+        raise ValueError(f"Newton-Schulz needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
+    a, b, c = coefficients
+    X = G.bfloat16().reshape(-1, *G.shape[-2:])  # [N, A, B]
+    tall = G.size(-2) > G.size(-1)
+    if tall:
+        X = X.mT
+    # Frobenius norm per matrix bounds the spectral norm by 1, inside the iteration's basin.
+    X = X / X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = X @ X.mT  # [N, a, a], a = min(A, B)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b*gram + c*gram^2
+        X = torch.baddbmm(X, poly, X, beta=a)  # a*X + poly X
+    if tall:
+        X = X.mT
+    return X.reshape(G.shape)
+
+
+def as_matrices(t: Tensor, head_split: HeadSplit | None) -> Tensor:
+    """View a Muon parameter (or its gradient) as a batch of matrices [N, A, B] that Muon orthogonalises."""
+    if t.ndim == 3:  # stacked experts [E, out, in]
+        return t
+    if head_split is None:
+        return t.unsqueeze(0)
+    n_heads, dim = head_split
+    rows, cols = t.shape
+    if dim == 0:  # [H*dh, d] -> [H, dh, d]
+        return t.view(n_heads, rows // n_heads, cols)
+    return t.view(rows, n_heads, cols // n_heads).transpose(0, 1)  # [d, H*dh] -> [H, d, dh]
+
+
+def from_matrices(m: Tensor, head_split: HeadSplit | None, shape: torch.Size) -> Tensor:
+    """Inverse of as_matrices: [N, A, B] back to the parameter's shape."""
+    if head_split is not None and head_split[1] == 1:
+        m = m.transpose(0, 1)  # [H, d, dh] -> [d, H, dh]
+    return m.reshape(shape)
+
+
+def check_head_split(shape: torch.Size, head_split: Any, name: str) -> HeadSplit | None:
+    """Validate a `head_split` annotation against its parameter's shape; returns it as a tuple (or None)."""
+    if head_split is None:
+        return None
+    n_heads, dim = head_split
+    if len(shape) != 2 or dim not in (0, 1) or n_heads < 1 or shape[dim] % n_heads:
+        raise ValueError(f"{name}: head_split={tuple(head_split)} does not fit shape {tuple(shape)}; it must be "
+                         "(n_heads, dim) with dim 0 or 1 of a 2D weight and shape[dim] divisible by n_heads")
+    return int(n_heads), int(dim)
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """One optimizer, param groups of kind "muon" or "adamw" (each with a "name"); see the module docstring.
+
+    Group keys (missing ones are filled from the constructor's defaults):
+      all:   name, kind, params, lr, weight_decay
+      muon:  momentum, nesterov, ns_steps, ns_coefficients, ns_eps, rms_match, head_splits (one per param, or None)
+      adamw: betas, eps
+    Per-param state: "step" (int) and "momentum_buffer" (muon) or "exp_avg", "exp_avg_sq" (adamw). Everything that
+    shapes the next update lives in state and param_groups, so state_dict/load_state_dict resumes exactly.
+    """
+
+    def __init__(self, param_groups: Iterable[dict[str, Any]], *, lr: float = 3e-3, weight_decay: float = 0.1,
+                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = 5,
+                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_eps: float = 1e-7,
+                 rms_match: float = 0.2, orthogonality_check_interval: int = 50) -> None:
+        if lr < 0 or weight_decay < 0 or eps <= 0 or not 0 <= momentum < 1 or ns_steps < 1 or rms_match <= 0:
+            raise ValueError(f"bad MuonAdamW settings: lr={lr}, weight_decay={weight_decay}, eps={eps}, "
+                             f"momentum={momentum}, ns_steps={ns_steps}, rms_match={rms_match}")
+        if not all(0 <= beta < 1 for beta in betas):
+            raise ValueError(f"betas={betas} must each be in [0, 1)")
+        if orthogonality_check_interval < 1:
+            raise ValueError(f"orthogonality_check_interval={orthogonality_check_interval} must be >= 1")
+        self._kind_defaults = {
+            "muon": dict(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                         ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps, rms_match=rms_match),
+            "adamw": dict(betas=tuple(betas), eps=eps),
+        }
+        self.orthogonality_check_interval = orthogonality_check_interval
+        # Diagnostics of the last step, not state: they never shape an update, so they stay out of state_dict.
+        self._update_sq: dict[str, tuple[Tensor, int]] = {}  # group name -> (sum of squared updates, numel)
+        self._ortho_error: dict[str, float] = {}
+        super().__init__(list(param_groups), dict(lr=lr, weight_decay=weight_decay))
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        kind, name = param_group.get("kind"), param_group.get("name")
+        if kind not in KINDS or not isinstance(name, str):
+            raise ValueError(f"each MuonAdamW param group needs a 'name' (str) and a 'kind' in {KINDS}; "
+                             f"got name={name!r}, kind={kind!r}")
+        if any(g["name"] == name for g in self.param_groups):
+            raise ValueError(f"duplicate param group name {name!r}")
+        for key, value in self._kind_defaults[kind].items():
+            param_group.setdefault(key, value)
+        params = list(param_group["params"])
+        param_group["params"] = params
+        if kind == "muon":
+            splits = param_group.setdefault("head_splits", [None] * len(params))
+            if len(splits) != len(params):
+                raise ValueError(f"group {name!r}: {len(splits)} head_splits for {len(params)} params")
+            param_group["head_splits"] = [check_head_split(p.shape, s, f"group {name!r} param {i}")
+                                          for i, (p, s) in enumerate(zip(params, splits))]
+            for i, (p, s) in enumerate(zip(params, param_group["head_splits"])):
+                if p.ndim not in (2, 3):
+                    raise ValueError(f"group {name!r} param {i} has shape {tuple(p.shape)}: Muon takes 2D "
+                                     "matrices or 3D expert stacks [E, out, in]; send it to an AdamW group")
+        elif "head_splits" in param_group:
+            raise ValueError(f"group {name!r} is AdamW; head_splits only make sense for Muon groups")
+        super().add_param_group(param_group)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["kind"] == "muon":
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _muon_step(self, group: dict[str, Any]) -> None:
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        update_sq, numel = torch.zeros(()), 0
+        with_grad = [(p, s) for p, s in zip(group["params"], group["head_splits"]) if p.grad is not None]
+        for i, (p, split) in enumerate(with_grad):
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["momentum_buffer"] = torch.zeros_like(p)
+            state["step"] += 1
+            buf = state["momentum_buffer"]
+            buf.lerp_(p.grad, 1 - mu)
+            momentum = p.grad.lerp(buf, mu) if group["nesterov"] else buf
+            O = zeropower_via_newtonschulz5(as_matrices(momentum, split), group["ns_steps"],
+                                            group["ns_coefficients"], group["ns_eps"])  # [N, A, B] bf16
+            scaled_lr = lr * (group["rms_match"] * math.sqrt(max(O.shape[-2:])))
+            p.mul_(1 - lr * wd)
+            p.add_(from_matrices(O, split, p.shape), alpha=-scaled_lr)
+            update_sq = update_sq + O.float().square().sum() * scaled_lr**2
+            numel += p.numel()
+            if self._orthogonality_due(state["step"], i, len(with_grad)):
+                self._ortho_error[group["name"]] = orthogonality_error(O[0])
+        if numel:
+            self._update_sq[group["name"]] = (update_sq, numel)
+
+    def _orthogonality_due(self, step: int, index: int, n_params: int) -> bool:
+        """Every `orthogonality_check_interval` steps (from step 1), check one matrix, round-robin over params."""
+        interval = self.orthogonality_check_interval
+        return (step - 1) % interval == 0 and index == ((step - 1) // interval) % n_params
+
+    def _adamw_step(self, group: dict[str, Any]) -> None:
+        # Same arithmetic as torch.optim.AdamW's single-tensor path, except that the update is materialised
+        # (exp_avg / denom) so its RMS can be reported.
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        update_sq, numel = torch.zeros(()), 0
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
+            p.mul_(1 - lr * wd)
+            exp_avg.lerp_(p.grad, 1 - beta1)
+            exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
+            step_size = lr / (1 - beta1**t)
+            denom = (exp_avg_sq.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)
+            update = exp_avg / denom
+            p.add_(update, alpha=-step_size)
+            update_sq = update_sq + update.square().sum() * step_size**2
+            numel += p.numel()
+        if numel:
+            self._update_sq[group["name"]] = (update_sq, numel)
+
+    def diagnostics(self) -> dict[str, float]:
+        """Flat {"optim/<group>/<metric>": float}: lr, weight_norm, update_rms (the lr-scaled update of the last
+        step, weight decay excluded), and for Muon groups ns_orthogonality_error (max |singular value - 1| of one
+        Newton-Schulz output, measured every `orthogonality_check_interval` steps; expect ~0.3-0.5 with 5 steps)."""
+        out: dict[str, float] = {}
+        for group in self.param_groups:
+            prefix = f"optim/{group['name']}/"
+            out[prefix + "lr"] = float(group["lr"])
+            weight_sq = sum(p.detach().float().square().sum() for p in group["params"])
+            out[prefix + "weight_norm"] = float(weight_sq) ** 0.5
+            if group["name"] in self._update_sq:
+                update_sq, numel = self._update_sq[group["name"]]
+                out[prefix + "update_rms"] = (float(update_sq) / numel) ** 0.5
+            if group["name"] in self._ortho_error:
+                out[prefix + "ns_orthogonality_error"] = self._ortho_error[group["name"]]
+        return out
+
+
+def orthogonality_error(O: Tensor) -> float:
+    """max |sigma - 1| over the singular values of one Newton-Schulz output O [A, B]."""
+    return float((torch.linalg.svdvals(O.float()) - 1).abs().max())

@@ -1,0 +1,204 @@
+"""MuonAdamW against torch's own Muon and AdamW, per-head and per-expert views, exact resume, diagnostics."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from k3train.optim import muon as muon_module
+from k3train.optim.muon import MuonAdamW, zeropower_via_newtonschulz5
+
+LR, WD = 0.02, 0.1
+
+
+def _grads(shape: tuple[int, ...], steps: int, seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for _ in range(steps)]
+
+
+def _run(opt: torch.optim.Optimizer, params: list[nn.Parameter], grads: list[list[torch.Tensor]]) -> None:
+    """One opt.step() per entry of grads; grads[t][i] is param i's gradient at step t (None: no gradient)."""
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = None if g is None else g.clone()
+        opt.step()
+
+
+@pytest.mark.parametrize("shape", [(32, 64), (64, 32), (48, 48), (3, 16, 40), (2, 3, 40, 16)])
+def test_newton_schulz_singular_values_in_band(shape: tuple[int, ...]) -> None:
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    O = zeropower_via_newtonschulz5(G)
+    assert O.shape == G.shape and O.dtype == torch.bfloat16
+    s = torch.linalg.svdvals(O.float())
+    # 5 quintic steps land singular values roughly in U(0.5, 1.5) (KellerJordan/Muon), not at 1.
+    assert s.min() > 0.5 and s.max() < 1.5, (s.min(), s.max())
+
+
+def test_newton_schulz_batch_equals_each_matrix() -> None:
+    G = torch.randn(5, 24, 40, generator=torch.Generator().manual_seed(2))
+    batched = zeropower_via_newtonschulz5(G)
+    for i in range(5):
+        assert torch.equal(batched[i], zeropower_via_newtonschulz5(G[i]))
+
+
+def _muon_group(params: list[nn.Parameter], head_splits=None, **kw) -> dict:
+    group = dict(name="m", kind="muon", params=params, **kw)
+    if head_splits is not None:
+        group["head_splits"] = head_splits
+    return group
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24)])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_muon_matches_torch_muon(shape: tuple[int, int], nesterov: bool) -> None:
+    init = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    ours, ref = nn.Parameter(init.clone()), nn.Parameter(init.clone())
+    grads = [[g] for g in _grads(shape, 6)]
+    _run(MuonAdamW([_muon_group([ours])], lr=LR, weight_decay=WD, momentum=0.95, nesterov=nesterov), [ours], grads)
+    _run(torch.optim.Muon([ref], lr=LR, weight_decay=WD, momentum=0.95, nesterov=nesterov,
+                          adjust_lr_fn="match_rms_adamw"), [ref], grads)
+    assert not torch.equal(ours, init)
+    torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
+
+
+def _per_slice_reference(init: torch.Tensor, grads: list[torch.Tensor], slices: list[tuple]) -> torch.Tensor:
+    """Run an independent torch.optim.Muon on each slice of the weight; reassemble the weight."""
+    out = init.clone()
+    for index in slices:
+        p = nn.Parameter(init[index].clone())
+        _run(torch.optim.Muon([p], lr=LR, weight_decay=WD, adjust_lr_fn="match_rms_adamw"), [p],
+             [[g[index]] for g in grads])
+        out[index] = p.detach()
+    return out
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_head_wise_view_equals_muon_per_head(dim: int) -> None:
+    H, dh, d = 4, 8, 20
+    shape = (H * dh, d) if dim == 0 else (d, H * dh)
+    init = torch.randn(shape, generator=torch.Generator().manual_seed(4))
+    grads = _grads(shape, 4, seed=5)
+    p = nn.Parameter(init.clone())
+    _run(MuonAdamW([_muon_group([p], head_splits=[(H, dim)])], lr=LR, weight_decay=WD), [p], [[g] for g in grads])
+    heads = [slice(h * dh, (h + 1) * dh) for h in range(H)]
+    slices = [(h, slice(None)) if dim == 0 else (slice(None), h) for h in heads]
+    torch.testing.assert_close(p.detach(), _per_slice_reference(init, grads, slices), atol=1e-6, rtol=0)
+    # and it is not the same as treating the weight as one matrix
+    whole = nn.Parameter(init.clone())
+    _run(MuonAdamW([_muon_group([whole])], lr=LR, weight_decay=WD), [whole], [[g] for g in grads])
+    assert (whole - p).abs().max() > 1e-3
+
+
+def test_expert_stack_equals_muon_per_expert() -> None:
+    shape = (3, 16, 24)
+    init = torch.randn(shape, generator=torch.Generator().manual_seed(6))
+    grads = _grads(shape, 4, seed=7)
+    p = nn.Parameter(init.clone())
+    _run(MuonAdamW([_muon_group([p])], lr=LR, weight_decay=WD), [p], [[g] for g in grads])
+    torch.testing.assert_close(p.detach(), _per_slice_reference(init, grads, [(e,) for e in range(3)]),
+                               atol=1e-6, rtol=0)
+
+
+def test_adamw_group_matches_torch_adamw() -> None:
+    shapes = [(10, 6), (6,), (4, 1, 3)]
+    inits = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in enumerate(shapes)]
+    grads = [[g[t] for g in [_grads(s, 5, seed=10 + i) for i, s in enumerate(shapes)]] for t in range(5)]
+    grads[2][1] = None  # a step without gradient for one param: skipped by both
+    ours = [nn.Parameter(x.clone()) for x in inits]
+    ref = [nn.Parameter(x.clone()) for x in inits]
+    _run(MuonAdamW([dict(name="a", kind="adamw", params=ours)], lr=1e-2, weight_decay=WD, betas=(0.9, 0.95),
+                   eps=1e-8), ours, grads)
+    _run(torch.optim.AdamW(ref, lr=1e-2, weight_decay=WD, betas=(0.9, 0.95), eps=1e-8, foreach=False), ref, grads)
+    for o, r in zip(ours, ref):
+        torch.testing.assert_close(o, r, atol=1e-7, rtol=1e-6)
+
+
+def _mixed_params() -> list[nn.Parameter]:
+    gen = torch.Generator().manual_seed(8)
+    return [nn.Parameter(torch.randn(s, generator=gen)) for s in [(16, 12), (12, 16), (2, 8, 12), (12,), (30, 12)]]
+
+
+def _mixed_optimizer(params: list[nn.Parameter], **kw) -> MuonAdamW:
+    return MuonAdamW([_muon_group(params[:3], head_splits=[(4, 0), (4, 1), None]),
+                      dict(name="a", kind="adamw", params=params[3:])], lr=LR, weight_decay=WD, **kw)
+
+
+def test_state_dict_round_trip_continues_bitwise() -> None:
+    params = _mixed_params()
+    grads = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * t + i)) for i, p in enumerate(params)]
+             for t in range(6)]
+    opt = _mixed_optimizer(params)
+    _run(opt, params, grads[:3])
+    buffer = io.BytesIO()
+    torch.save({"params": [p.detach() for p in params], "optim": opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)  # as the Trainer's checkpoint loads it
+    resumed = [nn.Parameter(x.clone()) for x in saved["params"]]
+    resumed_opt = _mixed_optimizer(resumed)
+    resumed_opt.load_state_dict(saved["optim"])
+    _run(opt, params, grads[3:])
+    _run(resumed_opt, resumed, grads[3:])
+    for a, b in zip(params, resumed):
+        assert torch.equal(a, b)
+    for a, b in zip(params, resumed):
+        sa, sb = opt.state[a], resumed_opt.state[b]
+        assert sa.keys() == sb.keys() and all(
+            torch.equal(sa[k], sb[k]) if torch.is_tensor(sa[k]) else sa[k] == sb[k] for k in sa)
+
+
+def test_params_without_grad_are_skipped() -> None:
+    params = _mixed_params()
+    before = [p.detach().clone() for p in params]
+    opt = _mixed_optimizer(params)
+    _run(opt, params, [[torch.ones(p.shape) if i in (0, 3) else None for i, p in enumerate(params)]])
+    changed = [not torch.equal(p, b) for p, b in zip(params, before)]
+    assert changed == [True, False, False, True, False]
+    assert set(map(id, opt.state)) == {id(params[0]), id(params[3])}
+
+
+def test_diagnostics_and_orthogonality_check_only_when_due(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = muon_module.orthogonality_error
+    monkeypatch.setattr(muon_module, "orthogonality_error", lambda O: calls.append(O.shape) or real(O))
+    params = _mixed_params()
+    opt = _mixed_optimizer(params, orthogonality_check_interval=2)
+    assert set(opt.diagnostics()) == {f"optim/{g}/{k}" for g in ("m", "a") for k in ("lr", "weight_norm")}
+    for t in range(5):
+        _run(opt, params, [[torch.randn(p.shape) for p in params]])
+    # due at steps 1, 3, 5, one matrix each time, round-robin over the group's 3 params: a head of (4, dim=0),
+    # a head of (4, dim=1), an expert
+    assert calls == [torch.Size([4, 12]), torch.Size([12, 4]), torch.Size([8, 12])]
+    diag = opt.diagnostics()
+    expected = {f"optim/{g}/{k}" for g in ("m", "a") for k in ("lr", "weight_norm", "update_rms")}
+    assert set(diag) == expected | {"optim/m/ns_orthogonality_error"}
+    assert all(math.isfinite(v) for v in diag.values())
+    assert diag["optim/m/lr"] == LR and 0 < diag["optim/m/ns_orthogonality_error"] < 0.6
+    # weight norm is that of the current weights; the RMS-matched Muon update is ~rms_match * lr * (0.7..1.1)
+    assert diag["optim/a/weight_norm"] == pytest.approx(torch.cat([p.flatten() for p in params[3:]]).norm().item())
+    assert 0.1 * LR < diag["optim/m/update_rms"] < 0.3 * LR
+
+
+def test_bad_groups_are_rejected() -> None:
+    p2, p1 = nn.Parameter(torch.zeros(8, 4)), nn.Parameter(torch.zeros(8))
+    with pytest.raises(ValueError, match="'kind'"):
+        MuonAdamW([dict(name="x", params=[p2])])
+    with pytest.raises(ValueError, match="send it to an AdamW group"):
+        MuonAdamW([_muon_group([p1])])
+    with pytest.raises(ValueError, match="does not fit shape"):
+        MuonAdamW([_muon_group([p2], head_splits=[(3, 0)])])
+    with pytest.raises(ValueError, match="duplicate param group name"):
+        MuonAdamW([_muon_group([p2]), dict(name="m", kind="adamw", params=[p1])])
+
+
+def test_deterministic_on_cpu() -> None:
+    results = []
+    for _ in range(2):
+        params = _mixed_params()
+        _run(_mixed_optimizer(params), params, [[torch.ones(p.shape) * (t + 1) for p in params] for t in range(3)])
+        results.append(copy.deepcopy([p.detach() for p in params]))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
