@@ -1,0 +1,34 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def k3_cache(tmp_path_factory) -> Path:
+    """One built-in corpus cache for the whole session (K3TRAIN_CACHE of CI, or a fresh temp dir)."""
+    env = os.environ.get("K3TRAIN_CACHE")
+    return Path(env) if env else tmp_path_factory.mktemp("k3train-cache")
+
+
+@pytest.fixture(scope="session")
+def builtin_data(k3_cache):
+    from k3train.data import TokenData
+
+    return TokenData.builtin(cache_dir=k3_cache)
+
+
+@pytest.fixture
+def run_cli(k3_cache):
+    """Run `python -m k3train ...` in a subprocess; returns the CompletedProcess (text output)."""
+
+    def run(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        env = {**os.environ, "K3TRAIN_CACHE": str(k3_cache), "PYTHONUNBUFFERED": "1"}
+        return subprocess.run([sys.executable, "-m", "k3train", *overrides], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+
+    return run

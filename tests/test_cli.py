@@ -1,0 +1,150 @@
+"""`python -m k3train` in subprocesses: exit status, event order, manifest, checkpoint, resume, bad input."""
+
+import json
+
+import pytest
+import torch
+
+from k3train.train.checkpoint import load_checkpoint
+from k3train.train.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+TINY = ["train.batch_size=2", "train.seq_len=32", "train.log_interval=1", "train.eval_batches=2",
+        "train.progress=lines", "schedule.warmup_steps=2"]
+
+
+def events(run_dir):
+    return read_metrics(run_dir / "metrics.jsonl")
+
+
+def test_smoke_run_writes_ordered_events_manifest_and_checkpoint(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(*TINY, "train.max_steps=6", "train.eval_interval=3", "train.checkpoint_interval=3",
+                   f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr
+    assert "[plumbing: smoke_test_lm]" in proc.stdout  # never passed off as model results
+    kinds = [e["event"] for e in events(run_dir)]
+    assert kinds == ["session"] + ["train"] * 3 + ["eval", "checkpoint"] + ["train"] * 3 + \
+        ["eval", "checkpoint", "end"]
+    train = [e for e in events(run_dir) if e["event"] == "train"]
+    assert [e["step"] for e in train] == [1, 2, 3, 4, 5, 6]
+    assert [e["tokens"] for e in train] == [64 * s for s in range(1, 7)]
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_memory_mb"):
+        assert key in train[0], key
+    assert events(run_dir)[-1]["reason"] == "max_steps"
+
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert manifest["config"]["train"]["max_steps"] == 6
+    assert manifest["model"]["config"]["model_type"] == "smoke_test_lm"
+    assert manifest["model"]["params"]["total"] > 0
+    assert manifest["data"]["fingerprint"] and manifest["environment"]["torch"] == torch.__version__
+    assert [s["end_reason"] for s in manifest["sessions"]] == ["max_steps"]
+    assert (run_dir / ".hydra" / "config.yaml").exists()
+
+    ckpt = load_checkpoint(run_dir / "last.pt")
+    assert set(ckpt) >= {"meta", "model", "optimizer", "scaler", "trainer", "schedule", "loaders", "rng"}
+    assert ckpt["trainer"]["step"] == 6 and ckpt["trainer"]["tokens"] == 6 * 64
+    assert ckpt["loaders"]["train"]["cursor"] == 6 * 64 and ckpt["loaders"]["val"]["cursor"] == 0
+    assert ckpt["meta"]["recipe"]["batch_size"] == 2
+    assert ckpt["meta"]["data"]["fingerprint"] == manifest["data"]["fingerprint"]
+
+
+@pytest.mark.parametrize("model", ["smoke_test_lm"])
+def test_exact_resume_in_a_new_process(run_cli, tmp_path, model):
+    """N steps straight == N/2 steps, exit, resume in a new process, N/2 more: bitwise on CPU."""
+    n = 8
+    common = [*TINY, f"model={model}", f"train.max_steps={n}", "train.eval_interval=3",
+              "train.checkpoint_interval=0", "train.deterministic=true"]
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert run_cli(*common, f"hydra.run.dir={straight}").returncode == 0
+    first = run_cli(*common, f"train.stop_after={n // 2}", f"hydra.run.dir={split}")
+    assert first.returncode == 0, first.stderr
+    assert load_checkpoint(split / "last.pt")["trainer"]["step"] == n // 2
+    second = run_cli(*common, "resume=auto", f"hydra.run.dir={split}")
+    assert second.returncode == 0, second.stderr
+    assert "resumed from" in second.stdout
+
+    def losses(run_dir):
+        return {e["step"]: e["loss"] for e in events(run_dir) if e["event"] == "train"}
+
+    assert losses(split) == losses(straight)  # every step, both sessions, exactly equal floats
+    evals = lambda d: [(e["step"], e["loss"]) for e in events(d) if e["event"] == "eval"]  # noqa: E731
+    assert evals(split) == evals(straight)
+    a, b = load_checkpoint(straight / "last.pt"), load_checkpoint(split / "last.pt")
+    for name, value in a["model"].items():
+        assert torch.equal(value, b["model"][name]), name
+    assert a["optimizer"]["param_groups"] == b["optimizer"]["param_groups"]
+    for pid, state in a["optimizer"]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["optimizer"]["state"][pid][key])), key
+    assert a["loaders"] == b["loaders"] and a["trainer"] == b["trainer"]
+    assert a["rng"]["python"] == b["rng"]["python"] and torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+    assert torch.equal(a["rng"]["numpy"]["keys"], b["rng"]["numpy"]["keys"])
+    sessions = json.loads((split / "run.json").read_text())["sessions"]
+    assert [(s["end_reason"], s["resume_step"]) for s in sessions] == [("stop_after", None), ("max_steps", n // 2)]
+    kinds = [e["event"] for e in events(split)]
+    assert kinds.count("session") == 2 and kinds.count("resume") == 1
+
+
+def test_resume_refuses_an_incompatible_checkpoint_and_touches_nothing(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli(*TINY, "train.max_steps=2", f"hydra.run.dir={run_dir}").returncode == 0
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    proc = run_cli(*TINY, "train.max_steps=4", "model.d_model=32", "train.batch_size=3", "resume=auto",
+                   f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 2
+    assert "d_model was 64, now 32" in proc.stderr and "batch_size was 2, now 3" in proc.stderr
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
+def test_max_steps_may_change_on_resume(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli(*TINY, "train.max_steps=2", f"hydra.run.dir={run_dir}").returncode == 0
+    proc = run_cli(*TINY, "train.max_steps=4", "resume=auto", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr
+    assert load_checkpoint(run_dir / "last.pt")["trainer"]["step"] == 4
+
+
+def test_a_fresh_run_never_overwrites_an_existing_one(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli(*TINY, "train.max_steps=2", f"hydra.run.dir={run_dir}").returncode == 0
+    before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
+    proc = run_cli(*TINY, "train.max_steps=2", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 2 and "resume=auto" in proc.stderr
+    assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
+
+
+@pytest.mark.parametrize("override,message", [
+    ("train.batch_szie=4", "batch_szie"),
+    ("optim=sgd", "optim"),
+    ("resume=/nonexistent/last.pt", "no such checkpoint"),
+    ("train.device=cuda:0", "CUDA is not available") if not torch.cuda.is_available() else ("train.seed=x", "seed"),
+    ("train.seq_len=8192", "max_seq_len"),
+])
+def test_bad_input_fails_before_any_work_with_a_clear_message(run_cli, tmp_path, override, message):
+    run_dir = tmp_path / "run"
+    proc = run_cli(*TINY, "train.max_steps=2", override, f"hydra.run.dir={run_dir}")
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert not (run_dir / "last.pt").exists() and not (run_dir / "run.json").exists()
+
+
+def test_divergence_stops_with_a_clear_message(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(*TINY, "train.max_steps=20", "optim.lr=1e30", "train.max_consecutive_skips=3",
+                   f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 1
+    assert "non-finite updates in a row" in proc.stderr
+    log = events(run_dir)
+    assert [e["event"] for e in log].count("skip") == 3 and log[-1]["reason"] == "diverged"
+    assert json.loads((run_dir / "run.json").read_text())["sessions"][-1]["end_reason"] == "diverged"
+
+
+def test_profiler_writes_a_trace(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(*TINY, "train.max_steps=4", "profile.enabled=true", "profile.wait=1", "profile.warmup=1",
+                   "profile.active=1", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr
+    traces = list((run_dir / "profile").glob("*.json"))
+    assert traces and traces[0].stat().st_size > 0

@@ -1,0 +1,189 @@
+"""The update loop in-process: targets, accumulation, eval side effects, precision, skipping."""
+
+import functools
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from k3train.config import TrainConfig
+from k3train.models.smoke import SmokeTestLM, SmokeTestConfig
+from k3train.optim.schedule import LRSchedule
+from k3train.train.metrics import MetricsWriter, read_metrics
+from k3train.train.precision import Precision
+from k3train.train.trainer import Trainer, TrainingDiverged
+
+
+def sgd(model, lr=1.0):
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    for g in opt.param_groups:
+        g["initial_lr"], g["name"] = g["lr"], "all"
+    return opt
+
+
+def make_trainer(tmp_path, data, model, optimizer=None, precision="fp32", **train):
+    cfg = TrainConfig(**{"batch_size": 2, "seq_len": 16, "max_steps": 4, "eval_interval": 0, "eval_batches": 2,
+                         "checkpoint_interval": 0, "log_interval": 1, "progress": "lines", "grad_clip": None,
+                         **train})
+    train_loader, val_loader = data.loaders(cfg.batch_size, cfg.seq_len)
+    schedule = functools.partial(LRSchedule, decay="constant", warmup_steps=0, min_lr_ratio=1.0)
+    return Trainer(model=model, optimizer=optimizer or sgd(model), schedule_factory=schedule,
+                   precision=Precision(precision), train_loader=train_loader, val_loader=val_loader, config=cfg,
+                   device=torch.device("cpu"), metrics=MetricsWriter(tmp_path / "metrics.jsonl"),
+                   run_dir=tmp_path, meta={"format_version": 1})
+
+
+def smoke(vocab_size, seed=0):
+    torch.manual_seed(seed)
+    return SmokeTestLM(SmokeTestConfig(vocab_size=vocab_size, d_model=16))
+
+
+class Recorder(torch.nn.Module):
+    """Records what the trainer feeds the model."""
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.inner = smoke(vocab_size)
+        self.seen = []
+
+    def forward(self, x, targets=None):
+        self.seen.append((x.clone(), targets.clone()))
+        return self.inner(x, targets)
+
+
+def test_targets_are_the_next_tokens_of_the_stream(tmp_path, builtin_data):
+    model = Recorder(builtin_data.vocab_size)
+    trainer = make_trainer(tmp_path, builtin_data, model, max_steps=2)
+    trainer.train_step()
+    trainer.train_step()
+    (x1, y1), (x2, y2) = model.seen
+    assert torch.equal(y1[:, :-1], x1[:, 1:]) and torch.equal(y2[:, :-1], x2[:, 1:])
+    stream = torch.from_numpy(builtin_data.train.read(0, 2 * 2 * 16 + 1).astype(np.int64))
+    assert torch.equal(torch.cat([x1.reshape(-1), x2.reshape(-1)]), stream[:-1])
+    assert torch.equal(torch.cat([y1.reshape(-1), y2.reshape(-1)]), stream[1:])
+
+
+def test_accumulation_of_k_micro_batches_equals_one_big_batch(tmp_path, builtin_data):
+    """Stateless model, SGD: k micro-batches of B/k give the same update as one batch of B, to 1e-6."""
+    big = smoke(builtin_data.vocab_size)
+    small = smoke(builtin_data.vocab_size)
+    before = {k: v.clone() for k, v in big.state_dict().items()}
+    make_trainer(tmp_path / "a", builtin_data, big, batch_size=4).train_step()
+    make_trainer(tmp_path / "b", builtin_data, small, batch_size=1, gradient_accumulation_steps=4).train_step()
+    for name, value in big.state_dict().items():
+        assert not torch.equal(value, before[name]), f"{name} did not change"
+        torch.testing.assert_close(small.state_dict()[name], value, atol=1e-6, rtol=0)
+
+
+def test_eval_mutates_nothing(tmp_path, builtin_data):
+    model = smoke(builtin_data.vocab_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for g in opt.param_groups:
+        g["initial_lr"] = g["lr"]
+    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=opt)
+    trainer.train_step()
+    trainer.val_loader.next_batch()  # a non-zero val cursor must survive too
+
+    def snapshot():
+        return (
+            {k: v.clone() for k, v in model.state_dict().items()},
+            {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()},
+            trainer.train_loader.state_dict(), trainer.val_loader.state_dict(), model.training,
+        )
+
+    def draws():
+        return random.random(), np.random.rand(), torch.rand(3)
+
+    state = snapshot()
+    rng = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    expected = draws()
+    random.setstate(rng[0]), np.random.set_state(rng[1]), torch.set_rng_state(rng[2])
+    result = trainer.run_eval()
+    assert result["batches"] == 2 and np.isfinite(result["loss"])
+    after = snapshot()
+    for a, b in zip(state[0].values(), after[0].values()):
+        assert torch.equal(a, b)
+    for k in state[1]:
+        for n in state[1][k]:
+            assert torch.equal(state[1][k][n], after[1][k][n])
+    assert state[2:] == after[2:]
+    got = draws()
+    assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
+    assert trainer.run_eval()["loss"] == result["loss"]  # the same fixed prefix every time
+
+
+class LinearLM(torch.nn.Module):
+    """Embedding -> Linear head, so fp16 autocast runs a matmul whose backward overflows at scale 65536."""
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.inner = smoke(vocab_size)
+
+    def forward(self, x, targets=None):
+        logits, loss = self.inner(x, targets)
+        return logits, loss * 1e4  # grad wrt fp16 logits ~ 1e4 * 65536 / (B*T): far past fp16's 65504
+
+
+def test_fp16_scaler_skips_an_overflowing_update_then_steps(tmp_path, builtin_data):
+    model = LinearLM(builtin_data.vocab_size)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-6), precision="fp16",
+                           max_consecutive_skips=40)
+    assert trainer.scaler.is_enabled() and trainer.scaler.get_scale() == 65536.0
+    results = [trainer.train_step() for _ in range(40)]
+    skipped = [r["skipped"] for r in results]
+    assert skipped[0], "a 1e4-scaled loss at scale 65536 must overflow fp16"
+    assert not all(skipped), "the scaler must back off until an update goes through"
+    first_ok = skipped.index(False)
+    assert all(skipped[:first_ok])
+    assert trainer.scaler.get_scale() < 65536.0
+    assert trainer.state.skipped_updates == sum(skipped) and trainer.state.step == 40 - sum(skipped)
+    assert any(not torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+
+
+def test_precision_rejects_unknown_dtype_and_device():
+    with pytest.raises(ValueError, match="precision.dtype"):
+        Precision("fp8")
+    with pytest.raises(ValueError, match="not supported"):
+        Precision("fp32").check_device(torch.device("meta"))
+
+
+class NaNLM(torch.nn.Module):
+    def __init__(self, vocab_size):
+        super().__init__()
+        self.inner = smoke(vocab_size)
+
+    def forward(self, x, targets=None):
+        logits, loss = self.inner(x, targets)
+        return logits, loss * float("nan")
+
+
+def test_non_finite_updates_are_skipped_counted_and_stop_the_run(tmp_path, builtin_data):
+    model = NaNLM(builtin_data.vocab_size)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    trainer = make_trainer(tmp_path, builtin_data, model, max_consecutive_skips=3, max_steps=10)
+    with pytest.raises(TrainingDiverged, match="3 non-finite updates in a row"):
+        trainer.fit()
+    assert trainer.state.skipped_updates == 3 and trainer.state.step == 0
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    events = [e["event"] for e in read_metrics(tmp_path / "metrics.jsonl")]
+    assert events.count("skip") == 3
+
+
+def test_end_of_data_stops_cleanly_at_an_update_boundary(tmp_path, builtin_data):
+    model = smoke(builtin_data.vocab_size)
+    cfg_tokens = builtin_data.train.num_tokens
+    seq = 512
+    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), batch_size=64,
+                           seq_len=seq, max_steps=None, gradient_accumulation_steps=2)
+    expected = (cfg_tokens - 1) // (64 * seq) // 2
+    assert trainer.total_steps == expected
+    assert trainer.fit() == "end_of_data"
+    assert trainer.state.step == expected
+    assert trainer.train_loader.state_dict()["cursor"] == expected * 2 * 64 * seq
+    events = read_metrics(tmp_path / "metrics.jsonl")
+    assert [e["event"] for e in events][-3:] == ["eval", "checkpoint", "end"]
+    assert events[-1]["reason"] == "end_of_data"
