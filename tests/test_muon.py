@@ -167,20 +167,20 @@ def test_diagnostics_and_orthogonality_check_only_when_due(monkeypatch: pytest.M
     monkeypatch.setattr(muon_module, "orthogonality_error", lambda O: calls.append(O.shape) or real(O))
     params = _mixed_params()
     opt = _mixed_optimizer(params, orthogonality_check_interval=2)
-    assert set(opt.diagnostics()) == {f"optim/{g}/{k}" for g in ("m", "a") for k in ("lr", "weight_norm")}
+    assert set(opt.diagnostics()) == {f"{g}/{k}" for g in ("m", "a") for k in ("lr", "weight_norm")}
     for t in range(5):
         _run(opt, params, [[torch.randn(p.shape) for p in params]])
     # due at steps 1, 3, 5, one matrix each time, round-robin over the group's 3 params: a head of (4, dim=0),
     # a head of (4, dim=1), an expert
     assert calls == [torch.Size([4, 12]), torch.Size([12, 4]), torch.Size([8, 12])]
     diag = opt.diagnostics()
-    expected = {f"optim/{g}/{k}" for g in ("m", "a") for k in ("lr", "weight_norm", "update_rms")}
-    assert set(diag) == expected | {"optim/m/ns_orthogonality_error"}
+    expected = {f"{g}/{k}" for g in ("m", "a") for k in ("lr", "weight_norm", "update_rms")}
+    assert set(diag) == expected | {"m/ns_orthogonality_error"}
     assert all(math.isfinite(v) for v in diag.values())
-    assert diag["optim/m/lr"] == LR and 0 < diag["optim/m/ns_orthogonality_error"] < 0.6
+    assert diag["m/lr"] == LR and 0 < diag["m/ns_orthogonality_error"] < 0.6
     # weight norm is that of the current weights; the RMS-matched Muon update is ~rms_match * lr * (0.7..1.1)
-    assert diag["optim/a/weight_norm"] == pytest.approx(torch.cat([p.flatten() for p in params[3:]]).norm().item())
-    assert 0.1 * LR < diag["optim/m/update_rms"] < 0.3 * LR
+    assert diag["a/weight_norm"] == pytest.approx(torch.cat([p.flatten() for p in params[3:]]).norm().item())
+    assert 0.1 * LR < diag["m/update_rms"] < 0.3 * LR
 
 
 def test_bad_groups_are_rejected() -> None:

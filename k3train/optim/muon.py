@@ -134,15 +134,15 @@ class MuonAdamW(torch.optim.Optimizer):
         params = list(param_group["params"])
         param_group["params"] = params
         if kind == "muon":
-            splits = param_group.setdefault("head_splits", [None] * len(params))
+            splits = param_group.get("head_splits", [None] * len(params))
             if len(splits) != len(params):
                 raise ValueError(f"group {name!r}: {len(splits)} head_splits for {len(params)} params")
-            param_group["head_splits"] = [check_head_split(p.shape, s, f"group {name!r} param {i}")
-                                          for i, (p, s) in enumerate(zip(params, splits))]
-            for i, (p, s) in enumerate(zip(params, param_group["head_splits"])):
+            for i, p in enumerate(params):
                 if p.ndim not in (2, 3):
                     raise ValueError(f"group {name!r} param {i} has shape {tuple(p.shape)}: Muon takes 2D "
                                      "matrices or 3D expert stacks [E, out, in]; send it to an AdamW group")
+            param_group["head_splits"] = [check_head_split(p.shape, s, f"group {name!r} param {i}")
+                                          for i, (p, s) in enumerate(zip(params, splits))]
         elif "head_splits" in param_group:
             raise ValueError(f"group {name!r} is AdamW; head_splits only make sense for Muon groups")
         super().add_param_group(param_group)
@@ -219,12 +219,12 @@ class MuonAdamW(torch.optim.Optimizer):
             self._update_sq[group["name"]] = (update_sq, numel)
 
     def diagnostics(self) -> dict[str, float]:
-        """Flat {"optim/<group>/<metric>": float}: lr, weight_norm, update_rms (the lr-scaled update of the last
+        """Flat {"<group>/<metric>": float}: lr, weight_norm, update_rms (the lr-scaled update of the last
         step, weight decay excluded), and for Muon groups ns_orthogonality_error (max |singular value - 1| of one
         Newton-Schulz output, measured every `orthogonality_check_interval` steps; expect ~0.3-0.5 with 5 steps)."""
         out: dict[str, float] = {}
         for group in self.param_groups:
-            prefix = f"optim/{group['name']}/"
+            prefix = f"{group['name']}/"
             out[prefix + "lr"] = float(group["lr"])
             weight_sq = sum(p.detach().float().square().sum() for p in group["params"])
             out[prefix + "weight_norm"] = float(weight_sq) ** 0.5
