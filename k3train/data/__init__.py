@@ -1,0 +1,22 @@
+"""Token data: prepare text into memory-mapped shards, open them, and stream resumable next-token batches."""
+
+from k3train.data.builtin import prepare_builtin
+from k3train.data.dataset import ShardedTokenDataset, TokenData
+from k3train.data.loader import EndOfData, TokenDataLoader
+from k3train.data.prepare import prepare_dataset
+from k3train.data.sources import PrepareError
+from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "ByteTokenizer",
+    "EndOfData",
+    "HFTokenizer",
+    "PrepareError",
+    "ShardedTokenDataset",
+    "TokenData",
+    "TokenDataLoader",
+    "Tokenizer",
+    "load_tokenizer",
+    "prepare_dataset",
+    "prepare_builtin",
+]

@@ -1,0 +1,118 @@
+"""TokenDataLoader: contiguous next-token batches from one split, with a resumable cursor.
+
+Each batch reads B*T+1 contiguous tokens at the cursor (across shard boundaries) and returns
+    x = buf[:-1].view(B, T),  y = buf[1:].view(B, T)        (int64, CPU)
+so y is x shifted by one token and the extra token gives the last position its target. The cursor then advances
+by B*T, so the lookahead token becomes the next batch's first input. The stream never wraps: when the next batch
+cannot be filled, next_batch raises EndOfData (call reset() to start another pass).
+
+Data parallel: with world_size W the global batch is W*B rows; rank r returns rows r*B..(r+1)*B-1 of it, i.e.
+the B*T+1 tokens starting at cursor + r*B*T, and every rank's cursor advances by W*B*T. W ranks at batch B thus
+see exactly what one process at batch W*B sees, and the cursor (and state_dict) is the same on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from k3train.data.dataset import ShardedTokenDataset
+
+
+class EndOfData(Exception):
+    """The split cannot fill another global batch. An Exception (not StopIteration) so it cannot silently end
+    a for loop or a generator."""
+
+
+class TokenDataLoader:
+    def __init__(
+        self, dataset: ShardedTokenDataset, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1
+    ):
+        for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in 0..{world_size - 1} for world_size {world_size}, got {rank!r}")
+        self.dataset, self.batch_size, self.seq_len = dataset, batch_size, seq_len
+        self.rank, self.world_size = rank, world_size
+        need = self.global_tokens_per_batch + 1
+        if dataset.num_tokens < need:
+            raise ValueError(
+                f"the {dataset.split} split of {dataset.path} has {dataset.num_tokens:,} tokens, but one global batch "
+                f"needs batch_size*seq_len*world_size+1 = {batch_size}*{seq_len}*{world_size}+1 = {need:,}; "
+                f"lower the batch size or sequence length, or prepare more data"
+            )
+        self.cursor = 0  # token offset of the next global batch; the same on every rank
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Input tokens in one batch this loader returns (B*T)."""
+        return self.batch_size * self.seq_len
+
+    @property
+    def global_tokens_per_batch(self) -> int:
+        """Input tokens in one batch summed over all ranks (W*B*T): how far each batch moves the cursor."""
+        return self.world_size * self.tokens_per_batch
+
+    def batches_remaining(self) -> int:
+        """How many more next_batch calls succeed before EndOfData."""
+        return max(0, (self.dataset.num_tokens - 1 - self.cursor) // self.global_tokens_per_batch)
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y), each int64 [B, T]; y[b, t] is the token after x[b, t]."""
+        if self.cursor + self.global_tokens_per_batch + 1 > self.dataset.num_tokens:
+            raise EndOfData(
+                f"the {self.dataset.split} split of {self.dataset.path} is exhausted at token {self.cursor:,} of "
+                f"{self.dataset.num_tokens:,} (a global batch needs {self.global_tokens_per_batch + 1:,}); "
+                f"the loader never wraps: call reset() to start another pass"
+            )
+        start = self.cursor + self.rank * self.tokens_per_batch
+        buf = torch.from_numpy(self.dataset.read(start, self.tokens_per_batch + 1).astype(np.int64))
+        self.cursor += self.global_tokens_per_batch
+        x = buf[:-1].view(self.batch_size, self.seq_len)
+        y = buf[1:].view(self.batch_size, self.seq_len)
+        return x, y
+
+    def reset(self) -> None:
+        self.cursor = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """The cursor plus what it is only meaningful with; rank-independent, so any one rank's copy restores all."""
+        return {
+            "cursor": self.cursor,
+            "fingerprint": self.dataset.fingerprint,
+            "split": self.dataset.split,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "world_size": self.world_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the cursor after checking the state belongs to this data and batch geometry."""
+        expected = self.state_dict()
+        missing = sorted(set(expected) - set(state))
+        if missing:
+            raise ValueError(f"loader state lacks {missing}; it was not written by TokenDataLoader.state_dict()")
+        problems = [
+            f"{key}: saved {state[key]!r}, this loader has {expected[key]!r}"
+            for key in ("fingerprint", "split", "batch_size", "seq_len", "world_size")
+            if state[key] != expected[key]
+        ]
+        cursor = state["cursor"]
+        if not isinstance(cursor, int) or not 0 <= cursor <= self.dataset.num_tokens:
+            problems.append(f"cursor: saved {cursor!r}, outside this split's 0..{self.dataset.num_tokens}")
+        if problems:
+            raise ValueError(
+                f"cannot restore the {self.dataset.split} loader of {self.dataset.path}: " + "; ".join(problems)
+                + " (resume with the dataset, batch_size, seq_len and world_size the checkpoint was written with)"
+            )
+        self.cursor = cursor
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenDataLoader({self.dataset.split!r}, batch_size={self.batch_size}, seq_len={self.seq_len}, "
+            f"rank={self.rank}, world_size={self.world_size}, cursor={self.cursor:,}/{self.dataset.num_tokens:,})"
+        )
