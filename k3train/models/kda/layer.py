@@ -1,0 +1,120 @@
+"""The Kimi Delta Attention layer (Kimi Linear tech report; FLA fla/layers/kda.py): [B, T, d] -> [B, T, d]."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from k3train.models.kda.chunk import chunk_kda
+from k3train.models.kda.fla import fla_chunk_kda, require_fla
+from k3train.models.kda.naive import naive_recurrent_kda
+
+IMPLEMENTATIONS = ("chunk", "recurrent", "fla")
+GATES = ("softplus", "sigmoid")
+SIGMOID_GATE_LOWER_BOUND = -5.0  # the sigmoid gate's largest per-step log decay (kda.md)
+
+
+class KimiDeltaAttention(nn.Module):
+    """Delta-rule linear attention with per-channel forget gates, for the KDA layers of the hybrid.
+
+    q, k, v: Linear -> depthwise causal conv -> SiLU; q, k L2-normalised per head. Forget gate g [B, T, HV, K]
+    (log decay <= 0) from a low-rank projection; beta = sigmoid(b_proj x). The recurrence runs in `implementation`
+    ("chunk": pure PyTorch, the CPU default; "recurrent": the per-step reference; "fla": FLA's Triton kernel).
+    Output: per-head RMSNorm times a low-rank sigmoid gate, then o_proj. n_value_heads > n_heads gives grouped
+    value attention (each q/k head serves n_value_heads // n_heads value heads); V = K = head_dim.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        head_dim: int,
+        conv_size: int = 4,
+        implementation: str = "chunk",
+        chunk_size: int = 64,
+        gate: str = "softplus",
+        norm_eps: float = 1e-6,
+        n_value_heads: int | None = None,
+    ) -> None:
+        super().__init__()
+        n_value_heads = n_heads if n_value_heads is None else n_value_heads
+        if implementation not in IMPLEMENTATIONS:
+            raise ValueError(f"KDA implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
+        if gate not in GATES:
+            raise ValueError(f"KDA gate must be one of {GATES}; got {gate!r}")
+        if n_value_heads % n_heads:
+            raise ValueError(f"n_value_heads ({n_value_heads}) must be a multiple of n_heads ({n_heads})")
+        if chunk_size < 1 or chunk_size & (chunk_size - 1):
+            raise ValueError(f"KDA chunk_size must be a power of two (16, 32, 64, ...); got {chunk_size}")
+        if implementation == "fla":
+            require_fla()  # fail at build time, not at the first forward
+        self.d_model, self.n_heads, self.n_value_heads, self.head_dim = d_model, n_heads, n_value_heads, head_dim
+        self.conv_size, self.implementation, self.chunk_size, self.gate = conv_size, implementation, chunk_size, gate
+        key_dim, value_dim = n_heads * head_dim, n_value_heads * head_dim
+
+        self.q_proj = nn.Linear(d_model, key_dim, bias=False)
+        self.k_proj = nn.Linear(d_model, key_dim, bias=False)
+        self.v_proj = nn.Linear(d_model, value_dim, bias=False)
+        self.q_conv, self.k_conv, self.v_conv = (
+            nn.Conv1d(dim, dim, conv_size, groups=dim, padding=conv_size - 1, bias=False)
+            for dim in (key_dim, key_dim, value_dim)
+        )
+        self.f_a_proj = nn.Linear(d_model, head_dim, bias=False)
+        self.f_b_proj = nn.Linear(head_dim, n_value_heads * head_dim, bias=False)
+        self.b_proj = nn.Linear(d_model, n_value_heads, bias=False)
+        # Decay rates A in [1, 16] per head; dt_bias puts softplus(dt_bias) = dt log-uniform in [1e-3, 1e-1].
+        self.A_log = nn.Parameter(torch.empty(n_value_heads).uniform_(1, 16).log())
+        dt = torch.empty(n_value_heads * head_dim).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
+        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.g_a_proj = nn.Linear(d_model, head_dim, bias=False)
+        self.g_b_proj = nn.Linear(head_dim, value_dim, bias=True)
+        self.o_norm = nn.RMSNorm(head_dim, eps=norm_eps)
+        self.o_proj = nn.Linear(value_dim, d_model, bias=False)
+        # Muon may orthogonalise per head (CONTRACTS.md).
+        for proj, heads in ((self.q_proj, n_heads), (self.k_proj, n_heads), (self.v_proj, n_value_heads)):
+            proj.weight.head_split = (heads, 0)
+        self.o_proj.weight.head_split = (n_value_heads, 1)
+
+    def extra_repr(self) -> str:
+        return (
+            f"d_model={self.d_model}, n_heads={self.n_heads}, n_value_heads={self.n_value_heads}, "
+            f"head_dim={self.head_dim}, conv_size={self.conv_size}, implementation={self.implementation!r}, "
+            f"chunk_size={self.chunk_size}, gate={self.gate!r}"
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [B, T, d_model] -> [B, T, d_model]; causal."""
+        B, T, _ = x.shape
+        H, HV, K = self.n_heads, self.n_value_heads, self.head_dim
+        q = F.normalize(self._short_conv(self.q_conv, self.q_proj(x)).view(B, T, H, K), dim=-1)
+        k = F.normalize(self._short_conv(self.k_conv, self.k_proj(x)).view(B, T, H, K), dim=-1)
+        v = self._short_conv(self.v_conv, self.v_proj(x)).view(B, T, HV, K)
+        beta = self.b_proj(x).sigmoid()  # [B, T, HV]
+        o = self._recurrence(q, k, v, self._forget_gate(x), beta)  # [B, T, HV, K] in v's dtype
+        out_gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, HV, K).sigmoid()
+        o = self.o_norm(o.to(self.o_norm.weight.dtype)) * out_gate  # RMSNorm in the weight's precision
+        return self.o_proj(o.reshape(B, T, HV * K))
+
+    def _short_conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
+        """Depthwise causal conv over time, then SiLU: [B, T, D] -> [B, T, D]."""
+        return F.silu(conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2))
+
+    def _forget_gate(self, x: Tensor) -> Tensor:
+        """Per-channel log decay g [B, T, HV, K], fp32 even under autocast (it is summed over T)."""
+        B, T, _ = x.shape
+        f = self.f_b_proj(self.f_a_proj(x)).float().view(B, T, self.n_value_heads, self.head_dim)
+        f = f + self.dt_bias.float().view(self.n_value_heads, self.head_dim)
+        rate = self.A_log.float().exp()[:, None]  # [HV, 1]
+        if self.gate == "softplus":
+            return -rate * F.softplus(f)
+        return SIGMOID_GATE_LOWER_BOUND * torch.sigmoid(rate * f)
+
+    def _recurrence(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+        if self.implementation == "chunk":
+            return chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size)[0]
+        if self.implementation == "recurrent":
+            return naive_recurrent_kda(q, k, v, g, beta)[0]
+        return fla_chunk_kda(q, k, v, g, beta)[0]

@@ -1,0 +1,204 @@
+"""Kimi Delta Attention: chunk vs the per-step reference (outputs, final state, every gradient), the layer's
+shape, causality and implementations, and the optional FLA path's errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3train.models.kda import KimiDeltaAttention, chunk_kda, fla_chunk_kda, naive_recurrent_kda
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These ops are tiny: a thread pool only adds synchronisation, which stalls badly on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
+
+
+def make_inputs(B, T, H, HV, K, V, dtype=torch.float64, decay=1.0, with_state=True, seed=0):
+    """q, k, v, g, beta, initial_state (or None) as leaves requiring grad; q, k L2-normalised as the layer does."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
+    v = torch.randn(B, T, HV, V, generator=gen, dtype=dtype)
+    g = decay * F.logsigmoid(torch.randn(B, T, HV, K, generator=gen, dtype=dtype))
+    beta = torch.rand(B, T, HV, generator=gen, dtype=dtype)
+    h0 = torch.randn(B, HV, K, V, generator=gen, dtype=dtype) if with_state else None
+    return [x.requires_grad_() if x is not None else None for x in (q, k, v, g, beta, h0)]
+
+
+def run(fn, inputs, seed=1, **kwargs):
+    """Forward with the final state, backward of a random projection of (o, state); returns dict by NAMES."""
+    for x in inputs:
+        if x is not None:
+            x.grad = None
+    o, S = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True, **kwargs)
+    gen = torch.Generator().manual_seed(seed)  # float64 draws, so fp32 and float64 runs get the same upstream
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum()
+    loss = loss + (S * torch.randn(S.shape, generator=gen, dtype=torch.float64).to(S.dtype)).sum()
+    loss.backward()
+    grads = [x.grad if x is not None else torch.zeros(()) for x in inputs]
+    return dict(zip(NAMES, [o.detach(), S.detach()] + grads))
+
+
+def assert_close(result, reference, tol):
+    for name in NAMES:
+        diff = (result[name].double() - reference[name].double()).abs().max()
+        err = (diff / reference[name].double().abs().max().clamp(min=1e-30)).item()
+        assert err < tol, f"{name}: max |chunk - reference| / max |reference| = {err:.2e} >= {tol:.0e}"
+
+
+# (B, T, H, HV, K, V, chunk_size, decay, with_state)
+SHAPES = {
+    "T_not_multiple_of_chunk": (2, 100, 2, 2, 16, 8, 32, 1.0, True),
+    "T_shorter_than_chunk": (1, 10, 1, 1, 8, 8, 64, 1.0, False),
+    "several_heads_exact_chunks": (1, 96, 3, 3, 16, 32, 32, 1.0, True),
+    "gva_two_values_per_head": (2, 70, 2, 4, 16, 16, 16, 1.0, True),
+    "huge_decays_no_overflow": (1, 96, 2, 2, 16, 16, 32, 300.0, True),
+}
+
+
+@pytest.mark.parametrize("shape", SHAPES.values(), ids=SHAPES.keys())
+def test_chunk_matches_recurrent_float64(shape):
+    B, T, H, HV, K, V, C, decay, with_state = shape
+    inputs = make_inputs(B, T, H, HV, K, V, decay=decay, with_state=with_state)
+    assert_close(run(chunk_kda, inputs, chunk_size=C), run(naive_recurrent_kda, inputs), tol=1e-10)
+
+
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_chunk_fp32_matches_float64_reference(chunk_size):
+    inputs64 = make_inputs(1, 150, 2, 2, 32, 32)
+    inputs32 = [x.detach().float().requires_grad_() for x in inputs64]
+    assert_close(run(chunk_kda, inputs32, chunk_size=chunk_size), run(naive_recurrent_kda, inputs64), tol=1e-5)
+
+
+def test_chunk_computes_in_fp32_under_bf16_autocast():
+    inputs = [x.detach().float() for x in make_inputs(1, 80, 2, 2, 16, 16)]
+    o_ref, S_ref = chunk_kda(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, S = chunk_kda(*inputs[:5], initial_state=inputs[5], output_final_state=True)
+    assert o.dtype == torch.float32 and S.dtype == torch.float32
+    # bf16 matmuls inside would miss by ~1e-2.
+    torch.testing.assert_close(o, o_ref, rtol=1e-6, atol=1e-6)
+    o_bf16, S_bf16 = chunk_kda(*(x.bfloat16() for x in inputs[:5]), initial_state=inputs[5], output_final_state=True)
+    assert o_bf16.dtype == torch.bfloat16 and S_bf16.dtype == torch.float32
+
+
+def test_chunk_rejects_bad_arguments():
+    q, k, v, g, beta, _ = (x.detach() if x is not None else None for x in make_inputs(1, 8, 2, 3, 4, 4))
+    with pytest.raises(ValueError, match="multiple of H=2"):
+        chunk_kda(q, k, v, g, beta)
+    q, k, v, g, beta, _ = (x.detach() for x in make_inputs(1, 8, 2, 2, 4, 4))
+    with pytest.raises(ValueError, match="power of two"):
+        chunk_kda(q, k, v, g, beta, chunk_size=48)
+    with pytest.raises(ValueError, match=r"g must be \[B, T, HV, K\]"):
+        chunk_kda(q, k, v, g[..., :2], beta)
+
+
+def test_chunk_matches_fla_naive_chunk():
+    naive = pytest.importorskip("fla.ops.kda.naive", reason="flash-linear-attention not installed (optional)")
+    inputs = [x.detach().float().requires_grad_() for x in make_inputs(1, 256, 2, 4, 32, 32)]
+    assert_close(run(chunk_kda, inputs), run(naive.naive_chunk_kda, inputs), tol=1e-5)
+
+
+def make_layer(implementation="chunk", **kwargs):
+    torch.manual_seed(0)
+    return KimiDeltaAttention(32, n_heads=2, head_dim=8, implementation=implementation, chunk_size=16, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"n_value_heads": 4}, {"gate": "sigmoid"}], ids=["mha", "gva", "sigmoid"])
+def test_layer_shape_backward_and_chunk_equals_recurrent(kwargs):
+    x = torch.randn(2, 37, 32)
+    outputs, grads = [], []
+    for implementation in ("chunk", "recurrent"):
+        layer = make_layer(implementation, **kwargs)
+        y = layer(x)
+        assert y.shape == x.shape
+        y.square().sum().backward()
+        missing = [n for n, p in layer.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+        assert not missing, f"parameters without gradient: {missing}"
+        outputs.append(y.detach())
+        grads.append(torch.cat([p.grad.flatten() for p in layer.parameters()]))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("implementation", ["chunk", "recurrent"])
+def test_layer_is_causal(implementation):
+    layer = make_layer(implementation)
+    x = torch.randn(1, 40, 32)
+    changed = x.clone()
+    changed[:, 21:] = torch.randn(1, 19, 32)
+    y, y_changed = layer(x), layer(changed)
+    torch.testing.assert_close(y[:, :21], y_changed[:, :21], rtol=0, atol=1e-6)
+    assert (y[:, 21:] - y_changed[:, 21:]).abs().max() > 1e-3
+
+
+def test_layer_gates_and_annotations():
+    layer = make_layer(gate="sigmoid", n_value_heads=4)
+    g = layer._forget_gate(torch.randn(2, 5, 32))
+    assert g.shape == (2, 5, 4, 8) and g.dtype == torch.float32
+    assert (g <= 0).all() and (g >= -5).all()
+    g = make_layer()._forget_gate(torch.randn(2, 5, 32))
+    assert (g < 0).all()
+    assert layer.q_proj.weight.head_split == (2, 0) and layer.k_proj.weight.head_split == (2, 0)
+    assert layer.v_proj.weight.head_split == (4, 0) and layer.o_proj.weight.head_split == (4, 1)
+    A = layer.A_log.exp()
+    assert (A >= 1).all() and (A <= 16).all()
+    dt = F.softplus(layer.dt_bias)
+    assert (dt >= 1e-3 * 0.999).all() and (dt <= 1e-1 * 1.001).all()
+    assert "implementation='chunk'" in repr(layer)
+
+
+def test_layer_bf16_autocast_keeps_output_dtype():
+    layer, x = make_layer(), torch.randn(1, 20, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), layer(x), rtol=0.05, atol=0.05)
+
+
+def test_layer_rejects_bad_config():
+    with pytest.raises(ValueError, match="implementation must be one of"):
+        make_layer("triton")
+    with pytest.raises(ValueError, match="gate must be one of"):
+        make_layer(gate="relu")
+    with pytest.raises(ValueError, match="multiple of n_heads"):
+        make_layer(n_value_heads=3)
+    with pytest.raises(ValueError, match="power of two"):
+        KimiDeltaAttention(32, 2, 8, chunk_size=24)
+
+
+def test_fla_without_package_says_how_to_install(monkeypatch):
+    for name in ("fla", "fla.ops", "fla.ops.kda"):
+        monkeypatch.setitem(sys.modules, name, None)  # makes `import fla...` fail as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'k3train\[gpu\]'"):
+        make_layer("fla")
+    q, k, v, g, beta, _ = (x.detach() for x in make_inputs(1, 8, 2, 2, 4, 4))
+    with pytest.raises(ImportError, match=r"k3train\[gpu\]"):
+        fla_chunk_kda(q, k, v, g, beta)
+
+
+def test_fla_on_cpu_tensors_says_it_needs_cuda(monkeypatch):
+    fake = types.ModuleType("fla.ops.kda")
+    fake.chunk_kda = lambda **kwargs: pytest.fail("the kernel must not be called with CPU tensors")
+    for name, module in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")), ("fla.ops.kda", fake)):
+        monkeypatch.setitem(sys.modules, name, module)
+    q, k, v, g, beta, _ = (x.detach() for x in make_inputs(1, 8, 2, 2, 4, 4))
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        fla_chunk_kda(q, k, v, g, beta)
+
+
+def test_package_import_does_not_import_fla():
+    code = "import sys, k3train.models.kda; assert 'fla' not in sys.modules, 'fla imported eagerly'"
+    subprocess.run([sys.executable, "-c", code], check=True)
