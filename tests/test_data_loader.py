@@ -3,10 +3,10 @@ import json
 import numpy as np
 import pytest
 import torch
+from data_helpers import DOCS, byte_stream, make_dataset, train_tiny_bpe, write_jsonl
 
 from k3train.data import EndOfData, HFTokenizer, ShardedTokenDataset, TokenData, TokenDataLoader, prepare_dataset
 from k3train.data.manifest import MANIFEST_NAME
-from tests.data_helpers import DOCS, byte_stream, make_dataset, train_tiny_bpe, write_jsonl
 
 
 @pytest.fixture

@@ -8,12 +8,12 @@ import sys
 
 import numpy as np
 import pytest
+from data_helpers import DOCS, VAL_DOCS, byte_stream, make_dataset, train_tiny_bpe, write_jsonl
 
 import k3train.data.prepare as prepare_mod
 import k3train.data.sources as sources
 from k3train.data import ByteTokenizer, HFTokenizer, PrepareError, ShardedTokenDataset, TokenData, prepare_dataset
 from k3train.data.manifest import MANIFEST_NAME
-from tests.data_helpers import DOCS, VAL_DOCS, byte_stream, make_dataset, train_tiny_bpe, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -36,8 +36,8 @@ def test_formats_folders_globs_and_gz(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "x2.jsonl", [DOCS[9], ""], field="body")  # the empty document is skipped
     (corpus / "notes.md").write_text("not an input")  # unsupported types inside a folder are ignored
     val = write_jsonl(tmp_path / "val.jsonl", VAL_DOCS, field="body")
-    manifest = prepare_dataset([corpus, str(tmp_path / "x*.jsonl")], tmp_path / "out", val_inputs=[val], text_field="body",
-                       shard_tokens=50, workers=1)
+    manifest = prepare_dataset([corpus, str(tmp_path / "x*.jsonl")], tmp_path / "out", val_inputs=[val],
+                               text_field="body", shard_tokens=50, workers=1)
     # Folder files are sorted by path: a.txt, c.txt.gz, sub/b.jsonl.gz; then the glob's x1, x2.
     expected = [DOCS[0] + "\nsecond line\n" + DOCS[1], DOCS[6], *DOCS[2:6], DOCS[7], DOCS[8], DOCS[9]]
     assert np.array_equal(tokens(tmp_path / "out", "train"), byte_stream(expected))
@@ -55,7 +55,8 @@ def test_val_fraction_split_is_deterministic_and_complete(tmp_path):
     assert a["fingerprint"] == b["fingerprint"]
     n_val = a["splits"]["val"]["num_documents"]
     assert a["splits"]["train"]["num_documents"] + n_val == len(DOCS)
-    assert 0.1 < a["splits"]["val"]["num_tokens"] / (a["splits"]["train"]["num_tokens"] + a["splits"]["val"]["num_tokens"]) < 0.3
+    val_tokens, train_tokens = a["splits"]["val"]["num_tokens"], a["splits"]["train"]["num_tokens"]
+    assert 0.1 < val_tokens / (val_tokens + train_tokens) < 0.3  # about val_fraction of the text
     # Every document lands in exactly one split, in corpus order.
     val_docs = [d for d in DOCS if d.encode() in bytes(tokens(tmp_path / "a", "val").astype(np.uint8))]
     train_docs = [d for d in DOCS if d not in val_docs]

@@ -2,9 +2,9 @@ import pickle
 
 import numpy as np
 import pytest
+from data_helpers import DOCS, train_tiny_bpe
 
 from k3train.data import ByteTokenizer, HFTokenizer, load_tokenizer
-from tests.data_helpers import DOCS, train_tiny_bpe
 
 TEXTS = ["", "plain ascii", "héllo wörld ✓ 日本語 🐍", "line\r\nbreaks\n\n\ttabs"]
 
@@ -39,7 +39,7 @@ def test_hf_tokenizer_from_tiny_bpe(tmp_path):
         assert tok.decode(ids.tolist()) == text
     assert len(tok.encode(DOCS[5])) < len(DOCS[5].encode())  # it really merged something
     batch = tok.encode_batch(DOCS[:4])
-    assert all(np.array_equal(a, tok.encode(d)) for a, d in zip(batch, DOCS[:4]))
+    assert all(np.array_equal(a, tok.encode(d)) for a, d in zip(batch, DOCS[:4], strict=True))
     # A document quoting the special token must not produce the end-of-document id.
     assert tok.eod_id not in tok.encode("a <|endoftext|> b").tolist()
     # Pool workers get a rebuilt copy.

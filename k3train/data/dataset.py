@@ -73,7 +73,7 @@ class ShardedTokenDataset:
                 f"{self.path / MANIFEST_NAME}: the {self.split} split holds token id {recorded} >= vocab_size "
                 f"{self.vocab_size}; {_REPREPARE}"
             )
-        for spec, shard in zip(self._entry["shards"], self._shards):
+        for spec, shard in zip(self._entry["shards"], self._shards, strict=True):
             sample = shard[:SAMPLE_TOKENS]
             if sample.size and int(sample.max()) >= self.vocab_size:
                 raise ValueError(
@@ -136,7 +136,8 @@ class TokenData:
             raise ValueError(
                 f"train and val were prepared with different tokenizers ({which}: "
                 f"{self.train.path / MANIFEST_NAME} has {self.train.tokenizer_identity}, "
-                f"{self.val.path / MANIFEST_NAME} has {self.val.tokenizer_identity}); prepare both with the same --tokenizer"
+                f"{self.val.path / MANIFEST_NAME} has {self.val.tokenizer_identity}); "
+                f"prepare both with the same --tokenizer"
             )
         self.vocab_size = self.train.vocab_size
 

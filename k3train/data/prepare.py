@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from k3train.data.manifest import FORMAT_VERSION, MANIFEST_NAME, SPLITS, fingerprint, token_dtype
 from k3train.data.sources import PrepareError, expand_inputs, iter_pieces, split_by_fraction
-from k3train.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
+from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 CHUNK_CHARS = 1 << 18
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB per uint16 shard
@@ -47,7 +47,7 @@ def encode_chunk(tokenizer: Tokenizer, pieces: Sequence[tuple[str, bool]]) -> np
     """Tokenize pieces, appending eod_id after each document's last piece; returns the shard dtype."""
     eod = np.array([tokenizer.eod_id], dtype=np.int64)
     arrays = tokenizer.encode_batch([text for text, _ in pieces])
-    parts = [a for arr, (_, last) in zip(arrays, pieces) for a in ((arr, eod) if last else (arr,))]
+    parts = [a for arr, (_, last) in zip(arrays, pieces, strict=True) for a in ((arr, eod) if last else (arr,))]
     tokens = np.concatenate(parts)
     if tokens.size and int(tokens.max()) >= tokenizer.vocab_size:
         raise PrepareError(
@@ -248,7 +248,7 @@ def _empty_split_message(split: str, source: dict[str, Any]) -> str:
     return f"the {split} split is empty: {inputs} contain no text (empty input); pass files with text in them"
 
 
-def _usable_cores() -> int:
+def usable_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
@@ -268,7 +268,7 @@ def prepare_dataset(
     """Prepare text files into a dataset at output (the Python form of the CLI); returns the manifest.
 
     val comes from val_inputs when given, else from val_fraction (default DEFAULT_VAL_FRACTION) of the text,
-    chosen by split_by_fraction. workers defaults to every usable core."""
+    chosen by split_by_fraction. workers defaults to every usable core (1 for the byte tokenizer)."""
     tokenizer = tokenizer or load_tokenizer("byte")
     if val_inputs and val_fraction is not None:
         raise PrepareError("give either val_fraction (--val-fraction) or val_inputs (--val-inputs), not both")
@@ -280,7 +280,8 @@ def prepare_dataset(
     val_files = expand_inputs(val_inputs) if val_inputs else []
     if both := sorted(set(files) & set(val_files)):
         raise PrepareError(f"{both[0]} is in both the inputs and the val inputs; a file belongs to one split")
-    workers = workers or _usable_cores()
+    # Byte "tokenization" is a memcpy that costs less than shipping the text to another process.
+    workers = workers or (1 if isinstance(tokenizer, ByteTokenizer) else usable_cores())
     bar = tqdm(
         total=sum(f.stat().st_size for f in files + val_files), unit="B", unit_scale=True, desc="prepare",
         disable=not progress or not sys.stderr.isatty(),
@@ -324,7 +325,7 @@ def _parser() -> argparse.ArgumentParser:
     split.add_argument("--val-inputs", nargs="+", default=[], help="files, folders or globs for the val split")
     p.add_argument("--text-field", default="text", help="JSON field holding a .jsonl document's text")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
-    p.add_argument("--workers", type=int, help="tokenizer processes (default: every usable core)")
+    p.add_argument("--workers", type=int, help="tokenizer processes (default: every usable core; 1 for byte)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset at --output")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar or summary")
     return p
@@ -344,7 +345,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     if not args.quiet:
         splits = manifest["splits"]
-        counts = ", ".join(f"{s} {splits[s]['num_tokens']:,} tokens ({splits[s]['num_documents']:,} docs)" for s in SPLITS)
+        counts = ", ".join(
+            f"{s} {splits[s]['num_tokens']:,} tokens ({splits[s]['num_documents']:,} docs)" for s in SPLITS
+        )
         print(f"prepared {args.output}: {counts}; vocab_size {manifest['vocab_size']}, "
               f"fingerprint {manifest['fingerprint'][:16]}, {time.perf_counter() - start:.1f} s")
     return 0
