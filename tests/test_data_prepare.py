@@ -104,6 +104,12 @@ def test_bad_inputs_name_the_file(tmp_path):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     with pytest.raises(PrepareError, match="latin1.txt: not UTF-8"):
         prepare_dataset([tmp_path / "latin1.txt"], tmp_path / "out", workers=1)
+    (tmp_path / "cut.txt.gz").write_bytes(gzip.compress(b"some text " * 100)[:-12])
+    with pytest.raises(PrepareError, match="cut.txt.gz: corrupt or truncated gzip"):
+        prepare_dataset([tmp_path / "cut.txt.gz"], tmp_path / "out", workers=1)
+    (tmp_path / "plain.jsonl.gz").write_text("not gzip")
+    with pytest.raises(PrepareError, match="plain.jsonl.gz: corrupt or truncated gzip"):
+        prepare_dataset([tmp_path / "plain.jsonl.gz"], tmp_path / "out", workers=1)
     (tmp_path / "empty.jsonl").write_text("\n\n")
     with pytest.raises(PrepareError, match="train split is empty.*empty input"):
         prepare_dataset([tmp_path / "empty.jsonl"], tmp_path / "out", workers=1)

@@ -2,6 +2,7 @@ import pickle
 
 import numpy as np
 import pytest
+import tokenizers
 from data_helpers import DOCS, train_tiny_bpe
 
 from k3train.data import ByteTokenizer, HFTokenizer, load_tokenizer
@@ -42,6 +43,11 @@ def test_hf_tokenizer_from_tiny_bpe(tmp_path):
     assert all(np.array_equal(a, tok.encode(d)) for a, d in zip(batch, DOCS[:4], strict=True))
     # A document quoting the special token must not produce the end-of-document id.
     assert tok.eod_id not in tok.encode("a <|endoftext|> b").tolist()
+    # Truncation or padding saved with a tokenizer would cut documents: they are switched off.
+    truncating = tokenizers.Tokenizer.from_file(str(path))
+    truncating.enable_truncation(max_length=4)
+    truncating.save(str(tmp_path / "truncating.json"))
+    assert len(HFTokenizer(tmp_path / "truncating.json", "<|endoftext|>").encode(DOCS[5])) > 4
     # Pool workers get a rebuilt copy.
     clone = pickle.loads(pickle.dumps(tok))
     assert clone.identity() == ident and np.array_equal(clone.encode(DOCS[1]), tok.encode(DOCS[1]))

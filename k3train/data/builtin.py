@@ -59,7 +59,7 @@ def prepare_builtin(cache_dir: str | Path | None = None, tokenizer: Tokenizer | 
         # In-process (workers=1): the corpus takes well under a second, and forking inside a training process
         # (threads, CUDA, Hydra) is best avoided.
         write_dataset(stream, path, tokenizer, source=source, workers=1)
-    except FileExistsError:
+    except FileExistsError as e:
         if not (path / MANIFEST_NAME).is_file():
-            raise
+            raise FileExistsError(f"{path} exists but is not a prepared dataset; delete it and retry") from e
     return path

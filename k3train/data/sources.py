@@ -59,7 +59,8 @@ def iter_pieces(path: Path, text_field: str = "text", on_read: Callable[[int], N
     with open(path, "rb") as raw:
         stream = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
         text = io.TextIOWrapper(stream, encoding="utf-8", newline="")  # newline="": keep the text's own newlines
-        read = _jsonl_pieces(text, path, text_field) if ".jsonl" in path.name else _txt_pieces(text)
+        is_jsonl = path.name.removesuffix(".gz").endswith(".jsonl")
+        read = _jsonl_pieces(text, path, text_field) if is_jsonl else _txt_pieces(text)
         done = 0
         try:
             for piece in read:

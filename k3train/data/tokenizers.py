@@ -83,6 +83,9 @@ class HFTokenizer:
         except Exception as e:  # the Rust side raises a bare Exception for any parse failure
             raise ValueError(f"{path} is not a valid tokenizer.json ({e})") from e
         self._tok.encode_special_tokens = True
+        # A saved tokenizer may carry truncation/padding settings for model inputs: they would cut or pad documents.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         vocab = self._tok.get_vocab(with_added_tokens=True)
         specials = sorted(t.content for t in self._tok.get_added_tokens_decoder().values())
         if eod_token is None:
