@@ -57,6 +57,10 @@ def max_rel_diff(a: Result, ref: Result) -> dict[str, float]:
     return {n: ((a[n] - ref[n]).abs().max() / ref[n].abs().max()).item() for n in NAMES}
 
 
+def format_diffs(diffs: dict[str, float]) -> str:
+    return ", ".join(f"{name} {d:.1e}" for name, d in diffs.items())
+
+
 def time_side_by_side(fns: dict[str, Callable[[], Result]], reps: int, warmup: int) -> dict[str, list[float]]:
     """Seconds per call for each fn, calls interleaved so machine load hits all of them alike."""
     for _ in range(warmup):
@@ -110,10 +114,23 @@ def main() -> None:
     times = time_side_by_side(fns, args.reps, args.warmup)
     median = {name: statistics.median(ts) for name, ts in times.items()}
     report: dict = {
-        "config": {"B": B, "H": H, "T": T, "K": K, "V": V, "chunk_size": C, "dtype": "float32",
-                   "reps": args.reps, "warmup": args.warmup},
-        "environment": {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                        "machine": platform.machine(), "fla": fla_version},
+        "config": {
+            "B": B,
+            "H": H,
+            "T": T,
+            "K": K,
+            "V": V,
+            "chunk_size": C,
+            "dtype": "float32",
+            "reps": args.reps,
+            "warmup": args.warmup,
+        },
+        "environment": {
+            "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "machine": platform.machine(),
+            "fla": fla_version,
+        },
         "fwd_bwd_seconds_median": median,
         "fwd_bwd_seconds_all": times,
     }
@@ -126,23 +143,30 @@ def main() -> None:
         ratio = median["fla_naive_chunk_kda"] / median["chunk_kda"]
         report.update(speedup_vs_fla_naive_chunk=ratio, max_rel_diff_vs_fla_naive_chunk=diff)
         print(f"  fla naive_chunk_kda  fwd+bwd {median['fla_naive_chunk_kda'] * 1e3:9.1f} ms  (fla {fla_version})")
-        print(f"  speedup {ratio:.1f}x; max |ours - fla| / max |fla|: " + ", ".join(f"{n} {d:.1e}" for n, d in diff.items()))
+        print(f"  speedup {ratio:.1f}x; max |ours - fla| / max |fla|: " + format_diffs(diff))
 
     # Our per-step reference at a shorter T (it is one Python step per token).
     Tr = args.recurrent_T
     short = [x.detach()[:, :Tr] for x in inputs[:5]] + [inputs[5].detach()]  # time is dim 1, h0 has none
     short = [x.clone().requires_grad_() for x in short]
     do_short = do[:, :Tr]
-    rec_fns = {"chunk_kda": lambda: ours(short, do_short, dS),
-               "naive_recurrent_kda": lambda: fwd_bwd(naive_recurrent_kda, short, do_short, dS)}
+    rec_fns = {
+        "chunk_kda": lambda: ours(short, do_short, dS),
+        "naive_recurrent_kda": lambda: fwd_bwd(naive_recurrent_kda, short, do_short, dS),
+    }
     rec_times = time_side_by_side(rec_fns, reps=3, warmup=1)
     rec_median = {name: statistics.median(ts) for name, ts in rec_times.items()}
     rec_diff = max_rel_diff(rec_fns["chunk_kda"](), rec_fns["naive_recurrent_kda"]())
-    report["vs_naive_recurrent"] = {"T": Tr, "fwd_bwd_seconds_median": rec_median, "max_rel_diff": rec_diff,
-                                    "speedup": rec_median["naive_recurrent_kda"] / rec_median["chunk_kda"]}
-    print(f"T={Tr}: chunk_kda {rec_median['chunk_kda'] * 1e3:.1f} ms, naive_recurrent_kda "
-          f"{rec_median['naive_recurrent_kda'] * 1e3:.1f} ms; max rel diff " +
-          ", ".join(f"{n} {d:.1e}" for n, d in rec_diff.items()))
+    report["vs_naive_recurrent"] = {
+        "T": Tr,
+        "fwd_bwd_seconds_median": rec_median,
+        "max_rel_diff": rec_diff,
+        "speedup": rec_median["naive_recurrent_kda"] / rec_median["chunk_kda"],
+    }
+    print(
+        f"T={Tr}: chunk_kda {rec_median['chunk_kda'] * 1e3:.1f} ms, naive_recurrent_kda "
+        f"{rec_median['naive_recurrent_kda'] * 1e3:.1f} ms; max rel diff " + format_diffs(rec_diff)
+    )
 
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

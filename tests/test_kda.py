@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from k3train.models.kda import KimiDeltaAttention, chunk_kda, fla_chunk_kda, naive_recurrent_kda
 
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """These ops are tiny: a thread pool only adds synchronisation, which stalls badly on a shared machine."""
@@ -90,6 +91,7 @@ def test_chunk_computes_in_fp32_under_bf16_autocast():
     assert o.dtype == torch.float32 and S.dtype == torch.float32
     # bf16 matmuls inside would miss by ~1e-2.
     torch.testing.assert_close(o, o_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(S, S_ref, rtol=1e-6, atol=1e-6)
     o_bf16, S_bf16 = chunk_kda(*(x.bfloat16() for x in inputs[:5]), initial_state=inputs[5], output_final_state=True)
     assert o_bf16.dtype == torch.bfloat16 and S_bf16.dtype == torch.float32
 
@@ -192,8 +194,9 @@ def test_fla_without_package_says_how_to_install(monkeypatch):
 def test_fla_on_cpu_tensors_says_it_needs_cuda(monkeypatch):
     fake = types.ModuleType("fla.ops.kda")
     fake.chunk_kda = lambda **kwargs: pytest.fail("the kernel must not be called with CPU tensors")
-    for name, module in (("fla", types.ModuleType("fla")), ("fla.ops", types.ModuleType("fla.ops")), ("fla.ops.kda", fake)):
-        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setitem(sys.modules, "fla", types.ModuleType("fla"))
+    monkeypatch.setitem(sys.modules, "fla.ops", types.ModuleType("fla.ops"))
+    monkeypatch.setitem(sys.modules, "fla.ops.kda", fake)
     q, k, v, g, beta, _ = (x.detach() for x in make_inputs(1, 8, 2, 2, 4, 4))
     with pytest.raises(RuntimeError, match="needs CUDA"):
         fla_chunk_kda(q, k, v, g, beta)
