@@ -23,6 +23,7 @@ def sgd(model, lr=1.0):
 
 
 def make_trainer(tmp_path, data, model, optimizer=None, precision="fp32", **train):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = TrainConfig(**{"batch_size": 2, "seq_len": 16, "max_steps": 4, "eval_interval": 0, "eval_batches": 2,
                          "checkpoint_interval": 0, "log_interval": 1, "progress": "lines", "grad_clip": None,
                          **train})

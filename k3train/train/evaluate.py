@@ -35,4 +35,4 @@ def evaluate(model, val_loader, num_batches: int, precision, device: torch.devic
         restore_rng_state(rng)
         model.train(was_training)
     loss = torch.stack(losses).mean().item()
-    return {"loss": loss, "batches": len(losses), "tokens": len(losses) * val_loader.tokens_per_batch}
+    return {"loss": loss, "batches": len(losses), "val_tokens": len(losses) * val_loader.tokens_per_batch}

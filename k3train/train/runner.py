@@ -62,7 +62,8 @@ def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data) -> dic
         "recipe": {**{f: getattr(train_cfg, f) for f in RESUME_MUST_MATCH}, "precision": precision.dtype,
                    "optimizer": type(optimizer).__name__},
         "optimizer_layout": layout,
-        "data": {"fingerprint": identity["fingerprint"], "vocab_size": data.vocab_size},
+        "data": {"fingerprint": identity["fingerprint"], "val_fingerprint": identity.get("val_fingerprint"),
+                 "vocab_size": data.vocab_size},
     }
 
 
@@ -130,10 +131,15 @@ def _setup(cfg: DictConfig):
     return trainer, manifest, metrics, resume_path
 
 
+# The settings a reader needs to compare runs; torch's implementation flags (foreach, capturable...) are left out.
+_SUMMARY_SETTINGS = ("kind", "initial_lr", "weight_decay", "betas", "eps", "momentum", "nesterov", "ns_steps",
+                     "rms_match")
+
+
 def _optimizer_summary(optimizer) -> list[dict]:
     groups = []
     for i, g in enumerate(optimizer.param_groups):
-        settings = {k: v for k, v in g.items() if k != "params" and isinstance(v, (int, float, str, bool, tuple))}
+        settings = {k: g[k] for k in _SUMMARY_SETTINGS if k in g}
         groups.append({"name": g.get("name", str(i)), "tensors": len(g["params"]),
                        "values": sum(p.numel() for p in g["params"]), **settings})
     return groups
