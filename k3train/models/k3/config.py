@@ -1,0 +1,151 @@
+"""KimiK3Config: every field that shapes a Kimi K3-style model, validated when built.
+
+The model YAMLs in conf/model/ list these fields flat under `_target_: k3train.models.k3.KimiK3.from_fields`.
+`vocab_size: null` means "take it from the dataset": the entry point fills it in before the model is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LAYER_TYPES = ("kda", "mla")
+KDA_IMPLEMENTATIONS = ("chunk", "recurrent", "fla")
+KDA_GATES = ("softplus", "sigmoid")
+ROUTERS = ("quantile_balancing", "aux_free_bias", "none")
+
+
+@dataclass
+class KimiK3Config:
+    """A KDA + MLA hybrid with a sigmoid-routed MoE (Kimi Linear / DeepSeek-V3 lineage).
+
+    Layer pattern: either `kda_mla_ratio` ("a:b": groups of a KDA layers then b MLA layers, MLA closing each
+    group; a trailing partial group keeps its MLA layers last, as Kimi-Linear-48B's 27 layers put MLA at 27)
+    or an explicit `layer_types` list, not both. "0:1" is an all-MLA model.
+    """
+
+    model_type: str = "kimi_k3"
+    vocab_size: int | None = None  # None until the entry point fills it from the data
+    d_model: int = 128
+    n_layers: int = 4
+    kda_mla_ratio: str | None = "3:1"
+    layer_types: list[str] | None = None
+    max_seq_len: int = 512
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+
+    # MLA (DeepSeek-V3 latent attention; NoPE by default as in Kimi Linear)
+    mla_n_heads: int = 4
+    q_lora_rank: int | None = None  # None: q = W_q x, no query compression
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    mla_rope: bool = False
+    rope_theta: float = 10000.0
+
+    # KDA (Kimi Delta Attention)
+    kda_n_heads: int = 4
+    kda_head_dim: int = 32
+    kda_conv_size: int = 4
+    kda_implementation: str = "chunk"
+    kda_chunk_size: int = 64
+    kda_gate: str = "softplus"
+
+    # MoE FFN (dense SwiGLU in the first `first_k_dense` layers)
+    n_routed_experts: int = 8
+    experts_per_token: int = 2
+    n_shared_experts: int = 1
+    expert_ffn_dim: int = 128
+    first_k_dense: int = 1
+    dense_ffn_dim: int = 512
+    router: str = "quantile_balancing"
+    routed_scaling_factor: float = 1.0
+    aux_free_bias_rate: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.model_type != "kimi_k3":
+            raise ValueError(f"model_type={self.model_type!r}: KimiK3Config only builds 'kimi_k3'")
+        if self.vocab_size is not None:
+            _positive(self, "vocab_size")
+        for name in ("d_model", "n_layers", "max_seq_len", "mla_n_heads", "kv_lora_rank", "qk_rope_head_dim",
+                     "v_head_dim", "kda_n_heads", "kda_head_dim", "kda_conv_size", "kda_chunk_size",
+                     "n_routed_experts", "experts_per_token", "expert_ffn_dim", "dense_ffn_dim"):
+            _positive(self, name)
+        for name in ("qk_nope_head_dim", "n_shared_experts", "first_k_dense"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        for name in ("norm_eps", "init_std", "rope_theta", "routed_scaling_factor", "aux_free_bias_rate"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.q_lora_rank is not None:
+            _positive(self, "q_lora_rank")
+        if self.mla_rope and self.qk_rope_head_dim % 2:
+            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even when mla_rope=true "
+                             "(rotary pairs up channels)")
+        if self.kda_chunk_size & (self.kda_chunk_size - 1):
+            raise ValueError(f"kda_chunk_size={self.kda_chunk_size} must be a power of two (16, 32, 64, ...)")
+        _choice(self, "kda_implementation", KDA_IMPLEMENTATIONS)
+        _choice(self, "kda_gate", KDA_GATES)
+        _choice(self, "router", ROUTERS)
+        if self.experts_per_token >= self.n_routed_experts:
+            raise ValueError(f"experts_per_token={self.experts_per_token} must be < n_routed_experts="
+                             f"{self.n_routed_experts}; lower experts_per_token or add experts")
+        if self.first_k_dense > self.n_layers:
+            raise ValueError(f"first_k_dense={self.first_k_dense} exceeds n_layers={self.n_layers}")
+        if self.layer_types is not None:
+            # Hydra hands over a ListConfig; keep a plain list so the config stays picklable and JSON-able.
+            self.layer_types = [str(t) for t in self.layer_types]
+        _ = self.layer_pattern  # validates the pattern now rather than at model build
+
+    @property
+    def layer_pattern(self) -> list[str]:
+        """The mixer of each layer, e.g. ['kda', 'kda', 'kda', 'mla'] for n_layers=4 and kda_mla_ratio='3:1'."""
+        if self.layer_types is not None:
+            if self.kda_mla_ratio is not None:
+                raise ValueError("set either kda_mla_ratio or layer_types, not both: "
+                                 "use kda_mla_ratio=null with an explicit layer_types list")
+            if len(self.layer_types) != self.n_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries but n_layers={self.n_layers}; "
+                                 "give one entry per layer")
+            bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if bad:
+                raise ValueError(f"layer_types contains {bad}; each entry must be one of {LAYER_TYPES}")
+            return list(self.layer_types)
+        if self.kda_mla_ratio is None:
+            raise ValueError("no layer pattern: set kda_mla_ratio (e.g. '3:1') or layer_types")
+        n_kda, n_mla = _parse_ratio(str(self.kda_mla_ratio))
+        group = ["kda"] * n_kda + ["mla"] * n_mla
+        full, rest = divmod(self.n_layers, len(group))
+        tail_mla = min(rest, n_mla)
+        return group * full + ["kda"] * (rest - tail_mla) + ["mla"] * tail_mla
+
+    @property
+    def n_kda_layers(self) -> int:
+        return self.layer_pattern.count("kda")
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx >= self.first_k_dense
+
+
+def _parse_ratio(ratio: str) -> tuple[int, int]:
+    parts = ratio.split(":")
+    try:
+        n_kda, n_mla = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"kda_mla_ratio={ratio!r} must look like '3:1' (KDA layers : MLA layers "
+                         "per group); quote it in YAML, where an unquoted 3:1 reads as the base-60 integer 181") from None
+    if n_kda < 0 or n_mla < 0 or n_kda + n_mla == 0:
+        raise ValueError(f"kda_mla_ratio={ratio!r} needs non-negative counts with at least one layer per group")
+    return n_kda, n_mla
+
+
+def _positive(cfg: KimiK3Config, name: str) -> None:
+    value = getattr(cfg, name)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def _choice(cfg: KimiK3Config, name: str, allowed: tuple[str, ...]) -> None:
+    if getattr(cfg, name) not in allowed:
+        raise ValueError(f"{name}={getattr(cfg, name)!r} must be one of {allowed}")

@@ -1,0 +1,145 @@
+"""Multi-head Latent Attention (DeepSeek-V3 `inference/model.py`), NoPE by default as in Kimi Linear.
+
+Per head h the query is [q_nope (dn) | q_rope (dr)]; keys are [k_nope (dn) | k_rope (dr)] where k_nope comes
+from a compressed latent c_kv and k_rope is ONE key slice shared by all heads. With `rope=False` (Kimi Linear)
+the dr slices are still there, shared and unrotated. Scores use scale (dn + dr) ** -0.5.
+
+QK-Clip support (Kimi K2, arXiv 2507.20534): with `track_max_logit = True` every training-mode forward pass
+also measures the per-head max scaled causal logit and folds it into `max_logit` (a running max, so all
+micro-batches of an accumulated update count) until k3train.optim.qk_clip.qk_clip_ reads and clears it.
+Eval-mode passes never touch it. `scale_qk_heads_` rescales chosen heads' query/key rows.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding on the last dim (half-split pairing: channel i rotates with i + dr/2)."""
+
+    def __init__(self, dim: int, max_seq_len: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # [T_max, dr/2]
+        # Non-persistent: derived from the config, so not part of a checkpoint.
+        self.register_buffer("cos", angles.cos(), persistent=False)
+        self.register_buffer("sin", angles.sin(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H, dr] -> same shape, position t rotated by t * inv_freq."""
+        T = x.shape[1]
+        cos = self.cos[:T, None, :].to(x.dtype)  # [T, 1, dr/2]
+        sin = self.sin[:T, None, :].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class MultiHeadLatentAttention(nn.Module):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        q_lora_rank: int | None = None,
+        rope: bool = False,
+        rope_theta: float = 10000.0,
+        max_seq_len: int = 4096,
+        norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.dn, self.dr, self.dv = n_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.kv_lora_rank = kv_lora_rank
+        self.scale = (self.dn + self.dr) ** -0.5
+        q_dim = n_heads * (self.dn + self.dr)
+
+        if q_lora_rank is None:
+            self.q_proj = nn.Linear(d_model, q_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(d_model, q_lora_rank, bias=False)
+            self.q_a_norm = nn.RMSNorm(q_lora_rank, eps=norm_eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, q_dim, bias=False)
+        self.kv_a_proj = nn.Linear(d_model, kv_lora_rank + self.dr, bias=False)  # -> [c_kv | k_rope]
+        self.kv_a_norm = nn.RMSNorm(kv_lora_rank, eps=norm_eps)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * (self.dn + self.dv), bias=False)  # -> per head [k_nope | v]
+        self.o_proj = nn.Linear(n_heads * self.dv, d_model, bias=False)
+        self.rotary = RotaryEmbedding(self.dr, max_seq_len, rope_theta) if rope else None
+
+        # Muon may orthogonalise these per head (CONTRACTS.md): rows [H*dh, in] or columns [out, H*dh].
+        self.q_out_proj.weight.head_split = (n_heads, 0)
+        self.kv_b_proj.weight.head_split = (n_heads, 0)
+        self.o_proj.weight.head_split = (n_heads, 1)
+
+        self.track_max_logit = False
+        self.max_logit: torch.Tensor | None = None  # [H] fp32 running max since QK-Clip last read it
+
+    @property
+    def q_out_proj(self) -> nn.Linear:
+        """The projection whose rows are per head [q_nope | q_rope]: q_proj, or q_b_proj with query compression."""
+        return self.q_proj if hasattr(self, "q_proj") else self.q_b_proj
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d] -> [B, T, d], causal."""
+        B, T, _ = x.shape
+        H, dn, dr, dv = self.n_heads, self.dn, self.dr, self.dv
+        if hasattr(self, "q_proj"):
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q = q.view(B, T, H, dn + dr)
+        c_kv, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, dr], dim=-1)  # [B, T, r], [B, T, dr]
+        kv = self.kv_b_proj(self.kv_a_norm(c_kv)).view(B, T, H, dn + dv)
+        k_nope, v = kv.split([dn, dv], dim=-1)
+        k_rope = k_rope.unsqueeze(2)  # [B, T, 1, dr]: one rotary key shared by all heads
+        if self.rotary is not None:
+            q = torch.cat((q[..., :dn], self.rotary(q[..., dn:])), dim=-1)
+            k_rope = self.rotary(k_rope)
+        k = torch.cat((k_nope, k_rope.expand(B, T, H, dr)), dim=-1)  # [B, T, H, dn+dr]
+
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        if self.track_max_logit and self.training:
+            # A running max until QK-Clip reads and resets it: gradient-accumulated micro-batches all count.
+            step_max = causal_max_logit(q, k, self.scale)
+            self.max_logit = step_max if self.max_logit is None else torch.maximum(self.max_logit, step_max)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, H, T, dv]
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * dv))
+
+    @torch.no_grad()
+    def scale_qk_heads_(self, gamma: torch.Tensor) -> None:
+        """QK-Clip's weight update, in place. gamma [H], each in (0, 1]: head h's logits scale by gamma[h].
+
+        Query rows of head h: the dn rows by sqrt(gamma), the dr rows by gamma; k_nope rows of kv_b_proj by
+        sqrt(gamma). The shared rotary key (kv_a_proj) and V are untouched, so the rotary part of the logit
+        carries the whole gamma on the query side (also for NoPE, where the dr slice is simply unrotated).
+        """
+        H, dn, dr, dv = self.n_heads, self.dn, self.dr, self.dv
+        gamma = gamma.to(device=self.kv_b_proj.weight.device, dtype=torch.float32)
+        root = gamma.sqrt()
+        w_q = self.q_out_proj.weight.view(H, dn + dr, -1)  # views share storage: edits land in the weight
+        w_q[:, :dn].mul_(root[:, None, None].to(w_q.dtype))
+        w_q[:, dn:].mul_(gamma[:, None, None].to(w_q.dtype))
+        w_kv = self.kv_b_proj.weight.view(H, dn + dv, -1)
+        w_kv[:, :dn].mul_(root[:, None, None].to(w_kv.dtype))
+
+
+@torch.no_grad()
+def causal_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+    """q, k [B, H, T, D] -> [H] fp32: max over batch and causal pairs (j <= i) of scale * q_i . k_j.
+
+    A separate matmul because the fused attention kernel never exposes its logits. One batch row at a time
+    keeps the extra memory at H * T * T floats.
+    """
+    B, H, T, _ = q.shape
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    best = torch.full((H,), -math.inf, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        logits = (q[b].float() @ k[b].float().transpose(-1, -2)) * scale  # [H, T, T]
+        best = torch.maximum(best, logits.masked_fill(~causal, -math.inf).amax(dim=(-1, -2)))
+    return best

@@ -1,0 +1,144 @@
+"""KimiK3: a Kimi Linear-style hybrid language model.
+
+    tokens [B, T] -> embed_tokens -> n_layers x Block -> RMSNorm -> lm_head -> logits [B, T, V]
+
+    Block:  x = x + mixer(RMSNorm(x))     mixer: KimiDeltaAttention (linear, recurrent state) or
+                                                 MultiHeadLatentAttention (full causal softmax attention)
+            x = x + ffn(RMSNorm(x))       ffn:   SwiGLU in the first `first_k_dense` layers, MoE after
+
+The layer pattern (e.g. 3 KDA then 1 MLA, repeated) comes from KimiK3Config.layer_pattern.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from k3train.models.k3.config import KimiK3Config
+from k3train.models.k3.mla import MultiHeadLatentAttention
+from k3train.models.k3.moe import MoE, RoutedExperts, SwiGLU
+from k3train.models.kda.layer import KimiDeltaAttention
+
+
+class Block(nn.Module):
+    def __init__(self, config: KimiK3Config, layer_idx: int) -> None:
+        super().__init__()
+        c = config
+        self.mixer_type = c.layer_pattern[layer_idx]
+        self.mixer_norm = nn.RMSNorm(c.d_model, eps=c.norm_eps)
+        if self.mixer_type == "kda":
+            self.mixer = KimiDeltaAttention(
+                c.d_model, c.kda_n_heads, c.kda_head_dim, conv_size=c.kda_conv_size,
+                implementation=c.kda_implementation, chunk_size=c.kda_chunk_size, gate=c.kda_gate,
+                norm_eps=c.norm_eps,
+            )
+        else:
+            self.mixer = MultiHeadLatentAttention(
+                c.d_model, c.mla_n_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
+                q_lora_rank=c.q_lora_rank, rope=c.mla_rope, rope_theta=c.rope_theta, max_seq_len=c.max_seq_len,
+                norm_eps=c.norm_eps,
+            )
+        self.ffn_norm = nn.RMSNorm(c.d_model, eps=c.norm_eps)
+        if c.is_moe_layer(layer_idx):
+            self.ffn: nn.Module = MoE(
+                c.d_model, c.n_routed_experts, c.experts_per_token, c.expert_ffn_dim,
+                n_shared_experts=c.n_shared_experts, routed_scaling_factor=c.routed_scaling_factor,
+                balancing=c.router, aux_free_bias_rate=c.aux_free_bias_rate,
+            )
+        else:
+            self.ffn = SwiGLU(c.d_model, c.dense_ffn_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mixer(self.mixer_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class KimiK3(nn.Module):
+    def __init__(self, config: KimiK3Config) -> None:
+        super().__init__()
+        if config.vocab_size is None:
+            raise ValueError("KimiK3 needs config.vocab_size; vocab_size=null is filled in from the dataset by the "
+                             "entry point, so set it when building the model directly")
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self._init_weights()
+
+    @classmethod
+    def from_fields(cls, **fields) -> KimiK3:
+        """The Hydra target: conf/model/k3_*.yaml list KimiK3Config's fields flat."""
+        return cls(KimiK3Config(**fields))
+
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        """Normal(init_std) for embeddings and linear maps (as nanoGPT / FLA); the projections that write into
+        the residual stream (attention outputs, FFN down projections) get init_std / sqrt(2 n_layers) so the
+        residual's variance does not grow with depth (GPT-2). Norms start at 1. KDA's own parameters that are
+        not linear maps (A_log, dt_bias, convolutions) keep the initialisation its layer gives them."""
+        std = self.config.init_std
+        residual_std = std / math.sqrt(2 * self.config.n_layers)
+        nn.init.normal_(self.embed_tokens.weight, std=std)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear) and module.weight is not self.embed_tokens.weight:
+                is_residual = name.endswith(("o_proj", "w_down"))
+                nn.init.normal_(module.weight, std=residual_std if is_residual else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RoutedExperts):
+                nn.init.normal_(module.w_gate, std=std)
+                nn.init.normal_(module.w_up, std=std)
+                nn.init.normal_(module.w_down, std=residual_std)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [B, T] token ids -> logits [B, T, V]; with targets [B, T], also the mean next-token cross-entropy over
+        all B*T positions, computed in fp32 (targets are already shifted: targets[:, t] follows x[:, t])."""
+        h = self.embed_tokens(x)
+        for layer in self.layers:
+            h = layer(h)
+        logits = self.lm_head(self.norm(h))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return logits, loss
+
+    def check_data(self, vocab_size: int, seq_len: int) -> None:
+        """Raise ValueError if data with this vocabulary and sequence length cannot train this model.
+
+        No chunk-alignment rule: the KDA chunk path pads the last chunk itself (k3train/models/kda/chunk.py),
+        so any seq_len <= max_seq_len works with every kda_implementation.
+        """
+        c = self.config
+        if vocab_size != c.vocab_size:
+            raise ValueError(f"the data's vocab_size is {vocab_size} but the model's is {c.vocab_size}: set "
+                             f"model.vocab_size=null (take it from the data) or {vocab_size}")
+        if seq_len > c.max_seq_len:
+            raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={c.max_seq_len}: lower seq_len "
+                             f"or raise model.max_seq_len")
+
+    def moe_layers(self) -> dict[int, MoE]:
+        return {i: layer.ffn for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)}
+
+    def diagnostics(self) -> dict[str, float]:
+        """Router health per MoE layer (moe/<layer>/<stat>) from the last training pass. The MLA max logits are
+        reported by k3train.optim.qk_clip.qk_clip_, which consumes them after each update."""
+        out: dict[str, float] = {}
+        for i, moe in self.moe_layers().items():
+            out.update({f"moe/{i}/{k}": v for k, v in moe.diagnostics().items()})
+        return out
+
+    def param_counts(self) -> dict[str, int]:
+        """total: every parameter once (a tied lm_head is not counted twice); active: what one token uses
+        (experts_per_token of the routed experts, plus everything else); embedding: the input embedding table."""
+        total = sum(p.numel() for p in self.parameters())
+        idle = 0
+        for moe in self.moe_layers().values():
+            per_expert = sum(w[0].numel() for w in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down))
+            idle += (moe.n_experts - moe.k) * per_expert
+        return {"total": total, "active": total - idle, "embedding": self.embed_tokens.weight.numel()}

@@ -1,0 +1,173 @@
+"""Feed-forward blocks: a dense SwiGLU, and a sigmoid-routed MoE with a balancing bias (DeepSeek-V3 / Kimi Linear).
+
+Routing (mla_moe.md): scores s = sigmoid(router(x)); the top-k experts are chosen on s + bias; the gate weights
+are the UNBIASED scores of the chosen k, renormalised to sum 1 and multiplied by routed_scaling_factor. The bias
+only steers the choice, so balancing never changes what a chosen expert's output is weighted by.
+
+The bias is a persistent buffer (it travels in state_dict) and changes only in training-mode forward passes:
+- "quantile_balancing" (J. Su, "MoE World Tour 6: Optimal Allocation", Feb 2026): routing is an assignment LP
+  with capacity kN/n per expert; the dual variable of an expert's capacity constraint is its bias, so the bias
+  is SET each step from the current tokens rather than nudged. The concrete form used here, per training forward:
+    1. cutoff_i = the (k+1)-th largest of s_i + b            (b: the bias this pass routed with)
+    2. r_ij = cutoff_i - s_ij                                 (expert j beats token i's cutoff iff b_j > r_ij)
+    3. b_j = midpoint of the m-th and (m+1)-th smallest r_.j, m = round(N k / n), so that exactly m tokens
+       have r_ij < b_j (the (k/n)-quantile of mla_moe.md, chosen between two order statistics to avoid ties)
+    4. b <- b - mean(b)                                       (top-k is shift invariant; keeps b near 0)
+  The new b is used from the next forward pass on. Each expert's update holds the others' biases fixed, so it is
+  one Jacobi step of the dual problem, not the exact optimum; on a stream of similar batches it settles within
+  a few steps (tests/test_moe.py measures it). It has no balancing hyperparameter.
+- "aux_free_bias" (DeepSeek-V3): b_e <- b_e + rate * sign(mean_load - load_e) after each training forward.
+- "none": the bias stays zero.
+
+Choices to know about:
+- The quantile is over the tokens of ONE forward pass. Gradient-accumulated micro-batches therefore are not one
+  big batch for QB: each micro-batch sets the bias the next one routes with. Under DDP the module sees only its
+  rank's tokens; DDP's default broadcast_buffers=True then overwrites every rank's bias with rank 0's at the next
+  forward. A global-batch version would all-gather r before step 3.
+- Eval-mode passes (validation, generation) never touch the bias or the diagnostics.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+BALANCING = ("quantile_balancing", "aux_free_bias", "none")
+
+
+class SwiGLU(nn.Module):
+    """x [..., d] -> [..., d]: w_down(silu(w_gate x) * w_up x). The dense FFN and the shared expert(s)."""
+
+    def __init__(self, d_model: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(d_model, ffn_dim, bias=False)
+        self.w_up = nn.Linear(d_model, ffn_dim, bias=False)
+        self.w_down = nn.Linear(ffn_dim, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class RoutedExperts(nn.Module):
+    """E SwiGLU experts as stacked weights [E, out, in] (Muon treats each expert as its own matrix)."""
+
+    def __init__(self, n_experts: int, d_model: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(n_experts, ffn_dim, d_model))
+        self.w_up = nn.Parameter(torch.empty(n_experts, ffn_dim, d_model))
+        self.w_down = nn.Parameter(torch.empty(n_experts, d_model, ffn_dim))
+        for w in (self.w_gate, self.w_up, self.w_down):
+            nn.init.normal_(w, std=0.02)  # the model re-initialises with its init_std
+
+    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x_sorted [S, d]: token slots grouped by expert, counts[e] rows for expert e -> [S, d]."""
+        # unbind, not w[e]: indexing a parameter E times makes backward build E full-size [E, out, in] gradients.
+        w_gate, w_up, w_down = self.w_gate.unbind(0), self.w_up.unbind(0), self.w_down.unbind(0)
+        outs = []
+        for e, xs in enumerate(x_sorted.split(counts)):
+            if xs.shape[0] == 0:
+                continue
+            h = F.silu(xs @ w_gate[e].T) * (xs @ w_up[e].T)  # [n_e, F]
+            outs.append(h @ w_down[e].T)
+        return torch.cat(outs) if outs else x_sorted.new_zeros(x_sorted.shape)
+
+
+class MoE(nn.Module):
+    """x [B, T, d] -> [B, T, d]: shared expert(s) plus k of n routed experts per token."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_routed_experts: int,
+        experts_per_token: int,
+        expert_ffn_dim: int,
+        n_shared_experts: int = 1,
+        routed_scaling_factor: float = 1.0,
+        balancing: str = "quantile_balancing",
+        aux_free_bias_rate: float = 1e-3,
+    ) -> None:
+        super().__init__()
+        if balancing not in BALANCING:
+            raise ValueError(f"balancing={balancing!r} must be one of {BALANCING}")
+        if not 0 < experts_per_token < n_routed_experts:
+            raise ValueError(f"experts_per_token={experts_per_token} must be in [1, n_routed_experts)")
+        self.n_experts, self.k = n_routed_experts, experts_per_token
+        self.routed_scaling_factor = routed_scaling_factor
+        self.balancing, self.aux_free_bias_rate = balancing, aux_free_bias_rate
+
+        self.router = nn.Linear(d_model, n_routed_experts, bias=False)  # weight [n, d]
+        self.experts = RoutedExperts(n_routed_experts, d_model, expert_ffn_dim)
+        self.shared = SwiGLU(d_model, n_shared_experts * expert_ffn_dim) if n_shared_experts > 0 else None
+        self.register_buffer("expert_bias", torch.zeros(n_routed_experts))  # persistent: in state_dict
+        # Diagnostics of the last training-mode pass: tokens per expert [n]. Not state: not in state_dict.
+        self.last_load: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, d = x.shape
+        x_flat = x.reshape(B * T, d)
+        weights, experts = self.route(self.router(x_flat))  # [N, k], [N, k]
+        out = self.dispatch(x_flat, weights, experts)
+        if self.shared is not None:
+            out = out + self.shared(x_flat)
+        return out.view(B, T, d)
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [N, n] -> gate weights [N, k] fp32 and chosen experts [N, k]; in training, updates the bias."""
+        scores = torch.sigmoid(logits.float())
+        experts = torch.topk(scores + self.expert_bias, self.k, dim=-1).indices  # the bias only steers the choice
+        weights = scores.gather(-1, experts)
+        weights = weights / weights.sum(dim=-1, keepdim=True) * self.routed_scaling_factor
+        if self.training:
+            self._after_training_route(scores.detach(), experts)
+        return weights, experts
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [N, d], weights/experts [N, k] -> sum_j weights[:, j] * expert_{experts[:, j]}(x)  [N, d].
+
+        The N*k token slots are sorted by expert so that each expert runs once on a contiguous slice.
+        """
+        N, d = x.shape
+        flat_experts = experts.reshape(-1)  # [N*k]
+        order = torch.argsort(flat_experts, stable=True)
+        token_of_slot = order // self.k  # [N*k]: which token each sorted slot belongs to
+        counts = torch.bincount(flat_experts, minlength=self.n_experts).tolist()
+        y = self.experts(x[token_of_slot], counts)  # [N*k, d], in the matmuls' dtype (bf16 under autocast)
+        y = y * weights.reshape(-1, 1)[order].to(y.dtype)
+        return y.new_zeros(N, d).index_add_(0, token_of_slot, y)
+
+    @torch.no_grad()
+    def _after_training_route(self, scores: torch.Tensor, experts: torch.Tensor) -> None:
+        load = torch.bincount(experts.reshape(-1), minlength=self.n_experts).float()
+        self.last_load = load
+        if self.balancing == "quantile_balancing":
+            self.expert_bias.copy_(self._quantile_bias(scores))
+        elif self.balancing == "aux_free_bias":
+            self.expert_bias.add_(self.aux_free_bias_rate * torch.sign(load.mean() - load))
+
+    def _quantile_bias(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores [N, n] fp32 -> the new bias [n] (steps 1-4 of the module docstring)."""
+        N, n = scores.shape
+        cutoff = torch.topk(scores + self.expert_bias, self.k + 1, dim=-1).values[:, -1:]  # [N, 1]
+        required = cutoff - scores  # [N, n]
+        m = min(max(round(N * self.k / n), 1), N - 1)
+        lowest = torch.topk(required, m + 1, dim=0, largest=False).values  # [m+1, n], ascending
+        bias = 0.5 * (lowest[m - 1] + lowest[m])
+        return bias - bias.mean()
+
+    def diagnostics(self) -> dict[str, float]:
+        """Router health of the last training-mode pass: max/min expert load over the mean, bias range, and the
+        entropy of the load distribution over log(n) (1.0 = perfectly even). Empty before the first pass."""
+        if self.last_load is None:
+            return {}
+        load = self.last_load
+        share = load / load.sum()
+        entropy = -(share * share.clamp_min(1e-12).log()).sum() / math.log(self.n_experts)
+        return {
+            "load_max": (load.max() / load.mean()).item(),
+            "load_min": (load.min() / load.mean()).item(),
+            "bias_range": (self.expert_bias.max() - self.expert_bias.min()).item(),
+            "routing_entropy": entropy.item(),
+        }
