@@ -24,7 +24,7 @@ import hydra
 import torch
 from omegaconf import OmegaConf
 
-from k3train.optim.muon import MuonAdamW
+from k3train.optim.muon import MuonAdamW, as_matrices
 from k3train.optim.param_groups import format_partition
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +38,20 @@ def _timed(fn) -> float:
 
 def _optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
     return hydra.utils.instantiate(OmegaConf.load(ROOT / "conf" / "optim" / f"{name}.yaml"))(model)
+
+
+def newton_schulz_flops(opt: MuonAdamW) -> int:
+    """Matmul FLOPs of one step's Newton-Schulz: per matrix [a, b] (a <= b) and iteration, X X^T (2a^2 b),
+    gram^2 (2a^3) and poly X (2a^2 b)."""
+    total = 0
+    for g in opt.param_groups:
+        if g["kind"] != "muon":
+            continue
+        for p, split in zip(g["params"], g["head_splits"]):
+            n, *dims = as_matrices(p.detach(), split).shape
+            a, b = sorted(dims)
+            total += g["ns_steps"] * n * (4 * a * a * b + 2 * a**3)
+    return total
 
 
 def main() -> None:
@@ -97,6 +111,8 @@ def main() -> None:
         "params_total": n_total, "params_muon": n_muon,
         "median_s": {k: round(v, 5) for k, v in med.items()},
         "muon_groups_s": round(muon, 5), "adamw_groups_s": round(adamw, 5),
+        "muon_newton_schulz_gflop": round(newton_schulz_flops(opt) / 1e9, 2),
+        "muon_achieved_gflop_per_s": round(newton_schulz_flops(opt) / 1e9 / muon, 1),
         "muon_share_of_train_step": round(muon / train_step, 4),
         "muon_share_of_optimizer_step": round(muon / (muon + adamw), 4),
         "optimizer_step_vs_adamw_baseline": round(med["step_muon_adamw"] / med["step_adamw_baseline"], 2),
