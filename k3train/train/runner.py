@@ -17,6 +17,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from k3train.config import RESUME_MUST_MATCH, TrainConfig
+from k3train.optim.param_groups import format_partition
 from k3train.train.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint
 from k3train.train.manifest import RunManifest, environment
 from k3train.train.metrics import MetricsWriter
@@ -153,9 +154,7 @@ def _print_summary(run_dir: Path, trainer: Trainer, model, optimizer, cfg: DictC
         f"embedding {counts['embedding']:,}",
         f"  optimizer: {type(optimizer).__name__}",
     ]
-    for g in _optimizer_summary(optimizer):
-        settings = ", ".join(f"{k}={v}" for k, v in g.items() if k not in ("name", "tensors", "values"))
-        lines.append(f"    {g['name']:<22} {g['tensors']:>4} tensors {g['values']:>12,} values  {settings}")
+    lines += ["    " + row for row in format_partition(optimizer.param_groups).splitlines()]
     lines.append(f"  schedule: {cfg.schedule.decay}, warmup {cfg.schedule.warmup_steps}, "
                  f"{trainer.total_steps} updates; QK-Clip tau: {trainer.qk_clip_tau}")
     lines.append(f"  token plan: {trainer.tokens_per_update:,} tokens per nominal update x {trainer.total_steps} "
