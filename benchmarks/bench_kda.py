@@ -95,8 +95,11 @@ def main() -> None:
     parser.add_argument("--recurrent-T", type=int, default=256, help="T for the (slow) per-step reference")
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "kda.json"))
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     B, H, T, K, V, C = args.B, args.H, args.T, args.K, args.V, args.chunk_size
 
     def ours(fn_inputs, do, dS) -> Result:

@@ -96,20 +96,18 @@ def chunk_kda(
         # Intra-chunk work, every chunk at once.
         A_qk, inverse = _intra_chunk(q, k, G, beta)  # [B, HV, N, C, C] each
         w, u = (inverse @ (beta * torch.cat([k * G.exp(), v], dim=-1))).split([K, V], dim=-1)
+        q_in = q * G.exp()  # reads the state at the chunk start
         k_out = (k * (G[..., -1:, :] - G).exp()).transpose(-1, -2)  # [B, HV, N, K, C]: writes the chunk-end state
-        # With v' = u - w S, the chunk-end state is S' = M S + b: M = diag(exp G_last) - k_out w, b = k_out u.
-        transition = torch.diag_embed(G[..., -1, :].exp()) - k_out @ w  # [B, HV, N, K, K]
-        increment = k_out @ u  # [B, HV, N, K, V]
+        chunk_decay = G[..., -1, :, None].exp()  # [B, HV, N, K, 1]
 
         # Inter-chunk recurrence: the only sequential part.
         S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-        starts = []
+        starts, v_new = [], []
         # unbind, not x[:, :, n]: each indexing's backward would write a zero-filled copy of the whole tensor.
-        for M_n, b_n in zip(transition.unbind(2), increment.unbind(2)):
+        for u_n, w_n, k_out_n, decay_n in zip(*(x.unbind(2) for x in (u, w, k_out, chunk_decay))):
             starts.append(S)
-            S = M_n @ S + b_n
-        starts = torch.stack(starts, dim=2)  # [B, HV, N, K, V]: the state at each chunk's start
-        v_new = u - w @ starts  # [B, HV, N, C, V]: the values the state fails to predict
-        o = (q * G.exp()) @ starts + A_qk @ v_new  # [B, HV, N, C, V]
+            v_new.append(u_n - w_n @ S)  # [B, HV, C, V]: the values the state fails to predict
+            S = decay_n * S + k_out_n @ v_new[-1]
+        o = q_in @ torch.stack(starts, dim=2) + A_qk @ torch.stack(v_new, dim=2)  # [B, HV, N, C, V]
         o = o.reshape(B, HV, N * C, V)[:, :, :T].transpose(1, 2)  # [B, T, HV, V]
     return o.to(out_dtype), (S if output_final_state else None)
