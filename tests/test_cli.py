@@ -50,11 +50,17 @@ def test_smoke_run_writes_ordered_events_manifest_and_checkpoint(run_cli, tmp_pa
     assert ckpt["meta"]["data"]["fingerprint"] == manifest["data"]["fingerprint"]
 
 
-@pytest.mark.parametrize("model", ["smoke_test_lm"])
+# The Kimi K3 case shrinks k3_tiny and uses Muon + AdamW with QK-Clip at a threshold under the initial max logits (~0.09), so the optimizer
+# state, the Quantile Balancing buffers and QK-Clip's weight edits all have to survive the resume.
+K3_RESUME = ["model=k3_tiny", "optim=muon_adamw", "model.d_model=64", "model.expert_ffn_dim=32",
+             "model.dense_ffn_dim=64", "model.kda_chunk_size=16", "train.qk_clip_tau=0.05"]
+
+
+@pytest.mark.parametrize("model", [["model=smoke_test_lm"], K3_RESUME], ids=["smoke_test_lm", "k3_tiny"])
 def test_exact_resume_in_a_new_process(run_cli, tmp_path, model):
     """N steps straight == N/2 steps, exit, resume in a new process, N/2 more: bitwise on CPU."""
     n = 8
-    common = [*TINY, f"model={model}", f"train.max_steps={n}", "train.eval_interval=3",
+    common = [*TINY, *model, f"train.max_steps={n}", "train.eval_interval=3",
               "train.checkpoint_interval=0", "train.deterministic=true"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert run_cli(*common, f"hydra.run.dir={straight}").returncode == 0
@@ -69,6 +75,9 @@ def test_exact_resume_in_a_new_process(run_cli, tmp_path, model):
         return {e["step"]: e["loss"] for e in events(run_dir) if e["event"] == "train"}
 
     assert losses(split) == losses(straight)  # every step, both sessions, exactly equal floats
+    if model is K3_RESUME:
+        clipped = [e["qk_clip"]["n_clipped"] for e in events(straight) if e["event"] == "train"]
+        assert sum(clipped) > 0, "tau=0.05 must clip some heads, or this case does not test QK-Clip's resume"
     evals = lambda d: [(e["step"], e["loss"]) for e in events(d) if e["event"] == "eval"]  # noqa: E731
     assert evals(split) == evals(straight)
     a, b = load_checkpoint(straight / "last.pt"), load_checkpoint(split / "last.pt")
