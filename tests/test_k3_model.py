@@ -1,5 +1,6 @@
 """KimiK3: config validation, the seeds' tiny-model integration checks, check_data, parameter counts, YAML configs."""
 
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -33,6 +34,14 @@ def batch(B=4, T=32, seed=0):
 
 
 # --- config -------------------------------------------------------------------------------------------------------
+
+def test_explicit_layer_types_from_yaml_become_a_plain_list():
+    cfg = OmegaConf.load(CONF / "k3_tiny.yaml")
+    cfg.vocab_size, cfg.kda_mla_ratio, cfg.layer_types = V, None, ["mla", "kda", "kda", "mla"]
+    model = instantiate(cfg)
+    assert type(model.config.layer_types) is list
+    assert [layer.mixer_type for layer in model.layers] == ["mla", "kda", "kda", "mla"]
+
 
 def test_layer_patterns():
     assert KimiK3Config(n_layers=8, kda_mla_ratio="3:1").layer_pattern == ["kda"] * 3 + ["mla"] + ["kda"] * 3 + ["mla"]
@@ -204,7 +213,8 @@ def test_model_yamls_instantiate(name):
     cfg.vocab_size = 257
     model = instantiate(cfg)
     assert isinstance(model, KimiK3) and model.config.vocab_size == 257
-    assert isinstance(model.config.layer_types, (list, type(None)))
+    # the config round-trips through a plain dict (run.json / checkpoint metadata -> a rebuilt model)
+    assert KimiK3.from_fields(**asdict(model.config)).config == model.config
     kinds = [layer.mixer_type for layer in model.layers]
     assert kinds == (["kda", "kda", "kda", "mla"] if name == "k3_tiny" else ["mla"] * 4)
     assert [isinstance(layer.ffn, MoE) for layer in model.layers] == [False, True, True, True]

@@ -9,13 +9,22 @@ The bias is a persistent buffer (it travels in state_dict) and changes only in t
   with capacity kN/n per expert; the dual variable of an expert's capacity constraint is its bias, so the bias
   is SET each step from the current tokens rather than nudged. The concrete form used here, per training forward:
     1. cutoff_i = the (k+1)-th largest of s_i + b            (b: the bias this pass routed with)
-    2. r_ij = cutoff_i - s_ij                                 (expert j beats token i's cutoff iff b_j > r_ij)
+    2. r_ij = cutoff_i - s_ij      (the bias expert j needs to be in token i's top-k, others' biases fixed: exact
+                                    if j is in it now; for the other experts the true need is higher by the gap
+                                    between the k-th and (k+1)-th largest)
     3. b_j = midpoint of the m-th and (m+1)-th smallest r_.j, m = round(N k / n), so that exactly m tokens
        have r_ij < b_j (the (k/n)-quantile of mla_moe.md, chosen between two order statistics to avoid ties)
     4. b <- b - mean(b)                                       (top-k is shift invariant; keeps b near 0)
   The new b is used from the next forward pass on. Each expert's update holds the others' biases fixed, so it is
   one Jacobi step of the dual problem, not the exact optimum; on a stream of similar batches it settles within
   a few steps (tests/test_moe.py measures it). It has no balancing hyperparameter.
+  Its limit is the lag: when the router itself moves more per step than its logits spread over tokens, the
+  previous batch's bias is stale. Measured on k3_tiny (built-in corpus, AdamW lr 3e-3 on every parameter): the
+  router's per-token logit spread fell from 0.2 to 0.03 while its per-expert means moved ~0.2 per step, loads
+  collapsed onto 2 experts over steps ~2-15 and were back within about +-30% of even by step ~50; with
+  aux_free_bias or none they were still collapsed at step 40. A 10x lower router learning rate did not remove
+  the swing (worst layer still 2.2-3.1x the mean load over steps 10-25): early hidden states vary little from
+  token to token, so the router has little to route on.
 - "aux_free_bias" (DeepSeek-V3): b_e <- b_e + rate * sign(mean_load - load_e) after each training forward.
 - "none": the bias stays zero.
 
