@@ -6,6 +6,8 @@ shorter T. Without flash-linear-attention installed only our numbers are reporte
 
     python benchmarks/bench_kda.py                    # B=1, H=4, T=2048, K=V=64, fp32
     /work/fla-venv/bin/python benchmarks/bench_kda.py # an environment with flash-linear-attention[cpu]
+    ... --threads 1   # on a shared machine: with 2 threads the naive path's thousands of tiny ops stall on
+                      # thread barriers whenever other work runs, and the ratio swings (16x quiet, 110x loaded)
 
 Conventions match FLA's naive ops exactly (same layout, log-space g, scale defaulting to K**-0.5, q/k used as
 given), so inputs pass through unchanged. Writes benchmarks/results/kda.json.
