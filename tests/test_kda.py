@@ -105,6 +105,8 @@ def test_chunk_rejects_bad_arguments():
         chunk_kda(q, k, v, g, beta, chunk_size=48)
     with pytest.raises(ValueError, match=r"g must be \[B, T, HV, K\]"):
         chunk_kda(q, k, v, g[..., :2], beta)
+    with pytest.raises(ValueError, match="at least one time step"):
+        naive_recurrent_kda(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0])
 
 
 def test_chunk_matches_fla_naive_chunk():

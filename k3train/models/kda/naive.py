@@ -17,6 +17,8 @@ def check_kda_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, i
     if q.dim() != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [B, T, H, K]; got q {tuple(q.shape)}, k {tuple(k.shape)}")
     B, T, H, K = q.shape
+    if T < 1:
+        raise ValueError(f"q, k, v, g, beta need at least one time step; got T={T}")
     if v.dim() != 4 or v.shape[:2] != (B, T) or v.shape[2] % H != 0:
         raise ValueError(f"v must be [B, T, HV, V] with HV a multiple of H={H}; got {tuple(v.shape)}")
     HV, V = v.shape[2], v.shape[3]
