@@ -10,8 +10,9 @@ from k3train.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
-TINY = ["train.batch_size=2", "train.seq_len=32", "train.log_interval=1", "train.eval_batches=2",
-        "train.progress=lines", "schedule.warmup_steps=2"]
+SHAPE = ["train.batch_size=2", "train.seq_len=32", "train.log_interval=1", "train.eval_batches=2",
+         "train.progress=lines", "schedule.warmup_steps=2"]
+TINY = ["model=smoke_test_lm", *SHAPE]  # the plumbing model keeps CLI tests fast
 
 
 def events(run_dir):
@@ -60,7 +61,7 @@ K3_RESUME = ["model=k3_tiny", "optim=muon_adamw", "model.d_model=64", "model.exp
 def test_exact_resume_in_a_new_process(run_cli, tmp_path, model):
     """N steps straight == N/2 steps, exit, resume in a new process, N/2 more: bitwise on CPU."""
     n = 8
-    common = [*TINY, *model, f"train.max_steps={n}", "train.eval_interval=3",
+    common = [*SHAPE, *model, f"train.max_steps={n}", "train.eval_interval=3",
               "train.checkpoint_interval=0", "train.deterministic=true"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert run_cli(*common, f"hydra.run.dir={straight}").returncode == 0
@@ -157,3 +158,33 @@ def test_profiler_writes_a_trace(run_cli, tmp_path):
     assert proc.returncode == 0, proc.stderr
     traces = list((run_dir / "profile").glob("*.json"))
     assert traces and traces[0].stat().st_size > 0
+
+
+def test_kimi_k3_run_records_diagnostics_and_changes_every_weight(run_cli, tmp_path):
+    """The default model family through the CLI: Muon + AdamW groups, MoE and optimizer diagnostics in the
+    metrics, and every parameter moved away from its (seeded, reproducible) initial value."""
+    from k3train.models.k3 import KimiK3
+    from k3train.train.rng import seed_everything
+
+    run_dir = tmp_path / "run"
+    proc = run_cli(*SHAPE, *K3_RESUME[:-1], "train.max_steps=3", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr
+    assert "plumbing" not in proc.stdout
+    assert [e["event"] for e in events(run_dir)] == ["session", "train", "train", "train", "eval", "checkpoint",
+                                                      "end"]
+    train = [e for e in events(run_dir) if e["event"] == "train"]
+    assert any(k.startswith("moe/") and k.endswith("/load_max") for k in train[-1]["model"])
+    assert any(k.endswith("/update_rms") for k in train[-1]["optimizer"])
+    assert set(train[-1]["lr"]) >= {"muon_attention", "muon_experts", "adamw_embed"}
+    assert train[-1]["qk_clip"]["max_logit"]
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert manifest["model"]["class"] == "KimiK3"
+    assert manifest["model"]["params"]["active"] < manifest["model"]["params"]["total"]
+    assert {g["kind"] for g in manifest["optimizer"]} == {"muon", "adamw"}
+
+    seed_everything(manifest["config"]["train"]["seed"])
+    initial = KimiK3.from_fields(**manifest["model"]["config"]).state_dict()
+    trained = load_checkpoint(run_dir / "last.pt")["model"]
+    unchanged = [n for n, p in KimiK3.from_fields(**manifest["model"]["config"]).named_parameters()
+                 if torch.equal(initial[n], trained[n])]
+    assert not unchanged, f"parameters never updated: {unchanged}"
