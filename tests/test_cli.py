@@ -131,10 +131,12 @@ def test_a_fresh_run_never_overwrites_an_existing_one(run_cli, tmp_path):
     ("resume=/nonexistent/last.pt", "no such checkpoint"),
     ("train.device=cuda:0", "CUDA is not available") if not torch.cuda.is_available() else ("train.seed=x", "seed"),
     ("train.seq_len=8192", "max_seq_len"),
+    ("data=prepared data.path=/nonexistent/data", "does not exist"),
+    ("model=k3_tiny model.kda_mla_ratio=abc", "must look like '3:1'"),
 ])
 def test_bad_input_fails_before_any_work_with_a_clear_message(run_cli, tmp_path, override, message):
     run_dir = tmp_path / "run"
-    proc = run_cli(*TINY, "train.max_steps=2", override, f"hydra.run.dir={run_dir}")
+    proc = run_cli(*TINY, "train.max_steps=2", *override.split(), f"hydra.run.dir={run_dir}")
     assert proc.returncode != 0
     assert message in proc.stderr
     assert not (run_dir / "last.pt").exists() and not (run_dir / "run.json").exists()
@@ -188,3 +190,19 @@ def test_kimi_k3_run_records_diagnostics_and_changes_every_weight(run_cli, tmp_p
     unchanged = [n for n, p in KimiK3.from_fields(**manifest["model"]["config"]).named_parameters()
                  if torch.equal(initial[n], trained[n])]
     assert not unchanged, f"parameters never updated: {unchanged}"
+
+
+def test_output_layout_for_runs_and_sweeps(run_cli, tmp_path, monkeypatch):
+    """Single runs land in <root>/runs/<date>/<time>/, multirun jobs in <root>/sweeps/<date>/<time>/<job.num>/."""
+    monkeypatch.setenv("K3TRAIN_OUTPUTS", str(tmp_path))
+    assert run_cli(*TINY, "train.max_steps=1").returncode == 0
+    runs = list(tmp_path.glob("runs/*/*/run.json"))
+    assert len(runs) == 1 and (runs[0].parent / "last.pt").exists()
+
+    proc = run_cli("-m", *TINY, "train.max_steps=1", "optim.lr=1e-3,2e-3")
+    assert proc.returncode == 0, proc.stderr
+    jobs = sorted(tmp_path.glob("sweeps/*/*/*/run.json"))
+    assert [p.parent.name for p in jobs] == ["0", "1"]
+    lrs = [json.loads(p.read_text())["config"]["optim"]["lr"] for p in jobs]
+    assert lrs == [1e-3, 2e-3]
+    assert all((p.parent / "metrics.jsonl").exists() and (p.parent / "last.pt").exists() for p in jobs)

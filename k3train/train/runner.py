@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -71,7 +72,7 @@ def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data) -> dic
 def run(cfg: DictConfig) -> str:
     try:
         trainer, manifest, metrics, resume_path = _setup(cfg)
-    except (ValueError, FileNotFoundError, CheckpointError) as exc:
+    except (ValueError, FileNotFoundError, CheckpointError, InstantiationException) as exc:
         print(f"k3train: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
     try:
