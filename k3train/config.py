@@ -40,8 +40,8 @@ class TrainConfig:
     compile: bool = False
     qk_clip_tau: Optional[float] = 100.0  # QK-Clip threshold for MLA layers; null disables
     progress: str = "auto"  # auto (a bar on a terminal, log lines otherwise) | bar | lines
-    # End this session after this many updates (counted from step 0) with a checkpoint, leaving the plan (and so
-    # the schedule) unchanged; the next session continues with resume=auto. For time-sliced jobs and tests.
+    # End this session after this many updates (counted from where the session started) with a checkpoint,
+    # leaving the plan (and so the schedule) unchanged; the same command with resume=auto does the next slice.
     stop_after: Optional[int] = None
 
     def __post_init__(self) -> None:
@@ -77,6 +77,10 @@ class TrainConfig:
 # Recipe fields that define what one update is: a resumed run must agree on them. Everything else (max_steps,
 # intervals, eval size, clipping, seed...) may change between sessions.
 RESUME_MUST_MATCH = ("batch_size", "seq_len", "gradient_accumulation_steps", "overfit_batch")
+
+# Model config fields that choose an implementation, not the function or the parameters: a run may continue
+# on other hardware with another one (chunk on a CPU, fla on a GPU).
+RESUME_MAY_CHANGE_MODEL = ("kda_implementation",)
 
 
 @dataclass

@@ -57,18 +57,26 @@ K3_RESUME = ["model=k3_tiny", "optim=muon_adamw", "model.d_model=64", "model.exp
              "model.dense_ffn_dim=64", "model.kda_chunk_size=16", "train.qk_clip_tau=0.05"]
 
 
-@pytest.mark.parametrize("model", [["model=smoke_test_lm"], K3_RESUME], ids=["smoke_test_lm", "k3_tiny"])
+# fp16 on CPU with accumulation: the GradScaler's state and micro-batch cursors must survive too.
+FP16_ACCUM = ["model=smoke_test_lm", "precision=fp16", "train.gradient_accumulation_steps=2"]
+
+
+@pytest.mark.parametrize("model", [["model=smoke_test_lm"], K3_RESUME, FP16_ACCUM],
+                         ids=["smoke_test_lm", "k3_tiny", "fp16_accum"])
 def test_exact_resume_in_a_new_process(run_cli, tmp_path, model):
-    """N steps straight == N/2 steps, exit, resume in a new process, N/2 more: bitwise on CPU."""
+    """N steps straight == N/2 steps, exit, resume in a NEW process, N/2 more: bitwise on CPU.
+
+    The split run is the README's time-sliced command run twice, unchanged: resume=auto train.stop_after=N/2."""
     n = 8
     common = [*SHAPE, *model, f"train.max_steps={n}", "train.eval_interval=3",
               "train.checkpoint_interval=0", "train.deterministic=true"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert run_cli(*common, f"hydra.run.dir={straight}").returncode == 0
-    first = run_cli(*common, f"train.stop_after={n // 2}", f"hydra.run.dir={split}")
+    sliced = [*common, "resume=auto", f"train.stop_after={n // 2}", f"hydra.run.dir={split}"]
+    first = run_cli(*sliced)
     assert first.returncode == 0, first.stderr
     assert load_checkpoint(split / "last.pt")["trainer"]["step"] == n // 2
-    second = run_cli(*common, "resume=auto", f"hydra.run.dir={split}")
+    second = run_cli(*sliced)
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stdout
 
@@ -93,6 +101,7 @@ def test_exact_resume_in_a_new_process(run_cli, tmp_path, model):
     assert torch.equal(a["rng"]["numpy"]["keys"], b["rng"]["numpy"]["keys"])
     sessions = json.loads((split / "run.json").read_text())["sessions"]
     assert [(s["end_reason"], s["resume_step"]) for s in sessions] == [("stop_after", None), ("max_steps", n // 2)]
+    # (the second slice ends at max_steps: stop_after would have stopped it at the same step)
     kinds = [e["event"] for e in events(split)]
     assert kinds.count("session") == 2 and kinds.count("resume") == 1
 
@@ -139,7 +148,7 @@ def test_bad_input_fails_before_any_work_with_a_clear_message(run_cli, tmp_path,
     proc = run_cli(*TINY, "train.max_steps=2", *override.split(), f"hydra.run.dir={run_dir}")
     assert proc.returncode != 0
     assert message in proc.stderr
-    assert not (run_dir / "last.pt").exists() and not (run_dir / "run.json").exists()
+    assert not any((run_dir / name).exists() for name in ("last.pt", "run.json", "metrics.jsonl"))
 
 
 def test_divergence_stops_with_a_clear_message(run_cli, tmp_path):
@@ -206,3 +215,27 @@ def test_output_layout_for_runs_and_sweeps(run_cli, tmp_path, monkeypatch):
     lrs = [json.loads(p.read_text())["config"]["optim"]["lr"] for p in jobs]
     assert lrs == [1e-3, 2e-3]
     assert all((p.parent / "metrics.jsonl").exists() and (p.parent / "last.pt").exists() for p in jobs)
+
+
+def test_a_diverged_job_does_not_end_the_sweep(run_cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("K3TRAIN_OUTPUTS", str(tmp_path))
+    proc = run_cli("-m", *TINY, "train.max_steps=3", "train.max_consecutive_skips=1", "optim.lr=1e30,1e-3")
+    assert proc.returncode != 0 and "diverged" in proc.stderr  # the sweep reports the failed job...
+    jobs = {p.parent.name: json.loads(p.read_text()) for p in tmp_path.glob("sweeps/*/*/*/run.json")}
+    assert [jobs[k]["sessions"][-1]["end_reason"] for k in sorted(jobs)] == ["diverged", "max_steps"]  # ...and ran on
+
+
+def test_optimizer_settings_may_change_on_resume(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli(*TINY, "optim=adamw", "train.max_steps=2", "optim.lr=1e-3",
+                   f"hydra.run.dir={run_dir}").returncode == 0
+    proc = run_cli(*TINY, "optim=adamw", "train.max_steps=4", "optim.lr=2e-3", "optim.weight_decay=0.0", "resume=auto",
+                   f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr
+    resume = next(e for e in events(run_dir) if e["event"] == "resume")
+    assert resume["changed_settings"]["decay.initial_lr"] == [1e-3, 2e-3]
+    assert resume["changed_settings"]["decay.weight_decay"] == [0.1, 0.0]
+    groups = load_checkpoint(run_dir / "last.pt")["optimizer"]["param_groups"]
+    assert {g["initial_lr"] for g in groups} == {2e-3} and {g["weight_decay"] for g in groups} == {0.0}
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert {g["initial_lr"] for g in manifest["optimizer"]} == {2e-3}  # run.json agrees with what ran

@@ -7,13 +7,15 @@ does NOT hold, with or without RoPE, is a bound on other inputs: the clip is com
 and in a deep model it also changes the inputs of later layers.
 """
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 from k3train.models.k3 import KimiK3
 from k3train.models.k3.mla import MultiHeadLatentAttention
-from k3train.optim.qk_clip import qk_clip_, set_max_logit_tracking
+from k3train.optim.qk_clip import qk_clip_, reset_max_logits, set_max_logit_tracking
 
 H, TAU = 4, 30.0
 
@@ -97,3 +99,38 @@ def test_model_level_names():
     report = qk_clip_(model, 1e-3)  # tiny tau: every head clips
     assert set(report["clipped_heads"]) == {"layers.0.mixer", "layers.1.mixer"} and report["n_clipped"] == 4
     assert set(report["max_logit"]) == {"layers.0.mixer", "layers.1.mixer"}
+
+
+def test_non_finite_measurements_are_reported_never_applied():
+    """After an fp16 overflow a head may measure inf: tau / inf = 0 must not wipe its rows."""
+    torch.manual_seed(3)
+    model = TwoMLA()
+    set_max_logit_tracking(model, True)
+    model(torch.randn(1, 8, 32))
+    model.a.max_logit = torch.tensor([float("inf"), 1.0, float("nan"), 1e6])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    report = qk_clip_(model, TAU)
+    assert "a" not in report["clipped_heads"] and not math.isfinite(report["max_logit"]["a"])
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items() if k.startswith("a."))
+    assert model.a.max_logit is None
+
+
+def test_reset_discards_the_measurement_of_a_skipped_update():
+    torch.manual_seed(4)
+    model = TwoMLA()
+    with torch.no_grad():
+        model.a.q_proj.weight.mul_(60.0)
+    set_max_logit_tracking(model, True)
+    model(torch.randn(1, 8, 32))
+    assert model.a.max_logit is not None
+    reset_max_logits(model)
+    assert qk_clip_(model, TAU)["n_clipped"] == 0
+
+
+def test_eval_forward_does_not_touch_the_measurement():
+    torch.manual_seed(5)
+    model = TwoMLA()
+    set_max_logit_tracking(model, True)
+    model.eval()
+    model(torch.randn(1, 8, 32))
+    assert model.a.max_logit is None and model.b.max_logit is None

@@ -28,8 +28,10 @@ def test_constant_and_wsd():
     assert c.factor(4) == pytest.approx(1.0) and c.factor(49) == 1.0 and c.factor(0) == pytest.approx(0.2)
     w = LRSchedule(total_steps=100, decay="wsd", warmup_steps=10, min_lr_ratio=0.0, decay_fraction=0.2)
     assert w.factor(50) == 1.0 and w.factor(79) == 1.0
-    assert w.factor(80) == pytest.approx(1 - 1 / 20)
-    assert w.factor(99) == pytest.approx(0.0)
+    assert w.factor(80) == pytest.approx(1.0)  # decay starts from the peak...
+    assert w.factor(81) == pytest.approx(1 - 1 / 20)
+    assert w.factor(99) == pytest.approx(1 / 20)  # ...and the last update still moves
+    assert w.factor(100) == pytest.approx(0.0)
 
 
 def test_apply_scales_every_group_from_initial_lr():

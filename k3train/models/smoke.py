@@ -7,7 +7,7 @@ trainer, checkpoint and metrics plumbing quickly; its losses must never be repor
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -67,6 +67,3 @@ class SmokeTestLM(nn.Module):
     def param_counts(self) -> dict:
         total = sum(p.numel() for p in self.parameters())
         return {"total": total, "active": total, "embedding": self.embed.weight.numel()}
-
-    def config_dict(self) -> dict:
-        return asdict(self.config)

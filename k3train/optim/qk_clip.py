@@ -8,8 +8,9 @@ the forward pass: it keeps the weights from growing logits further.
 
 Usage (the Trainer): `set_max_logit_tracking(model, True)` once; after each successful `optimizer.step()`,
 `qk_clip_(model, tau)`, which reads the running max logits of the training forward passes since its last call
-(all micro-batches of the update), clears them, and returns them for metrics. After a skipped update it is not
-called, so the running max carries over: those logits came from weights that are still current.
+(all micro-batches of the update), clears them, and returns them for metrics. After a skipped update the Trainer
+calls `reset_max_logits(model)`: a forward pass that produced a non-finite loss may have measured inf/NaN logits,
+and an inf would give gamma = 0 and wipe the head's query and key rows.
 """
 
 from __future__ import annotations
@@ -34,6 +35,12 @@ def set_max_logit_tracking(model: nn.Module, on: bool) -> int:
     return len(modules)
 
 
+def reset_max_logits(model: nn.Module) -> None:
+    """Discard the running measurements (after a skipped update)."""
+    for m in _mla_modules(model).values():
+        m.max_logit = None
+
+
 @torch.no_grad()
 def qk_clip_(model: nn.Module, tau: float) -> dict:
     """Clip every MLA head whose last measured max logit exceeds tau. Returns, for metrics:
@@ -49,11 +56,13 @@ def qk_clip_(model: nn.Module, tau: float) -> dict:
         if m.max_logit is None:
             continue
         s = m.max_logit
+        m.max_logit = None  # consumed: the next update's forward passes start a fresh running max
         max_logit[name] = s.max().item()
+        if not torch.isfinite(s).all():
+            continue  # reported, never acted on: tau / inf = 0 would zero the head
         over = s > tau
         if over.any():
             gamma = torch.where(over, tau / s, torch.ones_like(s))
             m.scale_qk_heads_(gamma)
             clipped[name] = over.nonzero().flatten().tolist()
-        m.max_logit = None  # consumed: the next update's forward passes start a fresh running max
     return {"max_logit": max_logit, "clipped_heads": clipped, "n_clipped": sum(len(v) for v in clipped.values())}

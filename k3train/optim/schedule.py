@@ -46,7 +46,8 @@ class LRSchedule:
         decay_start = self.total_steps - decay_steps
         if step < decay_start:
             return 1.0
-        progress = min(1.0, (step - decay_start + 1) / decay_steps)
+        # The last update still moves (factor > min_lr_ratio): with a floor of 0 it would otherwise be wasted.
+        progress = min(1.0, (step - decay_start) / decay_steps)
         return 1.0 - (1.0 - self.min_lr_ratio) * progress
 
     def apply(self, optimizer, step: int) -> float:

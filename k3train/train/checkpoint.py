@@ -10,6 +10,7 @@ Loading uses torch.load(weights_only=True): opening a checkpoint never runs code
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -86,6 +87,9 @@ def keep_last(run_dir: Path, checkpoint: Path, step: int, k: int) -> None:
         return
     copy = run_dir / f"step_{step:07d}.pt"
     if not copy.exists():
-        os.link(checkpoint, copy)
+        try:
+            os.link(checkpoint, copy)  # free: last.pt is replaced by rename, never rewritten in place
+        except OSError:  # a filesystem without hard links
+            shutil.copy2(checkpoint, copy)
     for old in sorted(run_dir.glob("step_*.pt"))[:-k]:
         old.unlink()

@@ -36,20 +36,21 @@ def environment(device: torch.device) -> dict:
 
 
 def _git_commit() -> str | None:
-    """The code's commit when k3train runs from a git checkout (editable install); None otherwise."""
-    package_dir = Path(__file__).resolve().parents[2]
+    """The code's commit when k3train runs from its own git checkout (an editable install); None otherwise,
+    including a regular install that merely sits inside some other repository."""
+    repo = Path(__file__).resolve().parents[2]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=5,
+                              check=True).stdout.strip()
+
     try:
-        out = subprocess.run(
-            ["git", "-C", str(package_dir), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=5, check=True,
-        )
-        head = subprocess.run(
-            ["git", "-C", str(package_dir), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-            check=True,
-        ).stdout.strip()
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != repo:
+            return None
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return git("rev-parse", "HEAD") + ("-dirty" if dirty else "")
     except (OSError, subprocess.SubprocessError):
         return None
-    return head + ("-dirty" if out.stdout.strip() else "")
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:

@@ -29,11 +29,13 @@ class MetricsWriter:
     def __init__(self, path: Path, enabled: bool = True):
         self.path = Path(path)
         self.enabled = enabled  # non-zero ranks write nothing
-        self._file = open(self.path, "a", encoding="utf-8") if enabled else None
+        self._file = None  # opened at the first event, so a run that fails its checks leaves no empty log
 
     def log(self, event: str, **fields) -> dict:
         record = {"event": event, "time": round(time.time(), 3), **_jsonable(fields)}
-        if self._file is not None:
+        if self.enabled:
+            if self._file is None:
+                self._file = open(self.path, "a", encoding="utf-8")
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
         return record

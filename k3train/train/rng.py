@@ -5,6 +5,7 @@ States are stored as plain lists and tensors so a checkpoint loads with torch.lo
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -48,12 +49,12 @@ def restore_rng_state(state: dict) -> None:
 
 
 def configure_determinism(enabled: bool) -> None:
-    """Deterministic kernels where PyTorch has them; an op without one raises rather than silently varying."""
-    if not enabled:
-        return
-    import os
+    """Deterministic kernels where PyTorch has them; an op without one raises rather than silently varying.
 
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    Set both ways, so one multirun job's setting never leaks into the next job of the same process.
+    """
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(enabled)
     torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.deterministic = enabled

@@ -1,12 +1,14 @@
 """From a composed Hydra config to a finished run: build the parts, open the run directory, hand over to the Trainer.
 
 Setup errors (a bad config value, missing data, an incompatible checkpoint) stop here with a one-line message and
-exit status 2, before anything in the run directory is touched.
+exit status 2, before anything in the run directory is written. In a multirun the failure is raised instead, so
+Hydra records it for that job and goes on with the others (a diverged lr must not end the sweep).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Optional
@@ -14,10 +16,11 @@ from typing import Optional
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from k3train.config import RESUME_MUST_MATCH, TrainConfig
+from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig
 from k3train.optim.param_groups import format_partition
 from k3train.train.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint
 from k3train.train.manifest import RunManifest, environment
@@ -26,28 +29,49 @@ from k3train.train.rng import configure_determinism, seed_everything
 from k3train.train.trainer import Trainer, TrainingDiverged
 
 
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, CheckpointError)
+
+
+class RunFailed(Exception):
+    """A job that could not run or diverged; raised (not exited) in a multirun so the sweep goes on."""
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"train.device={name} but CUDA is not available here: use train.device=cpu or auto")
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"train.device={name} is not a device: use auto, cpu, cuda or cuda:N") from exc
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"train.device={name} but CUDA is not available here: use train.device=cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"train.device={name} but this machine has {torch.cuda.device_count()} GPU(s)")
     return device
 
 
+RUN_FILES = ("last.pt", "run.json", "metrics.jsonl")
+
+
 def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
-    """null: fresh run (refused if run_dir already holds one); auto: run_dir/last.pt if present; else a path."""
+    """null: a fresh run; auto: run_dir/last.pt if present, else fresh; otherwise a checkpoint path.
+
+    A run never writes into a directory holding another run's files: a fresh run or a resume from elsewhere is
+    refused there, so nobody's checkpoint, metrics or manifest is overwritten or mixed with another run's.
+    """
     own = run_dir / "last.pt"
-    if resume is None:
-        if own.exists():
-            raise ValueError(f"{run_dir} already holds a checkpoint: pass resume=auto to continue that run, "
-                             "or choose another hydra.run.dir")
-        return None
     if resume == "auto":
         return own if own.exists() else None
-    path = Path(resume).expanduser()
-    if not path.is_file():
+    path = Path(resume).expanduser() if resume is not None else None
+    if path is not None and not path.is_file():
         raise CheckpointError(f"resume={resume}: no such checkpoint file")
+    if path is not None and own.exists() and path.resolve() == own.resolve():
+        return path
+    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
+    if existing:
+        raise ValueError(f"{run_dir} already holds a run ({', '.join(existing)}): pass resume=auto to continue "
+                         "that run, or choose another hydra.run.dir")
     return path
 
 
@@ -60,7 +84,8 @@ def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data) -> dic
     identity = data.identity()
     return {
         "format_version": FORMAT_VERSION,
-        "model_config": dataclasses.asdict(model.config),
+        "model_config": {k: v for k, v in dataclasses.asdict(model.config).items()
+                         if k not in RESUME_MAY_CHANGE_MODEL},
         "recipe": {**{f: getattr(train_cfg, f) for f in RESUME_MUST_MATCH}, "precision": precision.dtype,
                    "optimizer": type(optimizer).__name__},
         "optimizer_layout": layout,
@@ -69,19 +94,21 @@ def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data) -> dic
     }
 
 
-def run(cfg: DictConfig) -> str:
+def run(cfg: DictConfig) -> Optional[str]:
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
-        trainer, manifest, metrics, resume_path = _setup(cfg)
-    except (ValueError, FileNotFoundError, CheckpointError, InstantiationException) as exc:
-        print(f"k3train: error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        trainer, manifest, metrics = _setup(cfg)
+    except Exception as exc:  # noqa: BLE001 - sorted into user errors (a message) and bugs (a traceback)
+        cause = exc.__cause__ if isinstance(exc, InstantiationException) else exc
+        if not isinstance(cause, USER_ERRORS) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        return _fail(f"{type(cause).__name__}: {cause}", 2, multirun)
     try:
         reason = trainer.fit()
     except TrainingDiverged as exc:
         metrics.log("end", step=trainer.state.step, tokens=trainer.state.tokens, reason="diverged")
         manifest.end_session("diverged", trainer.state.step, trainer.state.tokens)
-        print(f"k3train: error: {exc}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        return _fail(str(exc), 1, multirun)
     except BaseException as exc:
         manifest.end_session(f"error: {type(exc).__name__}: {exc}", trainer.state.step, trainer.state.tokens)
         raise
@@ -89,6 +116,13 @@ def run(cfg: DictConfig) -> str:
         metrics.close()
     manifest.end_session(reason, trainer.state.step, trainer.state.tokens)
     return reason
+
+
+def _fail(message: str, status: int, multirun: bool) -> None:
+    print(f"k3train: error: {message}", file=sys.stderr, flush=True)
+    if multirun:
+        raise RunFailed(message)
+    sys.exit(status)
 
 
 def _setup(cfg: DictConfig):
@@ -113,24 +147,26 @@ def _setup(cfg: DictConfig):
     optimizer = instantiate(cfg.optim)(model)
     meta = build_meta(model, optimizer, train_cfg, precision, data)
 
-    metrics = MetricsWriter(run_dir / "metrics.jsonl")
+    metrics = MetricsWriter(run_dir / "metrics.jsonl")  # opens the file at its first event, after all checks
     trainer = Trainer(model=model, optimizer=optimizer, schedule_factory=instantiate(cfg.schedule),
                       precision=precision, train_loader=train_loader, val_loader=val_loader, config=train_cfg,
                       device=device, metrics=metrics, run_dir=run_dir, meta=meta, profile=profile_cfg)
-    resume_step = None
     if resume_path is not None:
         trainer.restore(load_checkpoint(resume_path), resume_path)
-        resume_step = trainer.state.step
     manifest = RunManifest(run_dir)
     manifest.start_session(
         config=OmegaConf.to_container(cfg, resolve=True), overrides=list(hydra_cfg.overrides.task),
-        model={"class": type(model).__name__, "config": meta["model_config"], "params": model.param_counts()},
+        model={"class": type(model).__name__, "config": dataclasses.asdict(model.config),
+               "params": model.param_counts()},
         data=data.identity(), optimizer=_optimizer_summary(optimizer), env=environment(device),
-        resume_from=str(resume_path) if resume_path else None, resume_step=resume_step)
+        resume_from=str(resume_path) if resume_path else None,
+        resume_step=trainer.state.step if resume_path else None)
     metrics.log("session", session=manifest.session["session"], step=trainer.state.step,
                 run_dir=str(run_dir), resume_from=manifest.session["resume_from"])
     _print_summary(run_dir, trainer, model, optimizer, cfg)
-    return trainer, manifest, metrics, resume_path
+    if resume_path is not None:
+        trainer.log_resume()
+    return trainer, manifest, metrics
 
 
 # The settings a reader needs to compare runs; torch's implementation flags (foreach, capturable...) are left out.
@@ -158,6 +194,9 @@ def _print_summary(run_dir: Path, trainer: Trainer, model, optimizer, cfg: DictC
     lines += ["    " + row for row in format_partition(optimizer.param_groups).splitlines()]
     lines.append(f"  schedule: {cfg.schedule.decay}, warmup {cfg.schedule.warmup_steps}, "
                  f"{trainer.total_steps} updates; QK-Clip tau: {trainer.qk_clip_tau}")
+    if cfg.schedule.warmup_steps >= trainer.total_steps:
+        lines.append(f"  warning: schedule.warmup_steps={cfg.schedule.warmup_steps} >= the {trainer.total_steps} "
+                     "planned updates: the lr never reaches its peak")
     lines.append(f"  token plan: {trainer.tokens_per_update:,} tokens per nominal update x {trainer.total_steps} "
                  f"= {trainer.tokens_per_update * trainer.total_steps:,} tokens (a plan, not a measurement)")
     print("\n".join(lines), flush=True)

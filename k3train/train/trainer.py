@@ -23,6 +23,7 @@ import torch
 
 from k3train.config import ProfileConfig, TrainConfig
 from k3train.data import EndOfData
+from k3train.optim import qk_clip
 from k3train.train.checkpoint import check_compatible, keep_last, save_checkpoint
 from k3train.train.evaluate import evaluate
 from k3train.train.metrics import MetricsWriter
@@ -60,15 +61,14 @@ class Trainer:
         self.meta = meta
         self.profile = profile or ProfileConfig()
         self.state = TrainState()
+        self.session_start_step = 0
         self.label = "[plumbing: smoke_test_lm] " if getattr(model, "is_plumbing_check", False) else ""
         self.tokens_per_update = train_loader.tokens_per_batch * config.gradient_accumulation_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._fixed_batches: Optional[list] = None  # overfit_batch mode
-        self.qk_clip_tau = config.qk_clip_tau if _has_mla(model) else None
-        if self.qk_clip_tau is not None:
-            from k3train.optim import qk_clip
-
-            qk_clip.set_max_logit_tracking(model, True)
+        self.qk_clip_tau = config.qk_clip_tau if qk_clip.set_max_logit_tracking(model, True) else None
+        if self.qk_clip_tau is None:
+            qk_clip.set_max_logit_tracking(model, False)
         self.total_steps = self._plan_total_steps()
         self.schedule = schedule_factory(total_steps=self.total_steps)
 
@@ -98,7 +98,7 @@ class Trainer:
             return "max_steps"
         if c.max_tokens is not None and s.tokens >= c.max_tokens:
             return "max_tokens"
-        if c.stop_after is not None and s.step >= c.stop_after:
+        if c.stop_after is not None and s.step - self.session_start_step >= c.stop_after:
             return "stop_after"
         if not c.overfit_batch and self.train_loader.batches_remaining() < c.gradient_accumulation_steps:
             return "end_of_data"
@@ -141,14 +141,14 @@ class Trainer:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             if self.qk_clip_tau is not None:
-                from k3train.optim import qk_clip
-
                 result["qk_clip"] = qk_clip.qk_clip_(self.model, self.qk_clip_tau)
             self.state.step += 1
             self.state.consecutive_skips = 0
             result["skipped"] = False
         else:
             self.scaler.update()  # fp16: an overflow lowers the loss scale; otherwise a no-op
+            if self.qk_clip_tau is not None:
+                qk_clip.reset_max_logits(self.model)  # measured by the failed forward: never act on it
             self.state.skipped_updates += 1
             self.state.consecutive_skips += 1
             result["skipped"] = True
@@ -158,9 +158,10 @@ class Trainer:
     # ---- the loop -------------------------------------------------------------------------------------------
     def fit(self) -> str:
         """Train until a stop condition; returns the end reason. Final eval and checkpoint on a clean stop."""
+        self.session_start_step = self.state.step
         self._announce()
         progress = _Progress(self.config, self.state.step, self.total_steps, self.label)
-        window = _Window(self.state)
+        window = _Window()
         reason = self._stop_reason()
         with make_profiler(self.profile, self.run_dir, self.device) as profiler:
             while reason is None:
@@ -197,10 +198,11 @@ class Trainer:
         _print(f"{self.label}step {s.step}: non-finite loss {result['loss']} or grad norm "
                f"{result['grad_norm']}; update skipped ({s.consecutive_skips} in a row)")
         if s.consecutive_skips >= self.config.max_consecutive_skips:
+            earlier = (f", or resume from the last good checkpoint ({self.checkpoint_path}) with a different recipe"
+                       if self.checkpoint_path.exists() else "")
             raise TrainingDiverged(
                 f"{s.consecutive_skips} non-finite updates in a row at step {s.step}: the run has diverged. "
-                f"Lower optim.lr, enable train.grad_clip, or resume from an earlier checkpoint "
-                f"({self.checkpoint_path}) with a different recipe"
+                f"Lower optim.lr or enable train.grad_clip{earlier}"
             )
 
     def _after_update(self, window: "_Window", progress: "_Progress") -> None:
@@ -250,7 +252,10 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "trainer": asdict(self.state),
-            "schedule": {"step": self.state.step, "total_steps": self.total_steps},
+            # The plan the schedule was built for, and the limits it came from: a resume keeps it unless they
+            # change (skipped updates consume data, so re-deriving it from the data left would shift the lr).
+            "schedule": {"total_steps": self.total_steps, "max_steps": self.config.max_steps,
+                         "max_tokens": self.config.max_tokens},
             "loaders": {"train": self.train_loader.state_dict(), "val": self.val_loader.state_dict()},
             "rng": capture_rng_state(),
         }
@@ -263,30 +268,46 @@ class Trainer:
         self.metrics.log("checkpoint", step=self.state.step, tokens=self.state.tokens,
                          path=str(self.checkpoint_path), bytes=size, seconds=round(time.perf_counter() - t0, 3))
 
-    def restore(self, payload: dict, path: Path) -> None:
-        """Continue from a checkpoint: validate compatibility first, then restore every stateful part."""
+    def restore(self, payload: dict, path: Path) -> dict:
+        """Continue from a checkpoint: validate compatibility first, then restore every stateful part.
+
+        Optimizer hyperparameters (lr, weight decay, betas, momentum...) come from the current config, not the
+        checkpoint, so a resume may change them on purpose; returns {"group.setting": [old, new]} for each change.
+        """
         check_compatible(payload["meta"], self.meta, path)
+        current = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
+        changed = {}
+        for group, settings in zip(self.optimizer.param_groups, current):
+            for key, value in settings.items():
+                if key != "lr" and group.get(key) != value:  # lr is re-derived from initial_lr every update
+                    changed[f"{group.get('name', '?')}.{key}"] = [group.get(key), value]
+            group.update(settings)
         self.scaler.load_state_dict(payload["scaler"])
         self.train_loader.load_state_dict(payload["loaders"]["train"])
         self.val_loader.load_state_dict(payload["loaders"]["val"])
         self.state = TrainState(**payload["trainer"])
         restore_rng_state(payload["rng"])
-        # The plan may legitimately change on resume (max_steps, max_tokens); recompute it from the new state.
-        self.total_steps = self._plan_total_steps()
+        plan = payload["schedule"]
+        if (plan["max_steps"], plan["max_tokens"]) == (self.config.max_steps, self.config.max_tokens):
+            self.total_steps = plan["total_steps"]
+        else:
+            self.total_steps = self._plan_total_steps()
         self.schedule.total_steps = self.total_steps
-        self.metrics.log("resume", step=self.state.step, tokens=self.state.tokens, path=str(path),
-                         train_cursor=self.train_loader.state_dict().get("cursor"),
-                         lr={g.get("name", str(i)): g["initial_lr"] * self.schedule.factor(self.state.step)
+        self.resumed = {"path": str(path), "changed": changed}
+        return changed
+
+    def log_resume(self) -> None:
+        """The resume event and line (after the session has opened its log)."""
+        s, path, changed = self.state, self.resumed["path"], self.resumed["changed"]
+        cursor = self.train_loader.state_dict()["cursor"]
+        self.metrics.log("resume", step=s.step, tokens=s.tokens, path=path, train_cursor=cursor,
+                         lr={g.get("name", str(i)): g["initial_lr"] * self.schedule.factor(s.step)
                              for i, g in enumerate(self.optimizer.param_groups)},
-                         total_steps=self.total_steps)
-        _print(f"{self.label}resumed from {path} at step {self.state.step} ({self.state.tokens:,} tokens), "
-               f"train cursor {self.train_loader.state_dict().get('cursor')}, RNG restored")
-
-
-def _has_mla(model: torch.nn.Module) -> bool:
-    return any(hasattr(m, "track_max_logit") for m in model.modules())
+                         total_steps=self.total_steps, changed_settings=changed)
+        _print(f"{self.label}resumed from {path} at step {s.step} ({s.tokens:,} tokens), train cursor {cursor}, "
+               f"RNG restored" + (f"; settings changed: {changed}" if changed else ""))
 
 
 def _print(msg: str) -> None:
@@ -303,21 +324,30 @@ def _peak_memory_mb(device: torch.device) -> float:
 class _Window:
     """Figures accumulated between two train events."""
 
-    def __init__(self, state: TrainState):
+    def __init__(self):
         self.reset()
 
     def reset(self) -> None:
-        self.losses, self.grad_norms, self.seconds, self.tokens = [], [], 0.0, 0
-        self.qk: dict = {}
+        self.losses, self.grad_norms, self.seconds, self.tokens, self.attempts = [], [], 0.0, 0, 0
+        self.max_logit: dict[str, float] = {}
+        self.clipped_heads: dict[str, set] = {}
+        self.n_clipped = 0
 
     def add(self, result: dict, seconds: float, tokens: int) -> None:
         self.seconds += seconds
         self.tokens += tokens
-        if not result["skipped"]:
-            self.losses.append(result["loss"])
-            self.grad_norms.append(result["grad_norm"])
-            if "qk_clip" in result:
-                self.qk = result["qk_clip"]
+        self.attempts += 1
+        if result["skipped"]:
+            return
+        self.losses.append(result["loss"])
+        self.grad_norms.append(result["grad_norm"])
+        qk = result.get("qk_clip")
+        if qk:  # every update's clipping counts, not just the last one's before the event
+            for name, value in qk["max_logit"].items():
+                self.max_logit[name] = max(value, self.max_logit.get(name, value))
+            for name, heads in qk["clipped_heads"].items():
+                self.clipped_heads.setdefault(name, set()).update(heads)
+            self.n_clipped += qk["n_clipped"]
 
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
@@ -326,9 +356,10 @@ class _Window:
         n = max(1, len(self.losses))
         out = {"loss": sum(self.losses) / n, "grad_norm": sum(self.grad_norms) / n,
                "grad_norm_max": max(self.grad_norms, default=0.0), "tokens_per_s": self.tokens_per_s(),
-               "step_time_s": self.seconds / n}
-        if self.qk:
-            out["qk_clip"] = self.qk
+               "step_time_s": self.seconds / max(1, self.attempts)}
+        if self.max_logit:
+            out["qk_clip"] = {"max_logit": self.max_logit, "n_clipped": self.n_clipped,
+                              "clipped_heads": {k: sorted(v) for k, v in self.clipped_heads.items()}}
         return out
 
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from k3train.models.k3.moe import BALANCING as ROUTERS
+from k3train.models.kda.layer import GATES as KDA_GATES
+from k3train.models.kda.layer import IMPLEMENTATIONS as KDA_IMPLEMENTATIONS
+
 LAYER_TYPES = ("kda", "mla")
-KDA_IMPLEMENTATIONS = ("chunk", "recurrent", "fla")
-KDA_GATES = ("softplus", "sigmoid")
-ROUTERS = ("quantile_balancing", "aux_free_bias", "none")
 
 
 @dataclass
@@ -119,10 +120,6 @@ class KimiK3Config:
         full, rest = divmod(self.n_layers, len(group))
         tail_mla = min(rest, n_mla)
         return group * full + ["kda"] * (rest - tail_mla) + ["mla"] * tail_mla
-
-    @property
-    def n_kda_layers(self) -> int:
-        return self.layer_pattern.count("kda")
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense

@@ -106,7 +106,8 @@ class MultiHeadLatentAttention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
         if self.track_max_logit and self.training:
             # A running max until QK-Clip reads and resets it: gradient-accumulated micro-batches all count.
-            step_max = causal_max_logit(q, k, self.scale)
+            with torch.autocast(q.device.type, enabled=False):  # fp16 would overflow past 65504, bf16 round
+                step_max = causal_max_logit(q.float(), k.float(), self.scale)
             self.max_logit = step_max if self.max_logit is None else torch.maximum(self.max_logit, step_max)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, H, T, dv]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * dv))
