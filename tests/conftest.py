@@ -32,3 +32,11 @@ def run_cli(k3_cache):
                               capture_output=True, text=True, timeout=timeout)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def tiny_data_dir(tmp_path_factory) -> Path:
+    """A prepared dataset of a few thousand byte tokens: small enough that a run can use it all up."""
+    from data_helpers import make_dataset
+
+    return make_dataset(tmp_path_factory.mktemp("tiny-data"), shard_tokens=1000)

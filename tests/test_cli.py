@@ -57,25 +57,32 @@ K3_RESUME = ["model=k3_tiny", "optim=muon_adamw", "model.d_model=64", "model.exp
              "model.dense_ffn_dim=64", "model.kda_chunk_size=16", "train.qk_clip_tau=0.05"]
 
 
-# fp16 on CPU with accumulation: the GradScaler's state and micro-batch cursors must survive too.
-FP16_ACCUM = ["model=smoke_test_lm", "precision=fp16", "train.gradient_accumulation_steps=2"]
+# fp16 on CPU with accumulation, until a small dataset runs out: the GradScaler's state, the micro-batch cursors
+# and the schedule's plan must survive too. The scale doubles after every clean update, so it overflows, skips
+# updates (which consume data but not steps) and differs from its initial value at the resume.
+FP16_ACCUM = ["model=smoke_test_lm", "precision=fp16", "precision.growth_interval=1",
+              "precision.init_scale=1048576", "train.gradient_accumulation_steps=2", "data=prepared"]
 
 
 @pytest.mark.parametrize("model", [["model=smoke_test_lm"], K3_RESUME, FP16_ACCUM],
                          ids=["smoke_test_lm", "k3_tiny", "fp16_accum"])
-def test_exact_resume_in_a_new_process(run_cli, tmp_path, model):
+def test_exact_resume_in_a_new_process(run_cli, tmp_path, model, tiny_data_dir):
     """N steps straight == N/2 steps, exit, resume in a NEW process, N/2 more: bitwise on CPU.
 
-    The split run is the README's time-sliced command run twice, unchanged: resume=auto train.stop_after=N/2."""
+    The split run is the README's time-sliced command run twice, unchanged: resume=auto train.stop_after=N/2
+    (N rounded up to even, so the second slice reaches the end)."""
     n = 8
-    common = [*SHAPE, *model, f"train.max_steps={n}", "train.eval_interval=3",
+    limit = [f"data.path={tiny_data_dir}", "train.max_steps=null"] if model is FP16_ACCUM else [f"train.max_steps={n}"]
+    common = [*SHAPE, *model, *limit, "train.eval_interval=3",
               "train.checkpoint_interval=0", "train.deterministic=true"]
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert run_cli(*common, f"hydra.run.dir={straight}").returncode == 0
-    sliced = [*common, "resume=auto", f"train.stop_after={n // 2}", f"hydra.run.dir={split}"]
+    n = load_checkpoint(straight / "last.pt")["trainer"]["step"]  # 8, or wherever the data ran out
+    half = (n + 1) // 2
+    sliced = [*common, "resume=auto", f"train.stop_after={half}", f"hydra.run.dir={split}"]
     first = run_cli(*sliced)
     assert first.returncode == 0, first.stderr
-    assert load_checkpoint(split / "last.pt")["trainer"]["step"] == n // 2
+    assert load_checkpoint(split / "last.pt")["trainer"]["step"] == half
     second = run_cli(*sliced)
     assert second.returncode == 0, second.stderr
     assert "resumed from" in second.stdout
@@ -96,12 +103,14 @@ def test_exact_resume_in_a_new_process(run_cli, tmp_path, model):
     for pid, state in a["optimizer"]["state"].items():
         for key, value in state.items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["optimizer"]["state"][pid][key])), key
-    assert a["loaders"] == b["loaders"] and a["trainer"] == b["trainer"]
+    assert a["loaders"] == b["loaders"] and a["trainer"] == b["trainer"] and a["scaler"] == b["scaler"]
+    if model is FP16_ACCUM:
+        assert a["trainer"]["skipped_updates"] > 0, "the scaler never overflowed: this case tests too little"
     assert a["rng"]["python"] == b["rng"]["python"] and torch.equal(a["rng"]["torch"], b["rng"]["torch"])
     assert torch.equal(a["rng"]["numpy"]["keys"], b["rng"]["numpy"]["keys"])
     sessions = json.loads((split / "run.json").read_text())["sessions"]
-    assert [(s["end_reason"], s["resume_step"]) for s in sessions] == [("stop_after", None), ("max_steps", n // 2)]
-    # (the second slice ends at max_steps: stop_after would have stopped it at the same step)
+    end = "end_of_data" if model is FP16_ACCUM else "max_steps"
+    assert [(s["end_reason"], s["resume_step"]) for s in sessions] == [("stop_after", None), (end, half)]
     kinds = [e["event"] for e in events(split)]
     assert kinds.count("session") == 2 and kinds.count("resume") == 1
 

@@ -13,6 +13,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass
 class Precision:
     dtype: str = "fp32"  # fp32 | bf16 | fp16
+    # fp16's dynamic loss scale: the first scale, and how many overflow-free updates before it doubles.
+    init_scale: float = 65536.0
+    growth_interval: int = 2000
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -39,4 +42,5 @@ class Precision:
 
     def make_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         # Disabled scalers are pass-throughs, so the update loop has one code path for every precision.
-        return torch.amp.GradScaler(device.type, enabled=self.dtype == "fp16")
+        return torch.amp.GradScaler(device.type, init_scale=self.init_scale, growth_interval=self.growth_interval,
+                                    enabled=self.dtype == "fp16")
