@@ -188,3 +188,19 @@ def test_end_of_data_stops_cleanly_at_an_update_boundary(tmp_path, builtin_data)
     events = read_metrics(tmp_path / "metrics.jsonl")
     assert [e["event"] for e in events][-3:] == ["eval", "checkpoint", "end"]
     assert events[-1]["reason"] == "end_of_data"
+
+
+def test_overfit_batch_repeats_the_first_batch_and_memorises_it(tmp_path, builtin_data):
+    model = Recorder(builtin_data.vocab_size)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-2)
+    for g in opt.param_groups:
+        g["initial_lr"] = g["lr"]
+    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=opt, overfit_batch=True, max_steps=60)
+    trainer.train_loader.next_batch()  # wherever the cursor is, the fixed batch is the split's first
+    results = [trainer.train_step() for _ in range(60)]
+    first_x, first_y = model.seen[0]
+    stream = torch.from_numpy(builtin_data.train.read(0, 2 * 16 + 1).astype(np.int64))
+    assert torch.equal(first_x.reshape(-1), stream[:-1]) and torch.equal(first_y.reshape(-1), stream[1:])
+    assert all(torch.equal(x, first_x) and torch.equal(y, first_y) for x, y in model.seen)
+    assert trainer.train_loader.state_dict()["cursor"] == 2 * 16  # the stream itself did not move
+    assert results[-1]["loss"] < 0.5 * results[0]["loss"]
