@@ -4,7 +4,6 @@ import pytest
 from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
-from omegaconf.errors import ValidationError
 
 from k3train.config import TrainConfig, register_configs
 

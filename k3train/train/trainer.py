@@ -12,8 +12,6 @@ training forward pass, so k micro-batches see k bias updates where one big batch
 from __future__ import annotations
 
 import math
-import resource
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +27,7 @@ from k3train.train.evaluate import evaluate
 from k3train.train.metrics import MetricsWriter
 from k3train.train.precision import Precision
 from k3train.train.profile import make_profiler
+from k3train.train.progress import Progress, Window, peak_memory_mb, say
 from k3train.train.rng import capture_rng_state, restore_rng_state
 
 
@@ -160,8 +159,8 @@ class Trainer:
         """Train until a stop condition; returns the end reason. Final eval and checkpoint on a clean stop."""
         self.session_start_step = self.state.step
         self._announce()
-        progress = _Progress(self.config, self.state.step, self.total_steps, self.label)
-        window = _Window()
+        progress = Progress(self.config, self.state.step, self.total_steps, self.label)
+        window = Window()
         reason = self._stop_reason()
         with make_profiler(self.profile, self.run_dir, self.device) as profiler:
             while reason is None:
@@ -195,7 +194,7 @@ class Trainer:
         self.metrics.log("skip", step=s.step, tokens=s.tokens, loss=result["loss"], grad_norm=result["grad_norm"],
                          skipped_updates=s.skipped_updates, consecutive=s.consecutive_skips,
                          loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None)
-        _print(f"{self.label}step {s.step}: non-finite loss {result['loss']} or grad norm "
+        say(f"{self.label}step {s.step}: non-finite loss {result['loss']} or grad norm "
                f"{result['grad_norm']}; update skipped ({s.consecutive_skips} in a row)")
         if s.consecutive_skips >= self.config.max_consecutive_skips:
             earlier = (f", or resume from the last good checkpoint ({self.checkpoint_path}) with a different recipe"
@@ -205,13 +204,13 @@ class Trainer:
                 f"Lower optim.lr or enable train.grad_clip{earlier}"
             )
 
-    def _after_update(self, window: "_Window", progress: "_Progress") -> None:
+    def _after_update(self, window: Window, progress: Progress) -> None:
         s, c = self.state, self.config
         if s.step % c.log_interval == 0 or s.step == self.total_steps:
             record = self.metrics.log("train", step=s.step, tokens=s.tokens, **window.summary(),
                                       lr={g.get("name", str(i)): g["lr"]
                                           for i, g in enumerate(self.optimizer.param_groups)},
-                                      peak_memory_mb=_peak_memory_mb(self.device),
+                                      peak_memory_mb=peak_memory_mb(self.device),
                                       skipped_updates=s.skipped_updates, **self._diagnostics())
             progress.log_line(record, self.total_steps)
             window.reset()
@@ -228,21 +227,21 @@ class Trainer:
             out["optimizer"] = self.optimizer.diagnostics()
         return out
 
-    def run_eval(self, progress: Optional["_Progress"] = None) -> dict:
+    def run_eval(self, progress: Optional[Progress] = None) -> dict:
         result = evaluate(self.model, self.val_loader, self.config.eval_batches, self.precision, self.device)
         self.metrics.log("eval", step=self.state.step, tokens=self.state.tokens, **result)
         msg = f"{self.label}eval step {self.state.step}: val loss {result['loss']:.4f} ({result['batches']} batches)"
-        (progress.write if progress else _print)(msg)
+        (progress.write if progress else say)(msg)
         return result
 
-    def _finish(self, reason: str, progress: "_Progress") -> None:
+    def _finish(self, reason: str, progress: Progress) -> None:
         progress.close()
         if reason != "stop_after" and self.state.step > 0:
             self.run_eval()
         self.save()
         self.metrics.log("end", step=self.state.step, tokens=self.state.tokens, reason=reason,
                          skipped_updates=self.state.skipped_updates)
-        _print(f"{self.label}stopped at step {self.state.step} ({reason}); checkpoint {self.checkpoint_path}")
+        say(f"{self.label}stopped at step {self.state.step} ({reason}); checkpoint {self.checkpoint_path}")
 
     # ---- checkpointing --------------------------------------------------------------------------------------
     def checkpoint_payload(self) -> dict:
@@ -306,99 +305,7 @@ class Trainer:
                          lr={g.get("name", str(i)): g["initial_lr"] * self.schedule.factor(s.step)
                              for i, g in enumerate(self.optimizer.param_groups)},
                          total_steps=self.total_steps, changed_settings=changed)
-        _print(f"{self.label}resumed from {path} at step {s.step} ({s.tokens:,} tokens), train cursor {cursor}, "
+        say(f"{self.label}resumed from {path} at step {s.step} ({s.tokens:,} tokens), train cursor {cursor}, "
                f"RNG restored" + (f"; settings changed: {changed}" if changed else ""))
 
 
-def _print(msg: str) -> None:
-    print(msg, flush=True)
-
-
-def _peak_memory_mb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    # ru_maxrss is KiB on Linux: the process's peak resident memory stands in for device memory on CPU.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-class _Window:
-    """Figures accumulated between two train events."""
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self.losses, self.grad_norms, self.seconds, self.tokens, self.attempts = [], [], 0.0, 0, 0
-        self.max_logit: dict[str, float] = {}
-        self.clipped_heads: dict[str, set] = {}
-        self.n_clipped = 0
-
-    def add(self, result: dict, seconds: float, tokens: int) -> None:
-        self.seconds += seconds
-        self.tokens += tokens
-        self.attempts += 1
-        if result["skipped"]:
-            return
-        self.losses.append(result["loss"])
-        self.grad_norms.append(result["grad_norm"])
-        qk = result.get("qk_clip")
-        if qk:  # every update's clipping counts, not just the last one's before the event
-            for name, value in qk["max_logit"].items():
-                self.max_logit[name] = max(value, self.max_logit.get(name, value))
-            for name, heads in qk["clipped_heads"].items():
-                self.clipped_heads.setdefault(name, set()).update(heads)
-            self.n_clipped += qk["n_clipped"]
-
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-    def summary(self) -> dict:
-        n = max(1, len(self.losses))
-        out = {"loss": sum(self.losses) / n, "grad_norm": sum(self.grad_norms) / n,
-               "grad_norm_max": max(self.grad_norms, default=0.0), "tokens_per_s": self.tokens_per_s(),
-               "step_time_s": self.seconds / max(1, self.attempts)}
-        if self.max_logit:
-            out["qk_clip"] = {"max_logit": self.max_logit, "n_clipped": self.n_clipped,
-                              "clipped_heads": {k: sorted(v) for k, v in self.clipped_heads.items()}}
-        return out
-
-
-class _Progress:
-    """A tqdm bar on a terminal (or progress=bar), plain log lines otherwise."""
-
-    def __init__(self, config: TrainConfig, start: int, total: int, label: str):
-        self.label = label
-        use_bar = config.progress == "bar" or (config.progress == "auto" and sys.stdout.isatty())
-        self.bar = None
-        if use_bar:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, initial=start, desc=label.strip() or "train", unit="step",
-                            dynamic_ncols=True)
-        self.t_start, self.start = time.perf_counter(), start
-
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
-        if self.bar is not None:
-            self.bar.update(step - self.bar.n)
-            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
-
-    def log_line(self, record: dict, total: int) -> None:
-        if self.bar is not None:
-            return
-        step = record["step"]
-        elapsed = time.perf_counter() - self.t_start
-        done = step - self.start
-        eta = elapsed / done * (total - step) if done else 0.0
-        _print(f"{self.label}step {step}/{total} | loss {record['loss']:.4f} | grad {record['grad_norm']:.3f} | "
-               f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s']:.3f} s/step | "
-               f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
-
-    def write(self, msg: str) -> None:
-        if self.bar is not None:
-            self.bar.write(msg)
-        else:
-            _print(msg)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()

@@ -1,0 +1,105 @@
+"""What a run shows while it runs: figures gathered between two train events, and a bar or plain log lines."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+
+import torch
+
+from k3train.config import TrainConfig
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    # ru_maxrss is KiB on Linux: the process's peak resident memory stands in for device memory on CPU.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Window:
+    """Figures accumulated between two train events."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.losses, self.grad_norms, self.seconds, self.tokens, self.attempts = [], [], 0.0, 0, 0
+        self.max_logit: dict[str, float] = {}
+        self.clipped_heads: dict[str, set] = {}
+        self.n_clipped = 0
+
+    def add(self, result: dict, seconds: float, tokens: int) -> None:
+        self.seconds += seconds
+        self.tokens += tokens
+        self.attempts += 1
+        if result["skipped"]:
+            return
+        self.losses.append(result["loss"])
+        self.grad_norms.append(result["grad_norm"])
+        qk = result.get("qk_clip")
+        if qk:  # every update's clipping counts, not just the last one's before the event
+            for name, value in qk["max_logit"].items():
+                self.max_logit[name] = max(value, self.max_logit.get(name, value))
+            for name, heads in qk["clipped_heads"].items():
+                self.clipped_heads.setdefault(name, set()).update(heads)
+            self.n_clipped += qk["n_clipped"]
+
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def summary(self) -> dict:
+        n = max(1, len(self.losses))
+        out = {"loss": sum(self.losses) / n, "grad_norm": sum(self.grad_norms) / n,
+               "grad_norm_max": max(self.grad_norms, default=0.0), "tokens_per_s": self.tokens_per_s(),
+               "step_time_s": self.seconds / max(1, self.attempts)}
+        if self.max_logit:
+            out["qk_clip"] = {"max_logit": self.max_logit, "n_clipped": self.n_clipped,
+                              "clipped_heads": {k: sorted(v) for k, v in self.clipped_heads.items()}}
+        return out
+
+
+class Progress:
+    """A tqdm bar on a terminal (or progress=bar), plain log lines otherwise."""
+
+    def __init__(self, config: TrainConfig, start: int, total: int, label: str):
+        self.label = label
+        use_bar = config.progress == "bar" or (config.progress == "auto" and sys.stdout.isatty())
+        self.bar = None
+        if use_bar:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc=label.strip() or "train", unit="step",
+                            dynamic_ncols=True)
+        self.t_start, self.start = time.perf_counter(), start
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+            self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+
+    def log_line(self, record: dict, total: int) -> None:
+        if self.bar is not None:
+            return
+        step = record["step"]
+        elapsed = time.perf_counter() - self.t_start
+        done = step - self.start
+        eta = elapsed / done * (total - step) if done else 0.0
+        say(f"{self.label}step {step}/{total} | loss {record['loss']:.4f} | grad {record['grad_norm']:.3f} | "
+               f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s']:.3f} s/step | "
+               f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+
+    def write(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            say(msg)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
