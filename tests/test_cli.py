@@ -248,3 +248,39 @@ def test_optimizer_settings_may_change_on_resume(run_cli, tmp_path):
     assert {g["initial_lr"] for g in groups} == {2e-3} and {g["weight_decay"] for g in groups} == {0.0}
     manifest = json.loads((run_dir / "run.json").read_text())
     assert {g["initial_lr"] for g in manifest["optimizer"]} == {2e-3}  # run.json agrees with what ran
+
+
+def test_sigterm_checkpoints_at_an_update_boundary_and_resume_continues_exactly(k3_cache, run_cli, tmp_path):
+    """Preemption: SIGTERM mid-run -> checkpoint at the next update boundary, the process ends by the signal, and
+    resume=auto continues to the same losses as a run that was never interrupted."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from conftest import REPO
+
+    n = 1500
+    common = [*TINY, f"train.max_steps={n}", "train.log_interval=1", "train.eval_interval=0",
+              "train.checkpoint_interval=0"]
+    run_dir, straight = tmp_path / "run", tmp_path / "straight"
+    env = {**os.environ, "K3TRAIN_CACHE": str(k3_cache), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "k3train", *common, f"hydra.run.dir={run_dir}"], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not ((run_dir / "metrics.jsonl").exists() and '"train"' in (run_dir / "metrics.jsonl").read_text()):
+        assert time.time() < deadline and proc.poll() is None, "the run never logged a train event"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGTERM, stderr  # ended by the signal, as the scheduler expects
+    end = events(run_dir)[-1]
+    assert end["event"] == "end" and end["reason"] == "signal:SIGTERM" and 0 < end["step"] < n
+    assert load_checkpoint(run_dir / "last.pt")["trainer"]["step"] == end["step"]
+    assert json.loads((run_dir / "run.json").read_text())["sessions"][-1]["end_reason"] == "signal:SIGTERM"
+
+    assert run_cli(*common, "resume=auto", f"hydra.run.dir={run_dir}").returncode == 0
+    assert run_cli(*common, f"hydra.run.dir={straight}").returncode == 0
+    losses = lambda d: {e["step"]: e["loss"] for e in events(d) if e["event"] == "train"}  # noqa: E731
+    assert losses(run_dir) == losses(straight) and len(losses(straight)) == n

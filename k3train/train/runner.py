@@ -115,6 +115,10 @@ def run(cfg: DictConfig) -> Optional[str]:
     finally:
         metrics.close()
     manifest.end_session(reason, trainer.state.step, trainer.state.tokens)
+    if trainer.stop_signal is not None:  # checkpointed: now let the signal do what it would have done
+        print(f"k3train: stopped by {trainer.stop_signal.name} at step {trainer.state.step}; continue with "
+              "resume=auto", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), trainer.stop_signal)
     return reason
 
 

@@ -12,6 +12,8 @@ training forward pass, so k micro-batches see k bias updates where one big batch
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,6 +31,30 @@ from k3train.train.precision import Precision
 from k3train.train.profile import make_profiler
 from k3train.train.progress import Progress, Window, peak_memory_mb, say
 from k3train.train.rng import capture_rng_state, restore_rng_state
+
+
+class StopSignals:
+    """SIGTERM (preemption) and SIGUSR1 (SLURM's time-limit warning) stop the loop at the next update boundary,
+    so the run can checkpoint; the previous handlers come back on exit, and the runner re-sends the signal to them
+    (the default ends the process; submitit's requeues the job)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received: Optional[signal.Signals] = None
+        self._previous: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum)
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():  # Python only delivers signals there
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 class TrainingDiverged(RuntimeError):
@@ -61,6 +87,7 @@ class Trainer:
         self.profile = profile or ProfileConfig()
         self.state = TrainState()
         self.session_start_step = 0
+        self.stop_signal: Optional[signal.Signals] = None  # set when a signal ended fit()
         self.label = "[plumbing: smoke_test_lm] " if getattr(model, "is_plumbing_check", False) else ""
         self.tokens_per_update = train_loader.tokens_per_batch * config.gradient_accumulation_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -162,7 +189,7 @@ class Trainer:
         progress = Progress(self.config, self.state.step, self.total_steps, self.label)
         window = Window()
         reason = self._stop_reason()
-        with make_profiler(self.profile, self.run_dir, self.device) as profiler:
+        with StopSignals() as signals, make_profiler(self.profile, self.run_dir, self.device) as profiler:
             while reason is None:
                 t0 = time.perf_counter()
                 try:
@@ -178,7 +205,8 @@ class Trainer:
                 else:
                     progress.update(self.state.step, result["loss"], window.tokens_per_s())
                     self._after_update(window, progress)
-                reason = self._stop_reason()
+                reason = f"signal:{signals.received.name}" if signals.received else self._stop_reason()
+        self.stop_signal = signals.received
         self._finish(reason, progress)
         return reason
 
@@ -195,7 +223,7 @@ class Trainer:
                          skipped_updates=s.skipped_updates, consecutive=s.consecutive_skips,
                          loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None)
         say(f"{self.label}step {s.step}: non-finite loss {result['loss']} or grad norm "
-               f"{result['grad_norm']}; update skipped ({s.consecutive_skips} in a row)")
+            f"{result['grad_norm']}; update skipped ({s.consecutive_skips} in a row)")
         if s.consecutive_skips >= self.config.max_consecutive_skips:
             earlier = (f", or resume from the last good checkpoint ({self.checkpoint_path}) with a different recipe"
                        if self.checkpoint_path.exists() else "")
@@ -236,8 +264,8 @@ class Trainer:
 
     def _finish(self, reason: str, progress: Progress) -> None:
         progress.close()
-        if reason != "stop_after" and self.state.step > 0:
-            self.run_eval()
+        if reason != "stop_after" and not reason.startswith("signal:") and self.state.step > 0:
+            self.run_eval()  # not when time is short (a signal) or the run goes on (stop_after)
         self.save()
         self.metrics.log("end", step=self.state.step, tokens=self.state.tokens, reason=reason,
                          skipped_updates=self.state.skipped_updates)
