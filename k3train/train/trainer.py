@@ -92,9 +92,8 @@ class Trainer:
         self.tokens_per_update = train_loader.tokens_per_batch * config.gradient_accumulation_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._fixed_batches: Optional[list] = None  # overfit_batch mode
-        self.qk_clip_tau = config.qk_clip_tau if qk_clip.set_max_logit_tracking(model, True) else None
-        if self.qk_clip_tau is None:
-            qk_clip.set_max_logit_tracking(model, False)
+        has_mla = qk_clip.set_max_logit_tracking(model, config.qk_clip_tau is not None) > 0
+        self.qk_clip_tau = config.qk_clip_tau if has_mla else None
         self.total_steps = self._plan_total_steps()
         self.schedule = schedule_factory(total_steps=self.total_steps)
 
