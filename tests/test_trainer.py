@@ -204,3 +204,22 @@ def test_overfit_batch_repeats_the_first_batch_and_memorises_it(tmp_path, builti
     assert all(torch.equal(x, first_x) and torch.equal(y, first_y) for x, y in model.seen)
     assert trainer.train_loader.state_dict()["cursor"] == 2 * 16  # the stream itself did not move
     assert results[-1]["loss"] < 0.5 * results[0]["loss"]
+
+
+@pytest.mark.parametrize("tau", [None, 0.05])
+def test_qk_clip_tracking_follows_the_config(tmp_path, builtin_data, tau):
+    from k3train.models.k3 import KimiK3
+
+    torch.manual_seed(0)
+    model = KimiK3.from_fields(vocab_size=builtin_data.vocab_size, d_model=32, n_layers=2, kda_mla_ratio="1:1",
+                               mla_n_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                               kda_n_heads=2, kda_head_dim=16, n_routed_experts=4, expert_ffn_dim=16,
+                               dense_ffn_dim=32)
+    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-2), qk_clip_tau=tau)
+    result = trainer.train_step()
+    mla = model.layers[1].mixer
+    assert mla.track_max_logit is (tau is not None) and trainer.qk_clip_tau == tau
+    if tau is None:
+        assert "qk_clip" not in result
+    else:
+        assert result["qk_clip"]["n_clipped"] > 0 and mla.max_logit is None  # measured, clipped, consumed
