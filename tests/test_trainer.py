@@ -206,7 +206,7 @@ def test_overfit_batch_repeats_the_first_batch_and_memorises_it(tmp_path, builti
     assert results[-1]["loss"] < 0.5 * results[0]["loss"]
 
 
-@pytest.mark.parametrize("tau", [None, 0.05])
+@pytest.mark.parametrize("tau", [None, 1e-4])  # 1e-4: under any initial max logit, so heads clip
 def test_qk_clip_tracking_follows_the_config(tmp_path, builtin_data, tau):
     from k3train.models.k3 import KimiK3
 
