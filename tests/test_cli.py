@@ -252,35 +252,55 @@ def test_optimizer_settings_may_change_on_resume(run_cli, tmp_path):
 
 def test_sigterm_checkpoints_at_an_update_boundary_and_resume_continues_exactly(k3_cache, run_cli, tmp_path):
     """Preemption: SIGTERM mid-run -> checkpoint at the next update boundary, the process ends by the signal, and
-    resume=auto continues to the same losses as a run that was never interrupted."""
+    resume=auto continues to the same losses as a run that was never interrupted. A constant schedule makes the
+    lr independent of max_steps, so the uninterrupted reference can stop where the resumed run stops."""
     import os
     import signal
     import subprocess
     import sys
-    import time
 
     from conftest import REPO
 
-    n = 1500
-    common = [*TINY, f"train.max_steps={n}", "train.log_interval=1", "train.eval_interval=0",
-              "train.checkpoint_interval=0"]
+    common = [*TINY, "schedule=warmup_constant", "train.log_interval=1", "train.eval_interval=0",
+              "train.checkpoint_interval=0", "train.deterministic=true"]
     run_dir, straight = tmp_path / "run", tmp_path / "straight"
     env = {**os.environ, "K3TRAIN_CACHE": str(k3_cache), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "k3train", *common, f"hydra.run.dir={run_dir}"], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while not ((run_dir / "metrics.jsonl").exists() and '"train"' in (run_dir / "metrics.jsonl").read_text()):
-        assert time.time() < deadline and proc.poll() is None, "the run never logged a train event"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc = subprocess.Popen([sys.executable, "-m", "k3train", *common, "train.max_steps=1000000",
+                             f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # the first step line: training is under way; the run is far from its end
+        if "| loss " in line:
+            proc.send_signal(signal.SIGTERM)
+            break
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGTERM, stderr  # ended by the signal, as the scheduler expects
     end = events(run_dir)[-1]
-    assert end["event"] == "end" and end["reason"] == "signal:SIGTERM" and 0 < end["step"] < n
+    assert end["event"] == "end" and end["reason"] == "signal:SIGTERM" and end["step"] >= 1
     assert load_checkpoint(run_dir / "last.pt")["trainer"]["step"] == end["step"]
     assert json.loads((run_dir / "run.json").read_text())["sessions"][-1]["end_reason"] == "signal:SIGTERM"
 
-    assert run_cli(*common, "resume=auto", f"hydra.run.dir={run_dir}").returncode == 0
-    assert run_cli(*common, f"hydra.run.dir={straight}").returncode == 0
+    n = end["step"] + 5
+    assert run_cli(*common, f"train.max_steps={n}", "resume=auto", f"hydra.run.dir={run_dir}").returncode == 0
+    assert run_cli(*common, f"train.max_steps={n}", f"hydra.run.dir={straight}").returncode == 0
     losses = lambda d: {e["step"]: e["loss"] for e in events(d) if e["event"] == "train"}  # noqa: E731
     assert losses(run_dir) == losses(straight) and len(losses(straight)) == n
+
+
+def test_a_refused_run_leaves_the_existing_runs_hydra_files_alone(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli(*TINY, "train.max_steps=2", f"hydra.run.dir={run_dir}").returncode == 0
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    proc = run_cli(*TINY, "train.max_steps=3", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before
+
+
+def test_resume_from_an_earlier_checkpoint_of_the_same_run(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    assert run_cli(*TINY, "train.max_steps=4", "train.checkpoint_interval=2", "train.keep_last_k=2",
+                   f"hydra.run.dir={run_dir}").returncode == 0
+    assert (run_dir / "step_0000002.pt").exists()
+    proc = run_cli(*TINY, "train.max_steps=4", f"resume={run_dir / 'step_0000002.pt'}", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr
+    resume = [e for e in events(run_dir) if e["event"] == "resume"]
+    assert resume[-1]["step"] == 2 and load_checkpoint(run_dir / "last.pt")["trainer"]["step"] == 4

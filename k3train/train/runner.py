@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import traceback
 from pathlib import Path
 from typing import Optional
 
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
@@ -66,13 +68,25 @@ def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
     path = Path(resume).expanduser() if resume is not None else None
     if path is not None and not path.is_file():
         raise CheckpointError(f"resume={resume}: no such checkpoint file")
-    if path is not None and own.exists() and path.resolve() == own.resolve():
-        return path
+    if path is not None and path.resolve().parent == run_dir.resolve():
+        return path  # this run's own last.pt or an earlier step_*.pt of it: continuing the same run
     existing = [name for name in RUN_FILES if (run_dir / name).exists()]
     if existing:
         raise ValueError(f"{run_dir} already holds a run ({', '.join(existing)}): pass resume=auto to continue "
                          "that run, or choose another hydra.run.dir")
     return path
+
+
+class RunDirGuard(Callback):
+    """Checks run-directory ownership before Hydra writes .hydra/ into the directory (it does so before the task
+    starts), so a refused run leaves another run's .hydra/ untouched. Multirun jobs are checked in run()."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        try:
+            resolve_resume(config.resume, Path(config.hydra.run.dir))
+        except (ValueError, CheckpointError) as exc:
+            print(f"k3train: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            sys.exit(2)
 
 
 def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data) -> dict:
@@ -103,22 +117,28 @@ def run(cfg: DictConfig) -> Optional[str]:
         if not isinstance(cause, USER_ERRORS) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         return _fail(f"{type(cause).__name__}: {cause}", 2, multirun)
-    try:
-        reason = trainer.fit()
-    except TrainingDiverged as exc:
-        metrics.log("end", step=trainer.state.step, tokens=trainer.state.tokens, reason="diverged")
-        manifest.end_session("diverged", trainer.state.step, trainer.state.tokens)
-        return _fail(str(exc), 1, multirun)
-    except BaseException as exc:
-        manifest.end_session(f"error: {type(exc).__name__}: {exc}", trainer.state.step, trainer.state.tokens)
-        raise
-    finally:
+    with trainer.signals:  # SIGTERM/SIGUSR1 now stop at an update boundary instead of killing the process
+        try:
+            reason = trainer.fit()
+        except TrainingDiverged as exc:
+            metrics.log("end", step=trainer.state.step, tokens=trainer.state.tokens, reason="diverged")
+            manifest.end_session("diverged", trainer.state.step, trainer.state.tokens)
+            metrics.close()
+            trainer.signals.redeliver()  # a preemption still reaches the scheduler's handler
+            return _fail(str(exc), 1, multirun)
+        except BaseException as exc:
+            manifest.end_session(f"error: {type(exc).__name__}: {exc}", trainer.state.step, trainer.state.tokens)
+            metrics.close()
+            if trainer.signals.received is not None:
+                traceback.print_exc()
+                trainer.signals.redeliver()
+            raise
         metrics.close()
-    manifest.end_session(reason, trainer.state.step, trainer.state.tokens)
-    if trainer.stop_signal is not None:  # checkpointed: now let the signal do what it would have done
-        print(f"k3train: stopped by {trainer.stop_signal.name} at step {trainer.state.step}; continue with "
-              "resume=auto", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), trainer.stop_signal)
+        manifest.end_session(reason, trainer.state.step, trainer.state.tokens)
+    if trainer.signals.received is not None:  # checkpointed: now let the signal do what it would have done
+        print(f"k3train: stopped by {trainer.signals.received.name} at step {trainer.state.step}; continue in the "
+              "same output directory with resume=auto", file=sys.stderr, flush=True)
+        trainer.signals.redeliver()
     return reason
 
 

@@ -12,6 +12,7 @@ training forward pass, so k micro-batches see k bias updates where one big batch
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
@@ -34,9 +35,10 @@ from k3train.train.rng import capture_rng_state, restore_rng_state
 
 
 class StopSignals:
-    """SIGTERM (preemption) and SIGUSR1 (SLURM's time-limit warning) stop the loop at the next update boundary,
-    so the run can checkpoint; the previous handlers come back on exit, and the runner re-sends the signal to them
-    (the default ends the process; submitit's requeues the job)."""
+    """While entered, SIGTERM (preemption) and SIGUSR1 (SLURM's time-limit warning) only raise a flag: the loop
+    stops at the next update boundary and the run checkpoints. On exit the previous handlers come back and
+    `redeliver()` sends them the first signal (the default ends the process; submitit's requeues the job).
+    A second signal does not wait: the previous handlers take it at once (a step may be stuck)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -45,16 +47,29 @@ class StopSignals:
         self._previous: dict = {}
 
     def _handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum)
+        if self.received is None:
+            self.received = signal.Signals(signum)
+            return
+        self._restore()
+        os.kill(os.getpid(), signum)
 
     def __enter__(self) -> "StopSignals":
         if threading.current_thread() is threading.main_thread():  # Python only delivers signals there
             self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
-    def __exit__(self, *exc) -> None:
+    def _restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+        self._previous = {}
+
+    def __exit__(self, *exc) -> None:
+        self._restore()
+
+    def redeliver(self) -> None:
+        if self.received is not None:
+            self._restore()
+            os.kill(os.getpid(), self.received)
 
 
 class TrainingDiverged(RuntimeError):
@@ -87,7 +102,8 @@ class Trainer:
         self.profile = profile or ProfileConfig()
         self.state = TrainState()
         self.session_start_step = 0
-        self.stop_signal: Optional[signal.Signals] = None  # set when a signal ended fit()
+        self.signals = StopSignals()  # the runner installs it around fit(); the loop only reads the flag
+        self._saved_step: Optional[int] = None
         self.label = "[plumbing: smoke_test_lm] " if getattr(model, "is_plumbing_check", False) else ""
         self.tokens_per_update = train_loader.tokens_per_batch * config.gradient_accumulation_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -188,7 +204,7 @@ class Trainer:
         progress = Progress(self.config, self.state.step, self.total_steps, self.label)
         window = Window()
         reason = self._stop_reason()
-        with StopSignals() as signals, make_profiler(self.profile, self.run_dir, self.device) as profiler:
+        with make_profiler(self.profile, self.run_dir, self.device) as profiler:
             while reason is None:
                 t0 = time.perf_counter()
                 try:
@@ -204,8 +220,8 @@ class Trainer:
                 else:
                     progress.update(self.state.step, result["loss"], window.tokens_per_s())
                     self._after_update(window, progress)
-                reason = f"signal:{signals.received.name}" if signals.received else self._stop_reason()
-        self.stop_signal = signals.received
+                received = self.signals.received
+                reason = f"signal:{received.name}" if received else self._stop_reason()
         self._finish(reason, progress)
         return reason
 
@@ -263,9 +279,10 @@ class Trainer:
 
     def _finish(self, reason: str, progress: Progress) -> None:
         progress.close()
-        if reason != "stop_after" and not reason.startswith("signal:") and self.state.step > 0:
+        if reason != "stop_after" and self.signals.received is None and self.state.step > 0:
             self.run_eval()  # not when time is short (a signal) or the run goes on (stop_after)
-        self.save()
+        if self._saved_step != self.state.step:  # an interval checkpoint may have just saved this step
+            self.save()
         self.metrics.log("end", step=self.state.step, tokens=self.state.tokens, reason=reason,
                          skipped_updates=self.state.skipped_updates)
         say(f"{self.label}stopped at step {self.state.step} ({reason}); checkpoint {self.checkpoint_path}")
@@ -290,6 +307,7 @@ class Trainer:
         """Checkpoint at an update boundary (gradients are already cleared)."""
         t0 = time.perf_counter()
         size = save_checkpoint(self.checkpoint_path, self.checkpoint_payload())
+        self._saved_step = self.state.step
         keep_last(self.run_dir, self.checkpoint_path, self.state.step, self.config.keep_last_k)
         self.metrics.log("checkpoint", step=self.state.step, tokens=self.state.tokens,
                          path=str(self.checkpoint_path), bytes=size, seconds=round(time.perf_counter() - t0, 3))
@@ -316,7 +334,8 @@ class Trainer:
         self.state = TrainState(**payload["trainer"])
         restore_rng_state(payload["rng"])
         plan = payload["schedule"]
-        if (plan["max_steps"], plan["max_tokens"]) == (self.config.max_steps, self.config.max_tokens):
+        if (plan.get("max_steps"), plan.get("max_tokens")) == (self.config.max_steps, self.config.max_tokens) \
+                and "total_steps" in plan:
             self.total_steps = plan["total_steps"]
         else:
             self.total_steps = self._plan_total_steps()
