@@ -117,29 +117,31 @@ def run(cfg: DictConfig) -> Optional[str]:
         if not isinstance(cause, USER_ERRORS) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         return _fail(f"{type(cause).__name__}: {cause}", 2, multirun)
+    failure = None
     with trainer.signals:  # SIGTERM/SIGUSR1 now stop at an update boundary instead of killing the process
         try:
             reason = trainer.fit()
         except TrainingDiverged as exc:
-            metrics.log("end", step=trainer.state.step, tokens=trainer.state.tokens, reason="diverged")
-            manifest.end_session("diverged", trainer.state.step, trainer.state.tokens)
-            metrics.close()
-            trainer.signals.redeliver()  # a preemption still reaches the scheduler's handler
-            return _fail(str(exc), 1, multirun)
+            reason, failure = "diverged", str(exc)
         except BaseException as exc:
-            manifest.end_session(f"error: {type(exc).__name__}: {exc}", trainer.state.step, trainer.state.tokens)
-            metrics.close()
-            if trainer.signals.received is not None:
+            _close(trainer, metrics, manifest, f"error: {type(exc).__name__}: {exc}")
+            if trainer.signals.received is not None:  # a preemption must still reach the scheduler's handler
                 traceback.print_exc()
                 trainer.signals.redeliver()
             raise
-        metrics.close()
-        manifest.end_session(reason, trainer.state.step, trainer.state.tokens)
+        _close(trainer, metrics, manifest, reason)
     if trainer.signals.received is not None:  # checkpointed: now let the signal do what it would have done
         print(f"k3train: stopped by {trainer.signals.received.name} at step {trainer.state.step}; continue in the "
               "same output directory with resume=auto", file=sys.stderr, flush=True)
         trainer.signals.redeliver()
+    if failure is not None:
+        return _fail(failure, 1, multirun)
     return reason
+
+
+def _close(trainer: Trainer, metrics: MetricsWriter, manifest: RunManifest, reason: str) -> None:
+    metrics.close()
+    manifest.end_session(reason, trainer.state.step, trainer.state.tokens)
 
 
 def _fail(message: str, status: int, multirun: bool) -> None:

@@ -242,6 +242,8 @@ class Trainer:
         if s.consecutive_skips >= self.config.max_consecutive_skips:
             earlier = (f", or resume from the last good checkpoint ({self.checkpoint_path}) with a different recipe"
                        if self.checkpoint_path.exists() else "")
+            self.metrics.log("end", step=s.step, tokens=s.tokens, reason="diverged",
+                             skipped_updates=s.skipped_updates)
             raise TrainingDiverged(
                 f"{s.consecutive_skips} non-finite updates in a row at step {s.step}: the run has diverged. "
                 f"Lower optim.lr or enable train.grad_clip{earlier}"
