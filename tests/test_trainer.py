@@ -223,3 +223,21 @@ def test_qk_clip_tracking_follows_the_config(tmp_path, builtin_data, tau):
         assert "qk_clip" not in result
     else:
         assert result["qk_clip"]["n_clipped"] > 0 and mla.max_logit is None  # measured, clipped, consumed
+
+
+def test_grad_clip_scales_the_update_not_just_the_log(tmp_path, builtin_data):
+    """SGD with lr 1: the update is minus the gradient the optimizer saw. With grad_clip=c its global norm is c
+    (the logged grad_norm stays the unclipped norm); without clipping it equals the raw gradient's norm."""
+    def update_norm(clip):
+        model = smoke(builtin_data.vocab_size)
+        before = [p.detach().clone() for p in model.parameters()]
+        result = make_trainer(tmp_path / str(clip), builtin_data, model, grad_clip=clip).train_step()
+        delta = torch.cat([(b - p.detach()).reshape(-1) for b, p in zip(before, model.parameters())])
+        return delta.norm().item(), result["grad_norm"]
+
+    raw_update, raw_norm = update_norm(None)
+    assert raw_update == pytest.approx(raw_norm, rel=1e-5)
+    clip = raw_norm / 4  # well under the gradient's norm, so clipping must act
+    clipped_update, logged = update_norm(clip)
+    assert logged == pytest.approx(raw_norm, rel=1e-6)
+    assert clipped_update == pytest.approx(clip, rel=1e-4)

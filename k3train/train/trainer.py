@@ -178,7 +178,8 @@ class Trainer:
         result = {"loss": loss, "grad_norm": grad_norm, "lr_factor": lr_factor}
         if math.isfinite(loss) and math.isfinite(grad_norm):
             if self.config.clip_norm is not None:
-                torch.nn.utils.clip_grads_with_norm_(grads, self.config.clip_norm, torch.tensor(grad_norm))
+                # Scales each parameter's .grad in place (it must be given the parameters, not the gradients).
+                torch.nn.utils.clip_grads_with_norm_(self.params, self.config.clip_norm, torch.tensor(grad_norm))
             self.scaler.step(self.optimizer)
             self.scaler.update()
             if self.qk_clip_tau is not None:
