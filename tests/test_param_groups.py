@@ -18,7 +18,7 @@ D, H, DH, E, F = 16, 4, 8, 3, 24
 
 
 class FakeKDA(nn.Module):
-    """The parameter names and shapes of k3train/models/kda/layer.py (CONTRACTS.md), no forward."""
+    """The parameter names and shapes of k3train/models/kda/layer.py (docs/contracts.md), no forward."""
 
     def __init__(self) -> None:
         super().__init__()

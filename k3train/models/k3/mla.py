@@ -72,7 +72,7 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = nn.Linear(n_heads * self.dv, d_model, bias=False)
         self.rotary = RotaryEmbedding(self.dr, max_seq_len, rope_theta) if rope else None
 
-        # Muon may orthogonalise these per head (CONTRACTS.md): rows [H*dh, in] or columns [out, H*dh].
+        # Muon may orthogonalise these per head (`head_split`, docs/contracts.md): rows [H*dh, in] or columns [out, H*dh].
         self.q_out_proj.weight.head_split = (n_heads, 0)
         self.kv_b_proj.weight.head_split = (n_heads, 0)
         self.o_proj.weight.head_split = (n_heads, 1)

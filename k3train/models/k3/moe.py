@@ -1,8 +1,9 @@
 """Feed-forward blocks: a dense SwiGLU, and a sigmoid-routed MoE with a balancing bias (DeepSeek-V3 / Kimi Linear).
 
-Routing (mla_moe.md): scores s = sigmoid(router(x)); the top-k experts are chosen on s + bias; the gate weights
-are the UNBIASED scores of the chosen k, renormalised to sum 1 and multiplied by routed_scaling_factor. The bias
-only steers the choice, so balancing never changes what a chosen expert's output is weighted by.
+Routing (DeepSeek-V3, arXiv 2412.19437, section 2.1.2): scores s = sigmoid(router(x)); the top-k experts are
+chosen on s + bias; the gate weights are the UNBIASED scores of the chosen k, renormalised to sum 1 and multiplied
+by routed_scaling_factor. The bias only steers the choice, so balancing never changes what a chosen expert's output
+is weighted by.
 
 The bias is a persistent buffer (it travels in state_dict) and changes only in training-mode forward passes:
 - "quantile_balancing" (J. Su, "MoE World Tour 6: Optimal Allocation", Feb 2026): routing is an assignment LP
@@ -13,7 +14,7 @@ The bias is a persistent buffer (it travels in state_dict) and changes only in t
                                     if j is in it now; for the other experts the true need is higher by the gap
                                     between the k-th and (k+1)-th largest)
     3. b_j = midpoint of the m-th and (m+1)-th smallest r_.j, m = round(N k / n), so that exactly m tokens
-       have r_ij < b_j (the (k/n)-quantile of mla_moe.md, chosen between two order statistics to avoid ties)
+       have r_ij < b_j (the (k/n)-quantile of Su's construction, chosen between two order statistics to avoid ties)
     4. b <- b - mean(b)                                       (top-k is shift invariant; keeps b near 0)
   The new b is used from the next forward pass on. Each expert's update holds the others' biases fixed, so it is
   one Jacobi step of the dual problem, not the exact optimum; on a stream of similar batches it settles within

@@ -1,4 +1,4 @@
-"""The Kimi Delta Attention layer (Kimi Linear tech report; FLA fla/layers/kda.py): [B, T, d] -> [B, T, d]."""
+"""The Kimi Delta Attention layer (Kimi Linear, arXiv 2510.26692; FLA fla/layers/kda.py): [B, T, d] -> [B, T, d]."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from k3train.models.kda.naive import naive_recurrent_kda
 
 IMPLEMENTATIONS = ("chunk", "recurrent", "fla")
 GATES = ("softplus", "sigmoid")
-SIGMOID_GATE_LOWER_BOUND = -5.0  # the sigmoid gate's largest per-step log decay (kda.md)
+# The sigmoid ("safe") gate's largest per-step log decay: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)),
+# FLA's `lower_bound` (fla-org/flash-linear-attention, fla/ops/kda/gate.py).
+SIGMOID_GATE_LOWER_BOUND = -5.0
 
 
 class KimiDeltaAttention(nn.Module):
@@ -73,7 +75,7 @@ class KimiDeltaAttention(nn.Module):
         self.g_b_proj = nn.Linear(head_dim, value_dim, bias=True)
         self.o_norm = nn.RMSNorm(head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(value_dim, d_model, bias=False)
-        # Muon may orthogonalise per head (CONTRACTS.md).
+        # Muon may orthogonalise per head (`head_split`, docs/contracts.md).
         for proj, heads in ((self.q_proj, n_heads), (self.k_proj, n_heads), (self.v_proj, n_value_heads)):
             proj.weight.head_split = (heads, 0)
         self.o_proj.weight.head_split = (n_value_heads, 1)
