@@ -5,6 +5,7 @@ import pytest
 import torch
 from data_helpers import DOCS, byte_stream, make_dataset, train_tiny_bpe, write_jsonl
 
+import k3train.data.dataset as dataset_mod
 from k3train.data import EndOfData, HFTokenizer, ShardedTokenDataset, TokenData, TokenDataLoader, prepare_dataset
 from k3train.data.manifest import MANIFEST_NAME
 
@@ -152,6 +153,45 @@ def test_out_of_vocab_ids_and_modified_shards_are_detected(data_dir):
     (data_dir / MANIFEST_NAME).write_text(json.dumps(manifest))
     with pytest.raises(ValueError, match="train split holds token id 257 >= vocab_size 257"):
         TokenData(data_dir)
+
+
+@pytest.fixture
+def large_shard_dir(tmp_path):
+    """One train shard of ~285k byte tokens: far more than the 64Ki tokens the id check once sampled."""
+    (tmp_path / "big.txt").write_text("the cat sat on the mat.\n" * 12_500)
+    val = write_jsonl(tmp_path / "val.jsonl", DOCS)
+    prepare_dataset([tmp_path / "big.txt"], tmp_path / "big", val_inputs=[val], workers=1)
+    return tmp_path / "big"
+
+
+def poke(shard, offset: int, token_id: int) -> None:
+    with open(shard, "r+b") as f:
+        f.seek(2 * offset)
+        f.write(np.array([token_id], "<u2").tobytes())
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 1000])  # the default chunk, and many chunks per shard
+def test_an_out_of_vocab_id_anywhere_in_a_shard_is_refused_at_open(large_shard_dir, monkeypatch, chunk_tokens):
+    if chunk_tokens:
+        monkeypatch.setattr(dataset_mod, "CHECK_CHUNK_TOKENS", chunk_tokens)
+    assert ShardedTokenDataset(large_shard_dir, "train").num_tokens > 200_000
+    poke(large_shard_dir / "train_000000.bin", 200_123, 300)
+    poke(large_shard_dir / "train_000000.bin", 250_000, 400)  # only the first bad id is named
+    with pytest.raises(ValueError, match=r"train_000000.bin holds token id 300 >= vocab_size 257 at token offset "
+                                         r"200,123 .*--overwrite.*right --tokenizer"):
+        TokenData(large_shard_dir)
+
+
+@pytest.mark.slow
+def test_cli_refuses_an_out_of_vocab_shard_in_one_line(large_shard_dir, run_cli, tmp_path):
+    poke(large_shard_dir / "train_000000.bin", 200_123, 300)
+    run_dir = tmp_path / "run"
+    proc = run_cli("model=smoke_test_lm", "data=prepared", f"data.path={large_shard_dir}", "train.max_steps=1",
+                   "train.batch_size=2", "train.seq_len=32", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "Traceback" not in proc.stderr
+    assert "train_000000.bin holds token id 300 >= vocab_size 257 at token offset 200,123" in proc.stderr
+    assert not any((run_dir / name).exists() for name in ("last.pt", "run.json", "metrics.jsonl"))
 
 
 def test_bad_manifests(tmp_path, data_dir):

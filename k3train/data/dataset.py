@@ -1,8 +1,9 @@
 """Opening prepared data: ShardedTokenDataset (one split as one token stream) and TokenData (train + val).
 
-Opening is cheap and strict: the manifest is read, every shard's file size is checked against its token count,
-and ids are checked against vocab_size (the manifest's recorded maximum, plus the first SAMPLE_TOKENS of each
-shard); verify=True additionally re-hashes every shard against the manifest's sha256.
+Opening is strict: the manifest is read, every shard's file size is checked against its token count, and every
+token id is checked against vocab_size (the manifest's recorded maximum, then a max over each whole shard, read in
+CHECK_CHUNK_TOKENS pieces so memory stays bounded; an id past the vocabulary would otherwise end a run hours in,
+at the step that reads it). verify=True additionally re-hashes every shard against the manifest's sha256.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from k3train.data.loader import TokenDataLoader
 from k3train.data.manifest import FORMAT_VERSION, MANIFEST_NAME, read_manifest
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
-SAMPLE_TOKENS = 1 << 16
+CHECK_CHUNK_TOKENS = 1 << 24  # 32 MiB of uint16 per read of the id check
 _REPREPARE = "re-run `python -m k3train.prepare ... --overwrite` to rebuild the dataset"
 
 
@@ -73,13 +74,17 @@ class ShardedTokenDataset:
                 f"{self.path / MANIFEST_NAME}: the {self.split} split holds token id {recorded} >= vocab_size "
                 f"{self.vocab_size}; {_REPREPARE}"
             )
-        for spec, shard in zip(self._entry["shards"], self._shards, strict=True):
-            sample = shard[:SAMPLE_TOKENS]
-            if sample.size and int(sample.max()) >= self.vocab_size:
-                raise ValueError(
-                    f"shard {self.path / spec['file']} holds token id {int(sample.max())} >= vocab_size "
-                    f"{self.vocab_size} (it does not match its manifest); {_REPREPARE}"
-                )
+        for spec, shard, shard_start in zip(self._entry["shards"], self._shards, self._starts, strict=False):
+            for start in range(0, len(shard), CHECK_CHUNK_TOKENS):
+                chunk = shard[start : start + CHECK_CHUNK_TOKENS]
+                if int(chunk.max()) >= self.vocab_size:
+                    offset = start + int(np.argmax(chunk >= self.vocab_size))
+                    raise ValueError(
+                        f"shard {self.path / spec['file']} holds token id {int(shard[offset])} >= vocab_size "
+                        f"{self.vocab_size} at token offset {offset:,} (token {shard_start + offset:,} of the "
+                        f"{self.split} split); the shard does not match its manifest (written by another tokenizer, "
+                        f"or modified after prepare): {_REPREPARE} with the right --tokenizer"
+                    )
 
     def verify(self) -> None:
         """Re-hash every shard (reads the whole split) and compare with the manifest's sha256."""
