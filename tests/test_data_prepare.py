@@ -64,6 +64,36 @@ def test_val_fraction_split_is_deterministic_and_complete(tmp_path):
     assert np.array_equal(tokens(tmp_path / "a", "val"), byte_stream(val_docs))
 
 
+def documents(path, split):
+    """A byte-tokenized split's documents as text (the eod id 256 ends each)."""
+    ids = tokens(path, split)
+    ends = np.flatnonzero(ids == 256)
+    assert len(ends) and ends[-1] == len(ids) - 1
+    return [bytes(d[:-1].astype(np.uint8)).decode() for d in np.split(ids, ends + 1)[:-1]]
+
+
+def test_val_fraction_holds_on_a_handful_of_files(tmp_path):
+    # Five one-document files of very unequal sizes: no choice of whole files comes near 5% (whole files held
+    # out 24% of the tokens here), so documents are cut, head to train and tail to val.
+    sizes = [52_000, 9_000, 121_000, 6_500, 33_000]
+    texts = ["".join(f"file {i} line {j:06d}\n" for j in range(size // 19)) for i, size in enumerate(sizes)]
+    for i, text in enumerate(texts):
+        (tmp_path / f"f{i}.txt").write_text(text)
+    proc = run_cli(*(tmp_path / f"f{i}.txt" for i in range(len(texts))), "--output", tmp_path / "out",
+                   "--val-fraction", "0.05")
+    assert proc.returncode == 0, proc.stderr
+    splits = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())["splits"]
+    val, train = splits["val"]["num_tokens"], splits["train"]["num_tokens"]
+    assert abs(val / (val + train) - 0.05) < 0.0005, val / (val + train)
+    assert f"val: {val:,} tokens = {val / (val + train):.2%} of the tokens (asked 5.00%)" in proc.stdout
+    # Every file's val part is its tail: its train head followed by its val tail gives back the file.
+    heads, tails = documents(tmp_path / "out", "train"), documents(tmp_path / "out", "val")
+    assert len(heads) == len(texts) and 0 < len(tails) <= len(texts)
+    rest = [text.removeprefix(head) for head, text in zip(heads, texts, strict=True)]
+    assert all(text.startswith(head) for head, text in zip(heads, texts, strict=True))
+    assert [r for r in rest if r] == tails
+
+
 def test_worker_pool_output_equals_in_process(tmp_path, monkeypatch):
     monkeypatch.setattr(prepare_mod, "CHUNK_CHARS", 200)  # many chunks, so the pool really interleaves them
     src = write_jsonl(tmp_path / "docs.jsonl", DOCS * 3)

@@ -33,7 +33,7 @@ import numpy as np
 from tqdm import tqdm
 
 from k3train.data.manifest import FORMAT_VERSION, MANIFEST_NAME, SPLITS, fingerprint, token_dtype
-from k3train.data.sources import PrepareError, expand_inputs, iter_pieces, split_by_fraction
+from k3train.data.sources import PrepareError, document_sizes, expand_inputs, iter_pieces, plan_split, split_by_plan
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 CHUNK_CHARS = 1 << 18
@@ -241,7 +241,7 @@ def write_dataset(
 def _empty_split_message(split: str, source: dict[str, Any]) -> str:
     if split == "val" and not source.get("val_inputs"):
         return (
-            f"the val split is empty: the inputs hold too few documents for val_fraction "
+            f"the val split is empty: the inputs hold too little text for val_fraction "
             f"{source.get('val_fraction')}; add documents, raise --val-fraction, or pass --val-inputs"
         )
     inputs = source.get("val_inputs" if split == "val" else "inputs")
@@ -268,7 +268,7 @@ def prepare_dataset(
     """Prepare text files into a dataset at output (the Python form of the CLI); returns the manifest.
 
     val comes from val_inputs when given, else from val_fraction (default DEFAULT_VAL_FRACTION) of the text,
-    chosen by split_by_fraction. workers defaults to every usable core (1 for the byte tokenizer)."""
+    chosen by sources.plan_split after a pre-pass that measures every document. workers defaults to every usable core (1 for the byte tokenizer)."""
     tokenizer = tokenizer or load_tokenizer("byte")
     if val_inputs and val_fraction is not None:
         raise PrepareError("give either val_fraction (--val-fraction) or val_inputs (--val-inputs), not both")
@@ -287,19 +287,24 @@ def prepare_dataset(
         disable=not progress or not sys.stderr.isatty(),
     )
 
-    def pieces(paths: list[Path]) -> Iterator[tuple[str, bool]]:
-        return itertools.chain.from_iterable(iter_pieces(p, text_field, bar.update) for p in paths)
+    def pieces(paths: list[Path], on_read=bar.update) -> Iterator[tuple[str, bool]]:
+        return itertools.chain.from_iterable(iter_pieces(p, text_field, on_read) for p in paths)
 
     if val_files:
         stream = itertools.chain(
             (("train", t, last) for t, last in pieces(files)), (("val", t, last) for t, last in pieces(val_files))
         )
+        cut = None
     else:
-        stream = split_by_fraction(pieces(files), val_fraction)
+        sizes = document_sizes(pieces(files, on_read=None))  # reads the inputs once more, without tokenizing
+        heads = plan_split(sizes, val_fraction)
+        stream = split_by_plan(pieces(files), heads)
+        cut = sum(0 < head < size for head, size in zip(heads, sizes, strict=True))
     source = {
         "inputs": [str(f) for f in files],
         "val_inputs": [str(f) for f in val_files],
         "val_fraction": val_fraction,
+        "documents_cut": cut,  # split head -> train, tail -> val (too few documents to hold val_fraction whole)
         "text_field": text_field,
     }
     with bar:
@@ -320,7 +325,8 @@ def _parser() -> argparse.ArgumentParser:
     split = p.add_mutually_exclusive_group()
     split.add_argument(
         "--val-fraction", type=float,
-        help=f"share of the text (whole documents) held out as val (default {DEFAULT_VAL_FRACTION})",
+        help=f"share of the text held out as val (default {DEFAULT_VAL_FRACTION}): whole documents, or the tails "
+        "of documents cut in two when there are too few to hold the share",
     )
     split.add_argument("--val-inputs", nargs="+", default=[], help="files, folders or globs for the val split")
     p.add_argument("--text-field", default="text", help="JSON field holding a .jsonl document's text")
@@ -329,6 +335,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset at --output")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar or summary")
     return p
+
+
+def _val_summary(manifest: dict[str, Any]) -> str:
+    source, splits = manifest["source"], manifest["splits"]
+    val = splits["val"]["num_tokens"]
+    share = val / (val + splits["train"]["num_tokens"])
+    if source.get("val_fraction") is None:
+        return f"val: {val:,} tokens from --val-inputs ({share:.2%} of all tokens)"
+    how = (f"{source['documents_cut']:,} documents cut (head -> train, tail -> val): too few to hold it with whole "
+           f"documents" if source["documents_cut"] else "whole documents")
+    return f"val: {val:,} tokens = {share:.2%} of the tokens (asked {source['val_fraction']:.2%}); {how}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -350,4 +367,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         print(f"prepared {args.output}: {counts}; vocab_size {manifest['vocab_size']}, "
               f"fingerprint {manifest['fingerprint'][:16]}, {time.perf_counter() - start:.1f} s")
+        print(_val_summary(manifest))
     return 0

@@ -13,12 +13,14 @@ import glob
 import gzip
 import io
 import json
+import math
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")
 PIECE_CHARS = 1 << 18
+VAL_FRACTION_TOLERANCE = 0.1  # relative: val_fraction 0.05 holds to within 0.045-0.055 of the text
 
 Piece = tuple[str, bool]
 
@@ -102,20 +104,55 @@ def _jsonl_pieces(text: io.TextIOBase, path: Path, field: str) -> Iterator[Piece
             yield record[field], True
 
 
-def split_by_fraction(pieces: Iterable[Piece], val_fraction: float) -> Iterator[tuple[str, str, bool]]:
-    """Assign whole documents to "train" or "val", deterministically and in one pass.
-
-    A document joins val when val holds less than val_fraction of the characters seen before it. The choice
-    depends only on earlier documents, never on this one's size, so val gets about val_fraction of the text
-    (not of the document count, which matters when document sizes vary by 100x), spread through the corpus;
-    the first document always goes to train."""
-    seen = in_val = 0
-    split = None
+def document_sizes(pieces: Iterable[Piece]) -> list[int]:
+    """Characters per document: the pre-pass that lets plan_split hold a val fraction of the whole text."""
+    sizes, size = [], 0
     for text, last in pieces:
-        if split is None:
-            split = "val" if in_val < val_fraction * seen else "train"
-        seen += len(text)
-        in_val += len(text) if split == "val" else 0
-        yield split, text, last
+        size += len(text)
         if last:
-            split = None
+            sizes.append(size)
+            size = 0
+    return sizes
+
+
+def plan_split(sizes: Sequence[int], val_fraction: float, *, whole_documents: bool = False) -> list[int]:
+    """Per document, how many of its leading characters go to train; the rest (its tail) goes to val.
+
+    Whole documents first: a document joins val when val holds less than val_fraction of the characters seen
+    before it (the first document always goes to train), so val is spread through the corpus and its share is
+    of the text, not of the document count. When that misses val_fraction by more than VAL_FRACTION_TOLERANCE
+    of it (too few documents, or a few that dwarf the rest; unless whole_documents), every document larger than
+    that tolerance's share of the val text is cut instead: its head to train and just enough of its tail to val
+    to put val back on val_fraction of the text seen so far."""
+    total = sum(sizes)
+    slack = VAL_FRACTION_TOLERANCE * val_fraction * total
+    for cut_above in (math.inf,) if whole_documents else (math.inf, slack):
+        heads, seen, in_val = [], 0, 0
+        for size in sizes:
+            if size > cut_above:
+                head = size - min(max(math.floor(val_fraction * (seen + size) - in_val), 0), size)
+            else:
+                head = 0 if in_val < val_fraction * seen else size
+            heads.append(head)
+            seen, in_val = seen + size, in_val + size - head
+        if abs(in_val - val_fraction * total) <= slack:
+            break
+    return heads
+
+
+def split_by_plan(pieces: Iterable[Piece], heads: Iterable[int]) -> Iterator[tuple[str, str, bool]]:
+    """(split, text, last) pieces: each document's first heads[i] characters to train, the rest to val. A cut
+    document ends in both splits (each part gets its own end of document)."""
+    plan = iter(heads)
+    head = pos = None
+    for text, last in pieces:
+        if head is None:
+            head, pos = next(plan), 0
+        cut = min(max(head - pos, 0), len(text))
+        if cut:
+            yield "train", text[:cut], last or pos + cut == head
+        if cut < len(text):
+            yield "val", text[cut:], last
+        pos += len(text)
+        if last:
+            head = None
