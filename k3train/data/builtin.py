@@ -1,6 +1,6 @@
 """The built-in corpus: CPython's own `pydoc_data.topics` (~465 KB of English reference text, in every install).
 
-Its 79 documents are taken in sorted-key order, split by sources.plan_split (whole documents) at BUILTIN_VAL_FRACTION, and
+Its 79 documents are taken in sorted-key order, split whole by sources.plan_split at BUILTIN_VAL_FRACTION, and
 prepared on first use into <cache>/builtin-<key>, where cache is $K3TRAIN_CACHE or ~/.cache/k3train and key
 hashes the corpus text, the tokenizer identity, the prepare format version and the split recipe: a new Python's
 topics, another tokenizer or a changed recipe gets its own directory, never a stale one.

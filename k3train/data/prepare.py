@@ -33,7 +33,15 @@ import numpy as np
 from tqdm import tqdm
 
 from k3train.data.manifest import FORMAT_VERSION, MANIFEST_NAME, SPLITS, fingerprint, token_dtype
-from k3train.data.sources import PrepareError, document_sizes, expand_inputs, iter_pieces, plan_split, split_by_plan
+from k3train.data.sources import (
+    VAL_FRACTION_TOLERANCE,
+    PrepareError,
+    document_sizes,
+    expand_inputs,
+    iter_pieces,
+    plan_split,
+    split_by_plan,
+)
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 CHUNK_CHARS = 1 << 18
@@ -268,7 +276,8 @@ def prepare_dataset(
     """Prepare text files into a dataset at output (the Python form of the CLI); returns the manifest.
 
     val comes from val_inputs when given, else from val_fraction (default DEFAULT_VAL_FRACTION) of the text,
-    chosen by sources.plan_split after a pre-pass that measures every document. workers defaults to every usable core (1 for the byte tokenizer)."""
+    chosen by sources.plan_split after a pre-pass that measures every document. workers defaults to every usable
+    core (1 for the byte tokenizer)."""
     tokenizer = tokenizer or load_tokenizer("byte")
     if val_inputs and val_fraction is not None:
         raise PrepareError("give either val_fraction (--val-fraction) or val_inputs (--val-inputs), not both")
@@ -343,8 +352,9 @@ def _val_summary(manifest: dict[str, Any]) -> str:
     share = val / (val + splits["train"]["num_tokens"])
     if source.get("val_fraction") is None:
         return f"val: {val:,} tokens from --val-inputs ({share:.2%} of all tokens)"
-    how = (f"{source['documents_cut']:,} documents cut (head -> train, tail -> val): too few to hold it with whole "
-           f"documents" if source["documents_cut"] else "whole documents")
+    how = (f"{source['documents_cut']:,} large documents cut in two (head -> train, tail -> val): whole documents "
+           f"would have missed it by more than {VAL_FRACTION_TOLERANCE:.0%} of it" if source["documents_cut"]
+           else "whole documents")
     return f"val: {val:,} tokens = {share:.2%} of the tokens (asked {source['val_fraction']:.2%}); {how}"
 
 
