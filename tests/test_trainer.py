@@ -328,3 +328,19 @@ def test_a_restored_optimizer_holds_the_scheduled_lr_not_the_configured_peak(tmp
                           max_steps=8)
     second.restore(saved, first.checkpoint_path)
     assert second.optimizer.param_groups[0]["lr"] == saved["optimizer"]["param_groups"][0]["lr"]
+
+
+def test_after_a_resume_from_an_earlier_checkpoint_the_later_last_pt_is_not_kept_as_previous(tmp_path, builtin_data):
+    """previous.pt must be a checkpoint this line of training went on from, never the later last.pt of the line
+    abandoned by resuming from an earlier step_*.pt."""
+    model = smoke(builtin_data.vocab_size)
+    first = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), checkpoint_interval=2,
+                         keep_last_k=2, max_steps=4)
+    first.fit()
+    model = smoke(builtin_data.vocab_size)
+    second = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), max_steps=4)
+    second.restore(load_checkpoint(tmp_path / "step_0000002.pt"), tmp_path / "step_0000002.pt")
+    second.train_step()
+    second.save()
+    assert not (tmp_path / "previous.pt").exists()
+    assert load_checkpoint(tmp_path / "last.pt")["trainer"]["step"] == 3

@@ -341,8 +341,9 @@ class Trainer:
         checkpoint last.pt replaces stays as previous.pt (a hard link: free) until an update goes on from the new
         one, and a divergence right after a save puts it back (_keep_good_checkpoint)."""
         t0 = time.perf_counter()
-        if self.checkpoint_path.exists():
-            self.previous_path.unlink(missing_ok=True)
+        self.previous_path.unlink(missing_ok=True)
+        if self.saved_step is not None and self.checkpoint_path.exists():  # last.pt is this line's (not a later
+            # one left behind by a resume from an earlier step_*.pt)
             link_or_copy(self.checkpoint_path, self.previous_path)
             self._previous_step = self.saved_step
         size = save_checkpoint(self.checkpoint_path, self.checkpoint_payload())
