@@ -10,6 +10,7 @@ import torch
 from k3train.config import TrainConfig
 from k3train.models.smoke import SmokeTestLM, SmokeTestConfig
 from k3train.optim.schedule import LRSchedule
+from k3train.train.checkpoint import load_checkpoint
 from k3train.train.metrics import MetricsWriter, read_metrics
 from k3train.train.precision import Precision
 from k3train.train.trainer import Trainer, TrainingDiverged
@@ -22,13 +23,15 @@ def sgd(model, lr=1.0):
     return opt
 
 
-def make_trainer(tmp_path, data, model, optimizer=None, precision="fp32", **train):
+CONSTANT = functools.partial(LRSchedule, decay="constant", warmup_steps=0, min_lr_ratio=1.0)
+
+
+def make_trainer(tmp_path, data, model, optimizer=None, precision="fp32", schedule=CONSTANT, **train):
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = TrainConfig(**{"batch_size": 2, "seq_len": 16, "max_steps": 4, "eval_interval": 0, "eval_batches": 2,
                          "checkpoint_interval": 0, "log_interval": 1, "progress": "lines", "grad_clip": None,
                          **train})
     train_loader, val_loader = data.loaders(cfg.batch_size, cfg.seq_len)
-    schedule = functools.partial(LRSchedule, decay="constant", warmup_steps=0, min_lr_ratio=1.0)
     return Trainer(model=model, optimizer=optimizer or sgd(model), schedule_factory=schedule,
                    precision=Precision(precision), train_loader=train_loader, val_loader=val_loader, config=cfg,
                    device=torch.device("cpu"), metrics=MetricsWriter(tmp_path / "metrics.jsonl"),
@@ -241,3 +244,103 @@ def test_grad_clip_scales_the_update_not_just_the_log(tmp_path, builtin_data):
     clipped_update, logged = update_norm(clip)
     assert logged == pytest.approx(raw_norm, rel=1e-6)
     assert clipped_update == pytest.approx(clip, rel=1e-4)
+
+
+class BlowUpAtStep2(torch.optim.SGD):
+    """Its second update multiplies every weight by 1e6: finite, so it is checkpointed, but nothing trains after."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p.mul_(1e6)
+
+
+class OverflowsWhenLarge(NaNLM):
+    """Non-finite only once a weight is large."""
+
+    def forward(self, x, targets=None):
+        logits, loss = self.inner(x, targets)
+        huge = max(p.abs().max() for p in self.parameters()) > 1e3
+        return logits, loss * float("inf") if huge else loss
+
+
+@pytest.mark.parametrize("grad_clip", [None, 1.0])
+def test_divergence_right_after_a_checkpoint_puts_the_good_one_back(tmp_path, builtin_data, grad_clip):
+    """Step 2 blows the weights up (finite) and is checkpointed; every step after overflows. last.pt must end as
+    the step-1 checkpoint, which an update went on from, and the message must say so, advising grad_clip only when
+    it is off."""
+    model = OverflowsWhenLarge(builtin_data.vocab_size)
+    opt = BlowUpAtStep2(model.parameters(), lr=1e-3)
+    for g in opt.param_groups:
+        g["initial_lr"], g["name"] = g["lr"], "all"
+    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=opt, checkpoint_interval=1, max_steps=10,
+                           max_consecutive_skips=3, grad_clip=grad_clip)
+    with pytest.raises(TrainingDiverged) as err:
+        trainer.fit()
+    message = str(err.value)
+    assert "3 non-finite updates in a row at step 2" in message
+    assert f"{tmp_path / 'last.pt'} is back to the checkpoint before it (step 1)" in message
+    assert "kept as diverged_step_0000002.pt" in message
+    assert ("enable train.grad_clip" in message) is (grad_clip is None)
+    assert "lower optim.lr" in message
+    good = load_checkpoint(tmp_path / "last.pt")
+    assert good["trainer"]["step"] == 1
+    assert max(v.abs().max() for v in good["model"].values()) < 1e3
+    assert load_checkpoint(tmp_path / "diverged_step_0000002.pt")["trainer"]["step"] == 2
+    assert not (tmp_path / "previous.pt").exists()
+
+
+def test_a_checkpoint_is_kept_as_previous_only_until_an_update_goes_on_from_the_new_one(tmp_path, builtin_data):
+    model = smoke(builtin_data.vocab_size)
+    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), checkpoint_interval=1,
+                           max_steps=3)
+    seen = []
+    real_train_step = trainer.train_step
+
+    def train_step():
+        seen.append((tmp_path / "previous.pt").exists())
+        return real_train_step()
+
+    trainer.train_step = train_step
+    assert trainer.fit() == "max_steps"
+    assert seen == [False, False, True]  # the step-1 checkpoint is kept from the second save to the next update
+    assert not (tmp_path / "previous.pt").exists()  # the finished run keeps only last.pt
+
+
+def test_a_restored_optimizer_holds_the_scheduled_lr_not_the_configured_peak(tmp_path, builtin_data):
+    """A checkpoint written straight after a resume (a signal before the first update) must hold the lr the
+    schedule gave the last update, as the checkpoint it came from did."""
+    warmup = functools.partial(LRSchedule, decay="cosine", warmup_steps=4, min_lr_ratio=0.1)
+    model = smoke(builtin_data.vocab_size)
+    first = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), schedule=warmup,
+                         max_steps=8)
+    first.train_step()
+    first.train_step()
+    first.save()
+    saved = load_checkpoint(first.checkpoint_path)
+    assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-3 * 2 / 4)  # warmup, update 2 of 4
+    model = smoke(builtin_data.vocab_size, seed=1)
+    second = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), schedule=warmup,
+                          max_steps=8)
+    second.restore(saved, first.checkpoint_path)
+    assert second.optimizer.param_groups[0]["lr"] == saved["optimizer"]["param_groups"][0]["lr"]
+
+
+def test_after_a_resume_from_an_earlier_checkpoint_the_later_last_pt_is_not_kept_as_previous(tmp_path, builtin_data):
+    """previous.pt must be a checkpoint this line of training went on from, never the later last.pt of the line
+    abandoned by resuming from an earlier step_*.pt."""
+    model = smoke(builtin_data.vocab_size)
+    first = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), checkpoint_interval=2,
+                         keep_last_k=2, max_steps=4)
+    first.fit()
+    model = smoke(builtin_data.vocab_size)
+    second = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), max_steps=4)
+    second.restore(load_checkpoint(tmp_path / "step_0000002.pt"), tmp_path / "step_0000002.pt")
+    second.train_step()
+    second.save()
+    assert not (tmp_path / "previous.pt").exists()
+    assert load_checkpoint(tmp_path / "last.pt")["trainer"]["step"] == 3

@@ -2,7 +2,9 @@
 
 Events: session (start), resume, train, eval, skip, checkpoint, end. Every event has "event", "time" (unix
 seconds) and, where it applies, "step" (completed updates) and "tokens" (training tokens consumed). The file is
-only ever appended to: a resumed session adds to the same log (its "resume" event marks where it picked up).
+only ever appended to: a resumed session adds to the same log (its "session" event carries the step it started
+from). A process killed mid-write can leave a torn last line; the writer starts on a fresh line after it and
+readers skip (and count) lines that are not JSON.
 """
 
 from __future__ import annotations
@@ -25,6 +27,18 @@ def _jsonable(value):
     return value
 
 
+def _ends_mid_line(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            if f.tell() == 0:
+                return False
+            f.seek(-1, 2)
+            return f.read(1) != b"\n"
+    except FileNotFoundError:
+        return False
+
+
 class MetricsWriter:
     def __init__(self, path: Path, enabled: bool = True):
         self.path = Path(path)
@@ -34,10 +48,16 @@ class MetricsWriter:
     def log(self, event: str, **fields) -> dict:
         record = {"event": event, "time": round(time.time(), 3), **_jsonable(fields)}
         if self.enabled:
-            if self._file is None:
-                self._file = open(self.path, "a", encoding="utf-8")
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            try:
+                if self._file is None:
+                    torn = _ends_mid_line(self.path)  # a killed writer's half line: never glue an event onto it
+                    self._file = open(self.path, "a", encoding="utf-8")
+                    if torn:
+                        self._file.write("\n")
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+            except OSError as exc:  # name the file: a full disk's error on an open file names none
+                raise OSError(exc.errno, exc.strerror or str(exc), str(self.path)) from exc
         return record
 
     def close(self) -> None:
@@ -52,6 +72,47 @@ class MetricsWriter:
         self.close()
 
 
-def read_metrics(path: Path) -> list[dict]:
+class Events(list):
+    """The events of a metrics.jsonl, in file order; `torn` counts the lines skipped as not valid JSON."""
+
+    torn: int = 0
+
+
+def read_metrics(path: Path, *, final_only: bool = False) -> Events:
+    """Every event of the file. With final_only, drop the events a resumed session redid: each `session` event
+    carries the step it started from, so an earlier session's events past a later session's start step were
+    repeated (a kill between two checkpoints) and only the later ones count (one `train` event per step)."""
+    events, torn = Events(), 0
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                torn += 1
+    if final_only:
+        events = _final(events)
+    events.torn = torn
+    return events
+
+
+def _final(events: list[dict]) -> Events:
+    session = -1
+    sessions = []  # the session index of each event (-1: before any session event)
+    starts: list[float] = []  # each session's start step
+    for e in events:
+        if e.get("event") == "session":
+            session += 1
+            starts.append(e.get("step", 0))
+        sessions.append(session)
+    # redone_after[i]: the lowest start step of any session after session i
+    redone_after = [math.inf] * (len(starts) + 1)
+    for i in range(len(starts) - 1, -1, -1):
+        redone_after[i] = min(starts[i], redone_after[i + 1])
+    kept = Events()
+    for e, s in zip(events, sessions):
+        later = redone_after[s + 1]
+        if "step" not in e or e["step"] <= later:
+            kept.append(e)
+    return kept
