@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig
 from k3train.optim.param_groups import format_partition
 from k3train.train.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint
+from k3train.train.cpu import apply_threads, choose_threads, cpu_runtime
 from k3train.train.manifest import RunManifest, environment
 from k3train.train.metrics import MetricsWriter
 from k3train.train.rng import configure_determinism, seed_everything
@@ -160,6 +161,9 @@ def _setup(cfg: DictConfig):
     precision = instantiate(cfg.precision)
     precision.check_device(device)
     resume_path = resolve_resume(cfg.resume, run_dir)
+    threads = choose_threads(train_cfg.cpu_threads, hydra_cfg.launcher if hydra_cfg.mode == RunMode.MULTIRUN
+                             else None)
+    apply_threads(threads)
 
     configure_determinism(train_cfg.deterministic)
     seed_everything(train_cfg.seed)
@@ -184,12 +188,12 @@ def _setup(cfg: DictConfig):
         config=OmegaConf.to_container(cfg, resolve=True), overrides=list(hydra_cfg.overrides.task),
         model={"class": type(model).__name__, "config": dataclasses.asdict(model.config),
                "params": model.param_counts()},
-        data=data.identity(), optimizer=_optimizer_summary(optimizer), env=environment(device),
+        data=data.identity(), optimizer=_optimizer_summary(optimizer), env={**environment(device), "cpu": cpu_runtime(threads)},
         resume_from=str(resume_path) if resume_path else None,
         resume_step=trainer.state.step if resume_path else None)
     metrics.log("session", session=manifest.session["session"], step=trainer.state.step,
                 run_dir=str(run_dir), resume_from=manifest.session["resume_from"])
-    _print_summary(run_dir, trainer, model, optimizer, cfg)
+    _print_summary(run_dir, trainer, model, optimizer, cfg, threads)
     if resume_path is not None:
         trainer.log_resume()
     return trainer, manifest, metrics
@@ -197,7 +201,7 @@ def _setup(cfg: DictConfig):
 
 # The settings a reader needs to compare runs; torch's implementation flags (foreach, capturable...) are left out.
 _SUMMARY_SETTINGS = ("kind", "initial_lr", "weight_decay", "betas", "eps", "momentum", "nesterov", "ns_steps",
-                     "rms_match")
+                     "ns_dtype", "rms_match")
 
 
 def _optimizer_summary(optimizer) -> list[dict]:
@@ -209,7 +213,7 @@ def _optimizer_summary(optimizer) -> list[dict]:
     return groups
 
 
-def _print_summary(run_dir: Path, trainer: Trainer, model, optimizer, cfg: DictConfig) -> None:
+def _print_summary(run_dir: Path, trainer: Trainer, model, optimizer, cfg: DictConfig, threads) -> None:
     counts = model.param_counts()
     lines = [
         f"{trainer.label}run directory: {run_dir}",
@@ -217,6 +221,8 @@ def _print_summary(run_dir: Path, trainer: Trainer, model, optimizer, cfg: DictC
         f"embedding {counts['embedding']:,}",
         f"  optimizer: {type(optimizer).__name__}",
     ]
+    if trainer.device.type == "cpu":
+        lines.insert(2, f"  cpu: {threads.describe()}")
     lines += ["    " + row for row in format_partition(optimizer.param_groups).splitlines()]
     lines.append(f"  schedule: {cfg.schedule.decay}, warmup {cfg.schedule.warmup_steps}, "
                  f"{trainer.total_steps} updates; QK-Clip tau: {trainer.qk_clip_tau}")
