@@ -7,7 +7,8 @@
     in bf16, fp32, and what optim.ns_dtype=auto picks here.
 (b) A k3_tiny train step (forward, backward, MuonAdamW step; batch 8 x 256, the quickstart's) alone and beside 1
     and 2 busy competitor processes (`while True: pass`), with k3train's CPU choices (auto threads, OpenMP threads
-    sleeping when idle) against torch's defaults (a thread per core, spinning OpenMP threads); and an AdamW step.
+    sleeping when idle) against torch's defaults (a thread per core, spinning OpenMP threads); alone, also with
+    Newton-Schulz forced to fp32 (auto's choice on a CPU without native bf16) and with AdamW.
     Each configuration runs in a fresh process (OpenMP's settings are fixed when torch loads), for at most
     --probe-budget seconds.
 (c) The quickstart itself (`python -m k3train`, cut to --quickstart-steps updates): tokens/s and the model FLOP
@@ -57,7 +58,12 @@ def build_model(name: str, **overrides) -> torch.nn.Module:
 
 
 def build_optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
-    return hydra.utils.instantiate(OmegaConf.load(ROOT / "conf" / "optim" / f"{name}.yaml"))(model)
+    """conf/optim/<name>.yaml; "muon_adamw:fp32" forces optim.ns_dtype=fp32 (what auto picks without native bf16)."""
+    name, _, ns_dtype = name.partition(":")
+    cfg = OmegaConf.load(ROOT / "conf" / "optim" / f"{name}.yaml")
+    if ns_dtype:
+        cfg.ns_dtype = ns_dtype
+    return hydra.utils.instantiate(cfg)(model)
 
 
 # ---- (a) Newton-Schulz ----------------------------------------------------------------------------------------
@@ -203,14 +209,14 @@ def main() -> None:
 
     print(f"\n(b) k3_tiny train step (batch 8 x 256), median seconds; load average "
           f"{[round(x, 2) for x in os.getloadavg()]}")
-    print(f"{'optimizer':<11} {'settings':<14} {'alone':>8} {'+1 busy':>8} {'+2 busy':>8}  threads, wait policy")
+    print(f"{'optimizer':<15} {'settings':<14} {'alone':>8} {'+1 busy':>8} {'+2 busy':>8}  threads, wait policy")
     result["train_step"] = {}
     for optim, mode, levels in [("muon_adamw", "k3train", (0, 1, 2)), ("muon_adamw", "torch_default", (0, 1, 2)),
-                                ("adamw", "k3train", (0,))]:
+                                ("muon_adamw:fp32", "k3train", (0,)), ("adamw", "k3train", (0,))]:
         row = {f"{n}_busy": run_probe(mode, optim, n, args) for n in levels}
         result["train_step"][f"{optim}/{mode}"] = row
         cells = [f"{row[f'{n}_busy']['median_s']:>8.3f}" if f"{n}_busy" in row else f"{'-':>8}" for n in (0, 1, 2)]
-        print(f"{optim:<11} {mode:<14} {' '.join(cells)}  {row['0_busy']['threads']}, "
+        print(f"{optim:<15} {mode:<14} {' '.join(cells)}  {row['0_busy']['threads']}, "
               f"{row['0_busy']['omp_wait_policy']}", flush=True)
 
     print(f"\n(c) quickstart (python -m k3train, {args.quickstart_steps} updates)")
@@ -225,6 +231,8 @@ def main() -> None:
     alone = steps["muon_adamw/k3train"]["0_busy"]["median_s"]
     result["targets"] = {
         "muon_over_adamw_step": round(alone / steps["adamw/k3train"]["0_busy"]["median_s"], 2),  # <= 1.5
+        "muon_fp32_ns_over_adamw_step": round(steps["muon_adamw:fp32/k3train"]["0_busy"]["median_s"]
+                                              / steps["adamw/k3train"]["0_busy"]["median_s"], 2),
         "one_busy_over_alone": round(steps["muon_adamw/k3train"]["1_busy"]["median_s"] / alone, 2),  # <= 2.5
         "one_busy_over_alone_torch_default": round(steps["muon_adamw/torch_default"]["1_busy"]["median_s"]
                                                    / steps["muon_adamw/torch_default"]["0_busy"]["median_s"], 2),
@@ -232,7 +240,8 @@ def main() -> None:
     }
     result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     t = result["targets"]
-    print(f"\ntargets: Muon+AdamW / AdamW step {t['muon_over_adamw_step']} (<= 1.5); beside 1 busy / alone "
+    print(f"\ntargets: Muon+AdamW / AdamW step {t['muon_over_adamw_step']} (<= 1.5; Newton-Schulz in fp32: "
+          f"{t['muon_fp32_ns_over_adamw_step']}); beside 1 busy / alone "
           f"{t['one_busy_over_alone']} (<= 2.5; torch defaults: {t['one_busy_over_alone_torch_default']}); "
           f"quickstart ~{t['quickstart_estimated_s']} s (< 180); load average at end {result['load_average_at_end']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)

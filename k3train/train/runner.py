@@ -188,7 +188,8 @@ def _setup(cfg: DictConfig):
         config=OmegaConf.to_container(cfg, resolve=True), overrides=list(hydra_cfg.overrides.task),
         model={"class": type(model).__name__, "config": dataclasses.asdict(model.config),
                "params": model.param_counts()},
-        data=data.identity(), optimizer=_optimizer_summary(optimizer), env={**environment(device), "cpu": cpu_runtime(threads)},
+        data=data.identity(), optimizer=_optimizer_summary(optimizer),
+        env={**environment(device), "cpu": cpu_runtime(threads)},
         resume_from=str(resume_path) if resume_path else None,
         resume_step=trainer.state.step if resume_path else None)
     metrics.log("session", session=manifest.session["session"], step=trainer.state.step,
