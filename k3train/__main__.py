@@ -1,9 +1,13 @@
 """`python -m k3train [overrides]`: compose the config with Hydra and hand it to the runner. Nothing else."""
 
-import hydra
-from omegaconf import DictConfig
+from k3train.train.cpu import configure_openmp
 
-from k3train.config import register_configs
+configure_openmp()  # before anything imports torch: OpenMP reads its wait policy once, when it loads
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from k3train.config import register_configs  # noqa: E402
 
 register_configs()
 

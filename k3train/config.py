@@ -18,6 +18,8 @@ from typing import Any, Optional, get_type_hints
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from k3train.train.cpu import parse_threads
+
 
 @dataclass
 class TrainConfig:
@@ -42,6 +44,7 @@ class TrainConfig:
     compile: bool = False
     qk_clip_tau: Optional[float] = 100.0  # QK-Clip threshold for MLA layers; null disables
     progress: str = "auto"  # auto (a bar on a terminal, log lines otherwise) | bar | lines
+    cpu_threads: str = "auto"  # torch threads: auto (usable CPUs / local jobs, k3train/train/cpu.py) or a count
     # End this session after this many updates (counted from where the session started) with a checkpoint,
     # leaving the plan (and so the schedule) unchanged; the same command with resume=auto does the next slice.
     stop_after: Optional[int] = None
@@ -68,6 +71,8 @@ class TrainConfig:
             raise ValueError(f"train.progress must be auto, bar or lines, got {self.progress!r}")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"train.stop_after must be >= 1 or null, got {self.stop_after}")
+        if self.cpu_threads != "auto":
+            parse_threads(self.cpu_threads)
         if self.max_consecutive_skips < 1:
             raise ValueError(f"train.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
 

@@ -202,3 +202,165 @@ def test_deterministic_on_cpu() -> None:
         _run(_mixed_optimizer(params), params, [[torch.ones(p.shape) * (t + 1) for p in params] for t in range(3)])
         results.append(copy.deepcopy([p.detach() for p in params]))
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+# ---- Newton-Schulz dtype (issue 9): bf16 where the hardware has it, fp32 elsewhere ----------------------------
+def _newton_schulz_float64(G: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """The quintic of KellerJordan/Muon written out in float64, one matrix at a time: the reference."""
+    a, b, c = muon_module.NS_COEFFICIENTS
+    X = G.double()
+    tall = X.size(0) > X.size(1)
+    X = X.T if tall else X
+    X = X / X.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if tall else X
+
+
+@pytest.mark.parametrize("shape", [(24, 40), (40, 24), (32, 32)])
+def test_newton_schulz_fp32_matches_float64_reference(shape: tuple[int, int]) -> None:
+    G = torch.randn(shape, generator=torch.Generator().manual_seed(11))
+    O = zeropower_via_newtonschulz5(G, dtype=torch.float32)
+    assert O.dtype == torch.float32
+    ref = _newton_schulz_float64(G)
+    torch.testing.assert_close(O.double(), ref, atol=2e-5, rtol=0)
+    # bf16 is much further off (8 mantissa bits): the fp32 path is a different computation, not a relabelling
+    assert (zeropower_via_newtonschulz5(G).double() - ref).abs().max() > 1e-3
+
+
+def test_muon_fp32_step_matches_float64_reference() -> None:
+    shape, mu, steps = (16, 40), 0.95, 4
+    init = torch.randn(shape, generator=torch.Generator().manual_seed(12))
+    grads = _grads(shape, steps, seed=13)
+    p = nn.Parameter(init.clone())
+    _run(MuonAdamW([_muon_group([p])], lr=LR, weight_decay=WD, momentum=mu, ns_dtype="fp32"), [p],
+         [[g] for g in grads])
+    ref, buf = init.double(), torch.zeros(shape, dtype=torch.float64)
+    for g in grads:  # torch.optim.Muon's update (EMA Nesterov momentum, match_rms_adamw scale), in float64
+        buf = buf + (1 - mu) * (g.double() - buf)
+        nesterov = g.double() + mu * (buf - g.double())
+        ref = ref * (1 - LR * WD) - LR * 0.2 * math.sqrt(max(shape)) * _newton_schulz_float64(nesterov)
+    torch.testing.assert_close(p.detach().double(), ref, atol=1e-5, rtol=0)
+
+
+def test_ns_dtype_auto_follows_the_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
+    from k3train.optim import build
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
+    settings = dict(lr=LR, weight_decay=WD, betas=[0.9, 0.95], eps=1e-8, momentum=0.95, nesterov=True, ns_steps=5,
+                    rms_match=0.2, head_wise=True, orthogonality_check_interval=50)
+
+    def ns_dtypes(opt: MuonAdamW) -> set[str]:
+        return {g["ns_dtype"] for g in opt.param_groups if g["kind"] == "muon"}
+
+    # A CPU without native bf16 (AVX2 only: bf16 matmuls 10-200x slower than fp32) gets fp32 ...
+    monkeypatch.setattr(build, "native_bf16", lambda device: False)
+    assert ns_dtypes(build.muon_adamw(model, **settings, ns_dtype="auto")) == {"fp32"}
+    # ... one with it (and a GPU with bf16) gets bf16, torch.optim.Muon's dtype
+    monkeypatch.setattr(build, "native_bf16", lambda device: True)
+    assert ns_dtypes(build.muon_adamw(model, **settings, ns_dtype="auto")) == {"bf16"}
+    # the override wins over the hardware either way
+    assert ns_dtypes(build.muon_adamw(model, **settings, ns_dtype="fp32")) == {"fp32"}
+    with pytest.raises(ValueError, match=r"^optim.ns_dtype=fp16 must be auto, bf16 or fp32"):
+        build.muon_adamw(model, **settings, ns_dtype="fp16")
+
+
+def test_native_bf16_detection_without_bf16_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
+    from k3train.train import cpu
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: {"avx", "avx2", "fma"})  # an AVX2-only EPYC
+    assert not cpu.native_bf16("cpu")
+    monkeypatch.setattr(cpu, "_cpu_flags", lambda: {"avx2", "avx512_bf16"})
+    assert cpu.native_bf16("cpu")
+
+
+# ---- settings name the bad key (issue 8, defect 2) ---------------------------------------------------------------
+_ADAMW = dict(lr=LR, weight_decay=WD, betas=[0.9, 0.95], eps=1e-8)
+_MUON = dict(momentum=0.95, nesterov=True, ns_steps=5, rms_match=0.2, head_wise=True, orthogonality_check_interval=50)
+
+
+@pytest.mark.parametrize("factory", ["adamw", "muon_adamw"])
+@pytest.mark.parametrize("key, value, rule", [
+    ("lr", float("nan"), "a finite number >= 0"), ("lr", float("inf"), "a finite number >= 0"),
+    ("lr", -1e-3, "a finite number >= 0"), ("weight_decay", float("nan"), "a finite number >= 0"),
+    ("eps", 0.0, "a finite number > 0"), ("betas", [0.9, float("nan")], "betas[1]=nan must be"),
+    ("betas", [1.0, 0.95], "betas[0]=1.0 must be a finite number >= 0 and < 1"),
+])
+def test_bad_settings_name_the_key(factory: str, key: str, value, rule: str) -> None:
+    from k3train.optim import build
+
+    kwargs = {**_ADAMW, **(_MUON if factory == "muon_adamw" else {}), key: value}
+    with pytest.raises(ValueError) as info:
+        getattr(build, factory)(nn.Linear(4, 4), **kwargs)
+    message = str(info.value)
+    assert message.startswith(f"optim.{key}") and rule in message, message
+
+
+@pytest.mark.parametrize("key, value", [("momentum", 1.0), ("momentum", float("nan")), ("ns_steps", 0),
+                                        ("rms_match", float("nan")), ("rms_match", 0.0),
+                                        ("orthogonality_check_interval", 0)])
+def test_bad_muon_settings_name_the_key(key: str, value) -> None:
+    from k3train.optim import build
+
+    with pytest.raises(ValueError, match=rf"^optim\.{key}={value} must be"):
+        build.muon_adamw(nn.Linear(4, 4), **{**_ADAMW, **_MUON, key: value})
+    with pytest.raises(ValueError, match=rf"^{key}={value} must be"):  # constructing the optimizer directly
+        MuonAdamW([_muon_group([nn.Parameter(torch.zeros(4, 4))])], **{key: value})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("optim, value", [("adamw", "nan"), ("muon_adamw", "nan"), ("adamw", "inf"),
+                                          ("muon_adamw", "inf"), ("muon_adamw", "-0.1")])
+def test_cli_refuses_a_bad_lr_naming_it(run_cli, tmp_path, optim: str, value: str) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_cli("model=smoke_test_lm", f"optim={optim}", f"optim.lr={value}", "train.max_steps=1",
+                   f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"optim.lr={float(value)} must be a finite number >= 0" in lines[0], proc.stderr
+    assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "last.pt").exists()
+
+
+# ---- diagnostics survive a resume (issue 8, defect 10) -----------------------------------------------------------
+def test_orthogonality_error_survives_state_dict_round_trip() -> None:
+    params = _mixed_params()
+    opt = _mixed_optimizer(params, orthogonality_check_interval=4)
+    _run(opt, params, [[torch.randn(p.shape) for p in params] for _ in range(2)])  # measured at step 1 only
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    resumed = _mixed_optimizer([nn.Parameter(p.detach().clone()) for p in params], orthogonality_check_interval=4)
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    grads = [[torch.randn(p.shape) for p in params]]
+    _run(opt, params, grads)
+    _run(resumed, list(resumed.param_groups[0]["params"]) + list(resumed.param_groups[1]["params"]), grads)
+    assert opt.diagnostics() == resumed.diagnostics()
+    assert "m/ns_orthogonality_error" in resumed.diagnostics()
+
+
+@pytest.mark.slow
+def test_resumed_run_logs_the_same_optimizer_diagnostics(run_cli, tmp_path) -> None:
+    from k3train.train.metrics import read_metrics
+
+    shape = ["model=k3_tiny", "model.d_model=32", "model.n_layers=2", "model.expert_ffn_dim=16",
+             "model.dense_ffn_dim=32", "model.kda_chunk_size=16", "train.batch_size=2", "train.seq_len=32",
+             "train.log_interval=1", "train.eval_interval=0", "train.eval_batches=1", "train.progress=lines",
+             "train.max_steps=6", "optim.orthogonality_check_interval=4"]
+
+    def diagnostics(run_dir) -> dict[int, list[str]]:  # the last train event of each step (a resume may repeat)
+        train = {e["step"]: sorted(e["optimizer"]) for e in read_metrics(run_dir / "metrics.jsonl")
+                 if e["event"] == "train"}
+        return train
+
+    whole, sliced = tmp_path / "whole", tmp_path / "sliced"
+    assert run_cli(*shape, f"hydra.run.dir={whole}").returncode == 0
+    for _ in range(2):
+        proc = run_cli(*shape, f"hydra.run.dir={sliced}", "resume=auto", "train.stop_after=3")
+        assert proc.returncode == 0, proc.stderr
+    expected = diagnostics(whole)
+    assert list(expected) == [1, 2, 3, 4, 5, 6]
+    assert all(any(k.endswith("/ns_orthogonality_error") for k in keys) for keys in expected.values())
+    assert diagnostics(sliced) == expected

@@ -2,7 +2,8 @@
 
 Both return ONE torch.optim.Optimizer whose groups carry "name", "kind" and "initial_lr" (= lr); the Trainer's
 schedule sets group["lr"] = group["initial_lr"] * factor(step). The partition is checked against the model here,
-so a parameter missing from the optimizer (or in two groups) fails at build time, by name.
+so a parameter missing from the optimizer (or in two groups) fails at build time, by name. Every numeric setting
+is checked here too, naming its key (`optim.lr=nan must be a finite number >= 0`).
 """
 
 from __future__ import annotations
@@ -12,13 +13,16 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from k3train.optim.muon import MuonAdamW
+from k3train.optim.checks import check_adamw_settings, check_muon_settings
+from k3train.optim.muon import NS_DTYPES, MuonAdamW
 from k3train.optim.param_groups import GROUPS, check_partition, partition_parameters
+from k3train.train.cpu import native_bf16
 
 
 def adamw(model: nn.Module, *, lr: float, weight_decay: float, betas: Sequence[float],
           eps: float) -> torch.optim.Optimizer:
     """The AdamW baseline: groups "decay" and "no_decay", no-decay by the same rules as muon_adamw."""
+    check_adamw_settings("optim.", lr, weight_decay, betas, eps)
     groups = {"decay": [], "no_decay": []}
     for a in partition_parameters(model):
         groups["decay" if a.weight_decay else "no_decay"].append(a.param)
@@ -31,9 +35,12 @@ def adamw(model: nn.Module, *, lr: float, weight_decay: float, betas: Sequence[f
 
 def muon_adamw(model: nn.Module, *, lr: float, weight_decay: float, betas: Sequence[float], eps: float,
                momentum: float, nesterov: bool, ns_steps: int, rms_match: float, head_wise: bool,
-               orthogonality_check_interval: int) -> MuonAdamW:
+               orthogonality_check_interval: int, ns_dtype: str = "auto") -> MuonAdamW:
     """Muon for hidden matrices, AdamW for the rest (see param_groups.py), sharing lr and weight decay
     (Moonlight's RMS matching makes that work); groups in the order of param_groups.GROUPS, empty ones left out."""
+    check_adamw_settings("optim.", lr, weight_decay, betas, eps)
+    check_muon_settings("optim.", momentum, ns_steps, rms_match, orthogonality_check_interval)
+    ns_dtype = resolve_ns_dtype(ns_dtype, next(model.parameters()).device)
     assignments = partition_parameters(model, head_wise=head_wise)
     param_groups = []
     for name, (kind, decay) in GROUPS.items():
@@ -48,4 +55,15 @@ def muon_adamw(model: nn.Module, *, lr: float, weight_decay: float, betas: Seque
     check_partition(model, param_groups)
     return MuonAdamW(param_groups, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
                      momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, rms_match=rms_match,
-                     orthogonality_check_interval=orthogonality_check_interval)
+                     orthogonality_check_interval=orthogonality_check_interval, ns_dtype=ns_dtype)
+
+
+def resolve_ns_dtype(setting: str, device: torch.device) -> str:
+    """optim.ns_dtype: auto picks bf16 where the device multiplies bf16 natively (GPUs with bf16, CPUs with
+    AVX512-BF16/AMX or Arm BF16) and fp32 elsewhere. Decided from the hardware, not a timing, so every session of a
+    run on one machine makes the same choice (a resume stays bitwise)."""
+    if setting == "auto":
+        return "bf16" if native_bf16(device) else "fp32"
+    if setting not in NS_DTYPES:
+        raise ValueError(f"optim.ns_dtype={setting} must be auto, {' or '.join(NS_DTYPES)}")
+    return setting

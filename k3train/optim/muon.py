@@ -24,25 +24,30 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from k3train.optim.checks import check_adamw_settings, check_muon_settings
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 KINDS = ("muon", "adamw")
 
-HeadSplit = tuple[int, int]  # (n_heads, dim), see CONTRACTS.md
+HeadSplit = tuple[int, int]  # (n_heads, dim): the `param.head_split` annotation of docs/contracts.md
+# Newton-Schulz dtypes: bf16 is torch.optim.Muon's (and fast on GPUs and CPUs with native bf16); fp32 is the
+# choice on CPUs without it, where bf16 matmuls run 10-200x slower (k3train/optim/build.py picks for "auto").
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5,
                                 coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                                eps: float = 1e-7) -> Tensor:
-    """Approximately orthogonalise each matrix of G [..., A, B]; returns bf16 [..., A, B].
+                                eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+    """Approximately orthogonalise each matrix of G [..., A, B] in `dtype`; returns [..., A, B] in `dtype`.
 
     The quintic pushes every singular value of X / ||X||_F towards 1 but, tuned for speed, lands them roughly in
     [0.5, 1.5] rather than at 1 (KellerJordan/Muon). Tall matrices are transposed so the Gram matrix X X^T is the
-    small one. Leading dims are a batch; per matrix the result equals torch.optim.Muon's, bit for bit.
+    small one. Leading dims are a batch; per matrix the bf16 result equals torch.optim.Muon's, bit for bit.
     """
     if G.ndim < 2:
         raise ValueError(f"Newton-Schulz needs a matrix or a batch of matrices, got shape {tuple(G.shape)}")
     a, b, c = coefficients
-    X = G.bfloat16().reshape(-1, *G.shape[-2:])  # [N, A, B]
+    X = G.to(dtype).reshape(-1, *G.shape[-2:])  # [N, A, B]
     tall = G.size(-2) > G.size(-1)
     if tall:
         X = X.mT
@@ -93,7 +98,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     Group keys (missing ones are filled from the constructor's defaults):
       all:   name, kind, params, lr, weight_decay
-      muon:  momentum, nesterov, ns_steps, ns_coefficients, ns_eps, rms_match, head_splits (one per param, or None)
+      muon:  momentum, nesterov, ns_steps, ns_coefficients, ns_eps, ns_dtype ("bf16" | "fp32"), rms_match,
+             head_splits (one per param, or None)
       adamw: betas, eps
     Per-param state: "step" (int) and "momentum_buffer" (muon) or "exp_avg", "exp_avg_sq" (adamw). Everything that
     shapes the next update lives in state and param_groups, so state_dict/load_state_dict resumes exactly.
@@ -103,21 +109,21 @@ class MuonAdamW(torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5,
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_eps: float = 1e-7,
-                 rms_match: float = 0.2, orthogonality_check_interval: int = 50) -> None:
-        if lr < 0 or weight_decay < 0 or eps <= 0 or not 0 <= momentum < 1 or ns_steps < 1 or rms_match <= 0:
-            raise ValueError(f"bad MuonAdamW settings: lr={lr}, weight_decay={weight_decay}, eps={eps}, "
-                             f"momentum={momentum}, ns_steps={ns_steps}, rms_match={rms_match}")
-        if not all(0 <= beta < 1 for beta in betas):
-            raise ValueError(f"betas={betas} must each be in [0, 1)")
-        if orthogonality_check_interval < 1:
-            raise ValueError(f"orthogonality_check_interval={orthogonality_check_interval} must be >= 1")
+                 rms_match: float = 0.2, orthogonality_check_interval: int = 50, ns_dtype: str = "bf16") -> None:
+        check_adamw_settings("", lr, weight_decay, betas, eps)
+        check_muon_settings("", momentum, ns_steps, rms_match, orthogonality_check_interval)
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype={ns_dtype!r} must be one of {sorted(NS_DTYPES)}")
         self._kind_defaults = {
             "muon": dict(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                         ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps, rms_match=rms_match),
+                         ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps, ns_dtype=ns_dtype,
+                         rms_match=rms_match),
             "adamw": dict(betas=tuple(betas), eps=eps),
         }
         self.orthogonality_check_interval = orthogonality_check_interval
-        # Diagnostics of the last step, not state: they never shape an update, so they stay out of state_dict.
+        # Diagnostics: they never shape an update. The update RMS is the last step's; the orthogonality error is
+        # the last measurement (every orthogonality_check_interval steps), so it travels in state_dict: a resumed
+        # run reports it at the same steps as an uninterrupted one.
         self._update_sq: dict[str, tuple[Tensor, int]] = {}  # group name -> (sum of squared updates, numel)
         self._ortho_error: dict[str, float] = {}
         super().__init__(list(param_groups), dict(lr=lr, weight_decay=weight_decay))
@@ -145,7 +151,20 @@ class MuonAdamW(torch.optim.Optimizer):
                                           for i, (p, s) in enumerate(zip(params, splits))]
         elif "head_splits" in param_group:
             raise ValueError(f"group {name!r} is AdamW; head_splits only make sense for Muon groups")
+        if param_group.get("ns_dtype", "bf16") not in NS_DTYPES:
+            raise ValueError(f"group {name!r}: ns_dtype={param_group['ns_dtype']!r} must be one of {sorted(NS_DTYPES)}")
         super().add_param_group(param_group)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "orthogonality_error": dict(self._ortho_error)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = dict(state_dict)
+        self._ortho_error = dict(state_dict.pop("orthogonality_error", {}))  # absent in older checkpoints
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:  # checkpoints from before ns_dtype existed ran Newton-Schulz in bf16
+            if group["kind"] == "muon":
+                group.setdefault("ns_dtype", "bf16")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Tensor] | None = None) -> Tensor | None:
@@ -174,7 +193,8 @@ class MuonAdamW(torch.optim.Optimizer):
             buf.lerp_(p.grad, 1 - mu)
             momentum = p.grad.lerp(buf, mu) if group["nesterov"] else buf
             O = zeropower_via_newtonschulz5(as_matrices(momentum, split), group["ns_steps"],
-                                            group["ns_coefficients"], group["ns_eps"])  # [N, A, B] bf16
+                                            group["ns_coefficients"], group["ns_eps"],
+                                            NS_DTYPES[group["ns_dtype"]])  # [N, A, B]
             scaled_lr = lr * (group["rms_match"] * math.sqrt(max(O.shape[-2:])))
             p.mul_(1 - lr * wd)
             p.add_(from_matrices(O, split, p.shape), alpha=-scaled_lr)

@@ -131,7 +131,8 @@ def format_partition(param_groups: Sequence[dict[str, Any]]) -> str:
         settings = f"lr={g['lr']:.3g} wd={g['weight_decay']:g}"
         if kind == "muon":
             settings += (f" momentum={g['momentum']:g}{' nesterov' if g['nesterov'] else ''}"
-                         f" ns_steps={g['ns_steps']} rms_match={g['rms_match']:g} views: {_views(g)}")
+                         f" ns_steps={g['ns_steps']} ns_dtype={g.get('ns_dtype', 'bf16')} rms_match={g['rms_match']:g}"
+                         f" views: {_views(g)}")
         else:
             settings += f" betas={tuple(g['betas'])} eps={g['eps']:g}"
         rows.append((g["name"], kind, str(len(g["params"])), f"{sum(p.numel() for p in g['params']):,}", settings))

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass
 
 import torch
 
+from k3train.train.cpu import cpu_description, matmul_slowdown
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# Warn when a half-precision matmul is this many times slower than fp32 on the CPU (measured at start-up): on
+# CPUs without native support it is 10-200x; with it, faster than fp32 (AMX) or close to it.
+SLOW_CPU_RATIO = 1.5
 
 
 @dataclass
@@ -25,8 +31,9 @@ class Precision:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
-    def check_device(self, device: torch.device) -> None:
-        """Reject device/precision pairs that cannot work, before any work is done."""
+    def check_device(self, device: torch.device) -> str | None:
+        """Reject device/precision pairs that cannot work, before any work is done; returns a warning (also
+        printed) for pairs that work but slowly: bf16/fp16 autocast on a CPU that multiplies them slower than fp32."""
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device {device} is not supported: use cpu or cuda[:N]")
         if device.type == "cuda" and self.dtype == "bf16" and not torch.cuda.is_bf16_supported():
@@ -34,6 +41,16 @@ class Precision:
                 f"precision=bf16 needs a GPU with bf16 support; {torch.cuda.get_device_name(device)} has none: "
                 "use precision=fp16 or precision=fp32"
             )
+        if device.type != "cpu" or self.dtype == "fp32":
+            return None
+        slowdown = matmul_slowdown(self.torch_dtype)
+        if slowdown < SLOW_CPU_RATIO:
+            return None
+        warning = (f"k3train: warning: precision={self.dtype} on this CPU ({cpu_description()['cpu_model']}, "
+                   f"{torch.backends.cpu.get_cpu_capability()}): a {self.dtype} matmul measured {slowdown:.1f}x "
+                   f"slower than fp32, so autocast makes training slower, not faster; use precision=fp32")
+        print(warning, file=sys.stderr, flush=True)
+        return warning
 
     def autocast(self, device: torch.device):
         if self.dtype == "fp32":

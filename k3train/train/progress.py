@@ -22,6 +22,12 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def format_duration(seconds: float) -> str:
+    """H:MM:SS, hours unbounded (a slow CPU can need more than a day)."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}"
+
+
 class Window:
     """Figures accumulated between two train events."""
 
@@ -68,7 +74,7 @@ class Progress:
     """A tqdm bar on a terminal (or progress=bar), plain log lines otherwise."""
 
     def __init__(self, config: TrainConfig, start: int, total: int, label: str):
-        self.label = label
+        self.label, self.total = label, total
         use_bar = config.progress == "bar" or (config.progress == "auto" and sys.stdout.isatty())
         self.bar = None
         if use_bar:
@@ -77,11 +83,23 @@ class Progress:
             self.bar = tqdm(total=total, initial=start, desc=label.strip() or "train", unit="step",
                             dynamic_ncols=True)
         self.t_start, self.start = time.perf_counter(), start
+        self.first_reported = False
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if not self.first_reported:
+            self.first_reported = True
+            self.write(self.first_update_line(step, time.perf_counter() - self.t_start))
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
             self.bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}", refresh=False)
+
+    def first_update_line(self, step: int, elapsed: float) -> str:
+        """Feedback as soon as the session's first update ends, not at the first log_interval (minutes on a slow
+        CPU): its time and the ETA at that pace (the first update also warms up caches, so the ETA errs long)."""
+        done, left = step - self.start, self.total - step
+        eta = elapsed / max(1, done) * left
+        return (f"{self.label}first update took {elapsed:.2f} s; {left} more at that pace: ETA {format_duration(eta)} "
+                "(evals and checkpoints not included)")
 
     def log_line(self, record: dict, total: int) -> None:
         if self.bar is not None:
@@ -92,7 +110,7 @@ class Progress:
         eta = elapsed / done * (total - step) if done else 0.0
         say(f"{self.label}step {step}/{total} | loss {record['loss']:.4f} | grad {record['grad_norm']:.3f} | "
                f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s']:.3f} s/step | "
-               f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}")
+               f"ETA {format_duration(eta)}")
 
     def write(self, msg: str) -> None:
         if self.bar is not None:

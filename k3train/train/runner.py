@@ -31,6 +31,7 @@ from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConf
 from k3train.optim.param_groups import format_partition
 from k3train.train import rundir
 from k3train.train.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint
+from k3train.train.cpu import ThreadChoice, apply_threads, choose_threads, cpu_runtime
 from k3train.train.files import remove_stale_temp_files
 from k3train.train.manifest import RunManifest, environment
 from k3train.train.metrics import MetricsWriter
@@ -257,6 +258,10 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict:
     precision = instantiate(cfg.precision)
     precision.check_device(device)
     resume_path = resolve_resume(cfg.resume, run_dir)
+    hydra_cfg = HydraConfig.get()
+    threads = choose_threads(train_cfg.cpu_threads, hydra_cfg.launcher if hydra_cfg.mode == RunMode.MULTIRUN
+                             else None)
+    apply_threads(threads)
 
     configure_determinism(train_cfg.deterministic)
     seed_everything(train_cfg.seed)
@@ -279,7 +284,7 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict:
         done = trainer.plan_done()
         if done is not None:
             raise RunFinished(_finished_message(resume_path, done, trainer))
-    return {"trainer": trainer, "metrics": metrics, "data": data, "resume_path": resume_path}
+    return {"trainer": trainer, "metrics": metrics, "data": data, "resume_path": resume_path, "threads": threads}
 
 
 def _finished_message(resume_path: Path, reason: str, trainer: Trainer) -> str:
@@ -292,19 +297,20 @@ def _finished_message(resume_path: Path, reason: str, trainer: Trainer) -> str:
 
 
 def _open_session(cfg: DictConfig, run_dir: Path, *, trainer: Trainer, metrics: MetricsWriter, data,
-                  resume_path: Optional[Path]) -> tuple[RunManifest, MetricsWriter]:
+                  resume_path: Optional[Path], threads: ThreadChoice) -> tuple[RunManifest, MetricsWriter]:
     model, optimizer = trainer.model, trainer.optimizer
     manifest = RunManifest(run_dir)
     manifest.start_session(
         config=OmegaConf.to_container(cfg, resolve=True), overrides=list(HydraConfig.get().overrides.task),
         model={"class": type(model).__name__, "config": dataclasses.asdict(model.config),
                "params": model.param_counts()},
-        data=data.identity(), optimizer=_optimizer_summary(optimizer), env=environment(trainer.device),
+        data=data.identity(), optimizer=_optimizer_summary(optimizer),
+        env={**environment(trainer.device), "cpu": cpu_runtime(threads)},
         resume_from=str(resume_path) if resume_path else None,
         resume_step=trainer.state.step if resume_path else None)
     metrics.log("session", session=manifest.session["session"], step=trainer.state.step,
                 run_dir=str(run_dir), resume_from=manifest.session["resume_from"])
-    _print_summary(run_dir, trainer, model, optimizer, cfg)
+    _print_summary(run_dir, trainer, model, optimizer, cfg, threads)
     if resume_path is not None:
         trainer.log_resume()
     return manifest, metrics
@@ -312,7 +318,7 @@ def _open_session(cfg: DictConfig, run_dir: Path, *, trainer: Trainer, metrics: 
 
 # The settings a reader needs to compare runs; torch's implementation flags (foreach, capturable...) are left out.
 _SUMMARY_SETTINGS = ("kind", "initial_lr", "weight_decay", "betas", "eps", "momentum", "nesterov", "ns_steps",
-                     "rms_match")
+                     "ns_dtype", "rms_match")
 
 
 def _optimizer_summary(optimizer) -> list[dict]:
@@ -324,7 +330,7 @@ def _optimizer_summary(optimizer) -> list[dict]:
     return groups
 
 
-def _print_summary(run_dir: Path, trainer: Trainer, model, optimizer, cfg: DictConfig) -> None:
+def _print_summary(run_dir: Path, trainer: Trainer, model, optimizer, cfg: DictConfig, threads) -> None:
     counts = model.param_counts()
     lines = [
         f"{trainer.label}run directory: {run_dir}",
@@ -332,6 +338,8 @@ def _print_summary(run_dir: Path, trainer: Trainer, model, optimizer, cfg: DictC
         f"embedding {counts['embedding']:,}",
         f"  optimizer: {type(optimizer).__name__}",
     ]
+    if trainer.device.type == "cpu":
+        lines.insert(2, f"  cpu: {threads.describe()}")
     lines += ["    " + row for row in format_partition(optimizer.param_groups).splitlines()]
     lines.append(f"  schedule: {cfg.schedule.decay}, warmup {cfg.schedule.warmup_steps}, "
                  f"{trainer.total_steps} updates; QK-Clip tau: {trainer.qk_clip_tau}")

@@ -1,0 +1,204 @@
+"""CPU runtime choices, made once at start-up: OpenMP's wait policy, the thread count, and which dtype is fast.
+
+Why each matters (measured on 2-core machines with torch 2.13):
+- OpenMP wait policy. torch's intra-op threads spin at the end of every parallel region waiting for the others;
+  when another process holds a core, the spinning thread burns its slice while the thread it waits for is
+  descheduled. Beside other busy processes a k3_tiny train step took 9-22 s with 2 threads and the default
+  policy, 1.3-2.0 s with OMP_WAIT_POLICY=PASSIVE (threads sleep instead of spinning), the same as 1 thread.
+  OpenMP reads the variable when it loads, at `import torch`, so `configure_openmp()` must run before that.
+- Threads. torch defaults to the host's physical cores, not the CPUs this process may use (affinity, a cgroup
+  quota) nor its share when several local jobs run at once (torchrun, pytest-xdist, a parallel Hydra launcher).
+- Dtype. A CPU without native bf16 (AVX2 only) runs bf16 matmuls 10-200x slower than fp32, so Newton-Schulz
+  picks its dtype from the hardware (k3train/optim/build.py) and precision=bf16/fp16 warns with a measured ratio.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+OMP_WAIT_POLICY = "PASSIVE"
+
+
+def configure_openmp() -> str:
+    """Default OMP_WAIT_POLICY to PASSIVE unless the user chose one; returns the policy in effect.
+
+    Call before `import torch`: once OpenMP is loaded the variable is never read again, so a later change would
+    only make the environment lie about what runs (then the current value, or "default", is reported as is).
+    """
+    if "torch" not in sys.modules:
+        os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
+    return os.environ.get("OMP_WAIT_POLICY", "default")
+
+
+# ---- threads --------------------------------------------------------------------------------------------------
+def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """The CPU quota of this container's cgroup in CPUs (v2 cpu.max or v1 cfs quota/period); None: no quota."""
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]  # v2: "max 100000" or "150000 100000"
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota = int((root / "cpu" / "cpu.cfs_quota_us").read_text())  # v1: -1 means no quota
+        period = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota <= 0 or period <= 0 else quota / period
+    except (OSError, ValueError):
+        return None
+
+
+def usable_cpus() -> tuple[int, str]:
+    """CPUs this process may run on: its affinity mask, capped by a cgroup quota and SLURM_CPUS_PER_TASK."""
+    count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    why = [f"{count} CPUs in this process's affinity"]
+    quota = cgroup_cpu_limit()
+    if quota is not None and math.ceil(quota) < count:
+        count = max(1, math.ceil(quota))
+        why.append(f"cgroup quota {quota:g} CPUs")
+    slurm = os.environ.get("SLURM_CPUS_PER_TASK", "")
+    if slurm.isdigit() and 0 < int(slurm) < count:
+        count = int(slurm)
+        why.append(f"SLURM_CPUS_PER_TASK={slurm}")
+    return count, ", ".join(why)
+
+
+def local_jobs(launcher: dict | None = None) -> tuple[int, str]:
+    """How many processes of this kind share this machine's CPUs by design, and how that is known.
+
+    launcher: the Hydra launcher's config in a multirun (None otherwise). joblib runs n_jobs at once; for
+    submitit_local the number of concurrent jobs is not known to a job, so its cpus_per_task is used when set.
+    """
+    local_world = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local_world.isdigit() and int(local_world) > 1:
+        return int(local_world), f"torchrun LOCAL_WORLD_SIZE={local_world}"
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
+    if workers.isdigit() and int(workers) > 1:
+        return int(workers), f"{workers} pytest-xdist workers"
+    target = str((launcher or {}).get("_target_", ""))
+    if "joblib" in target.lower():
+        n_jobs = int(launcher.get("n_jobs") or -1)
+        n = n_jobs if n_jobs > 0 else max(1, (os.cpu_count() or 1) + 1 + n_jobs)  # joblib: -1 = every CPU
+        return n, f"Hydra joblib launcher n_jobs={n_jobs}"
+    return 1, ""
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    threads: int
+    reason: str
+    omp_wait_policy: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        return f"{self.threads} threads ({self.reason}), OMP_WAIT_POLICY={self.omp_wait_policy}"
+
+
+def choose_threads(setting: str | int, launcher: dict | None = None) -> ThreadChoice:
+    """train.cpu_threads: "auto" (the usable CPUs divided among the local jobs) or a positive count."""
+    policy = os.environ.get("OMP_WAIT_POLICY", "default")
+    if str(setting) != "auto":
+        return ThreadChoice(parse_threads(setting), "train.cpu_threads", policy)
+    cpus, why = usable_cpus()
+    target = str((launcher or {}).get("_target_", ""))
+    per_task = (launcher or {}).get("cpus_per_task") if "submitit" in target.lower() else None
+    if per_task:
+        return ThreadChoice(max(1, min(cpus, int(per_task))), f"auto: {why}; launcher cpus_per_task={per_task}",
+                            policy)
+    jobs, jobs_why = local_jobs(launcher)
+    threads = max(1, cpus // jobs)
+    return ThreadChoice(threads, f"auto: {why}" + (f"; shared by {jobs_why}" if jobs > 1 else ""), policy)
+
+
+def parse_threads(setting: str | int) -> int:
+    text = str(setting)
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"train.cpu_threads={setting} must be auto or a positive number of threads")
+    return int(text)
+
+
+def apply_threads(choice: ThreadChoice) -> None:
+    import torch
+
+    torch.set_num_threads(choice.threads)  # intra-op; takes effect at the next parallel region
+
+
+# ---- dtypes ---------------------------------------------------------------------------------------------------
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.split(":")[0].strip() in ("flags", "Features"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_has_native_bf16() -> bool:
+    """True where the CPU multiplies bf16 in hardware: AVX512-BF16 or AMX (x86), the BF16 extension (Arm)."""
+    import torch
+
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        fn = getattr(torch.cpu, probe, None)
+        if fn is not None and fn():
+            return True
+    flags = _cpu_flags()
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def native_bf16(device) -> bool:
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and cpu_has_native_bf16()
+
+
+def matmul_slowdown(dtype, n: int = 256, rounds: int = 10, budget_s: float = 0.5) -> float:
+    """Time of an [n, n] @ [n, n] CPU matmul in `dtype` over its time in fp32: the best of up to `rounds` each,
+    interleaved so that load from other processes hits both alike, within about `budget_s` (one bf16 call takes
+    ~0.1 s on a CPU without native bf16, so it gets fewer rounds there; the ratio is large enough not to need them)."""
+    import torch
+
+    a = torch.randn(n, n, generator=torch.Generator().manual_seed(0))
+    inputs = {torch.float32: a, dtype: a.to(dtype)}
+    best = {d: math.inf for d in inputs}
+    start = time.perf_counter()
+    for i in range(rounds + 1):  # round 0 warms up kernels and caches
+        for d, x in inputs.items():
+            t0 = time.perf_counter()
+            x @ x
+            if i:
+                best[d] = min(best[d], time.perf_counter() - t0)
+        if i and time.perf_counter() - start > budget_s:
+            break
+    return best[dtype] / best[torch.float32]
+
+
+def cpu_description() -> dict:
+    """What a reader needs beside CPU timings: the CPU model, torch's SIMD level, native bf16, load average."""
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu_model": model, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "native_bf16": cpu_has_native_bf16(), "load_average": [round(x, 2) for x in os.getloadavg()]}
+
+
+def cpu_runtime(choice: ThreadChoice) -> dict:
+    """run.json's record of the CPU choices: threads and why, the wait policy, the CPU they were made for."""
+    return {**choice.as_dict(), **cpu_description()}

@@ -1,0 +1,126 @@
+"""CPU runtime choices (k3train/train/cpu.py): usable CPUs, each local job's share, train.cpu_threads, OpenMP's
+wait policy, and the first update's feedback; through the CLI, what run.json records."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from k3train.config import TrainConfig
+from k3train.train import cpu
+from k3train.train.progress import Progress, format_duration
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in ("LOCAL_WORLD_SIZE", "PYTEST_XDIST_WORKER_COUNT", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
+    monkeypatch.setattr(cpu, "cgroup_cpu_limit", lambda: None)
+    return monkeypatch
+
+
+def test_cgroup_quota_v2_and_v1(tmp_path) -> None:
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert cpu.cgroup_cpu_limit(tmp_path) == 1.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cpu.cgroup_cpu_limit(tmp_path) is None
+    v1 = tmp_path / "v1"
+    (v1 / "cpu").mkdir(parents=True)
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("200000\n")
+    (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu.cgroup_cpu_limit(v1) == 2.0
+    (v1 / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu.cgroup_cpu_limit(v1) is None
+    assert cpu.cgroup_cpu_limit(tmp_path / "absent") is None
+
+
+def test_usable_cpus_follow_affinity_quota_and_slurm(clean_env) -> None:
+    assert cpu.usable_cpus()[0] == 8  # the affinity mask, not os.cpu_count()
+    clean_env.setattr(cpu, "cgroup_cpu_limit", lambda: 2.5)
+    count, why = cpu.usable_cpus()
+    assert count == 3 and "cgroup quota 2.5" in why
+    clean_env.setenv("SLURM_CPUS_PER_TASK", "2")
+    assert cpu.usable_cpus()[0] == 2
+
+
+def test_auto_threads_share_the_cpus_among_local_jobs(clean_env) -> None:
+    assert cpu.choose_threads("auto").threads == 8
+    clean_env.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun --nproc_per_node=4
+    choice = cpu.choose_threads("auto")
+    assert choice.threads == 2 and "LOCAL_WORLD_SIZE=4" in choice.reason
+    clean_env.delenv("LOCAL_WORLD_SIZE")
+    clean_env.setenv("PYTEST_XDIST_WORKER_COUNT", "16")  # more workers than CPUs: one thread each
+    assert cpu.choose_threads("auto").threads == 1
+    clean_env.delenv("PYTEST_XDIST_WORKER_COUNT")
+    joblib = {"_target_": "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher", "n_jobs": 2}
+    assert cpu.choose_threads("auto", joblib).threads == 4
+    submitit = {"_target_": "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
+                "cpus_per_task": 3}
+    assert cpu.choose_threads("auto", submitit).threads == 3
+    # an explicit count wins over everything
+    assert cpu.choose_threads("5", joblib) == cpu.ThreadChoice(5, "train.cpu_threads",
+                                                              os.environ.get("OMP_WAIT_POLICY", "default"))
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "many", "1.5"])
+def test_bad_cpu_threads_are_refused_naming_the_key(bad: str) -> None:
+    with pytest.raises(ValueError, match=rf"^train.cpu_threads={bad} must be auto or a positive number"):
+        TrainConfig(cpu_threads=bad)
+
+
+def _python(code: str, **env: str) -> str:
+    base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                          check=True, timeout=120).stdout.strip()
+
+
+def test_openmp_wait_policy_is_passive_unless_chosen_and_only_before_torch() -> None:
+    setup = "from k3train.train.cpu import configure_openmp; print(configure_openmp())"
+    assert _python(setup) == "PASSIVE"
+    assert _python(setup, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"  # the user's choice stands
+    # after torch (and OpenMP) loaded, setting it would change nothing but the record: it is left alone
+    assert _python("import torch; " + setup) == "default"
+
+
+def test_first_update_feedback(capsys: pytest.CaptureFixture) -> None:
+    progress = Progress(TrainConfig(progress="lines"), start=10, total=210, label="")
+    progress.update(11, loss=3.0, tokens_per_s=100.0)
+    progress.update(12, loss=3.0, tokens_per_s=100.0)
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 1 and out[0].startswith("first update took") and "199 more at that pace" in out[0]
+    assert progress.first_update_line(11, 2.0).split("ETA ")[1].startswith("0:06:38")  # 199 x 2 s
+    assert format_duration(90_061) == "25:01:01"
+
+
+@pytest.mark.slow
+def test_cli_records_threads_and_dtype_and_reports_the_first_update(run_cli, tmp_path) -> None:
+    run_dir = tmp_path / "run"
+    proc = run_cli("model=k3_tiny", "model.d_model=32", "model.n_layers=2", "model.expert_ffn_dim=16",
+                   "model.dense_ffn_dim=32", "model.kda_chunk_size=16", "train.batch_size=2", "train.seq_len=32",
+                   "train.max_steps=2", "train.eval_batches=1", "train.progress=lines", "train.cpu_threads=1",
+                   "optim.ns_dtype=fp32", f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((run_dir / "run.json").read_text())
+    env = manifest["environment"]
+    assert env["cpu_threads"] == 1 and env["cpu"]["threads"] == 1 and env["cpu"]["reason"] == "train.cpu_threads"
+    assert env["cpu"]["omp_wait_policy"] == "PASSIVE"  # set by `python -m k3train` before torch loaded
+    assert env["cpu"]["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    muon = [g for g in manifest["optimizer"] if g["kind"] == "muon"]
+    assert muon and all(g["ns_dtype"] == "fp32" for g in muon)
+    assert "cpu: 1 threads (train.cpu_threads)" in proc.stdout and "ns_dtype=fp32" in proc.stdout
+    first = [line for line in proc.stdout.splitlines() if "first update took" in line]
+    assert len(first) == 1 and "1 more at that pace" in first[0]
+
+
+@pytest.mark.slow
+def test_cli_refuses_bad_cpu_threads(run_cli, tmp_path) -> None:
+    proc = run_cli("model=smoke_test_lm", "train.cpu_threads=0", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "k3train: error: ValueError: train.cpu_threads=0 must be auto or a positive number of threads"]
