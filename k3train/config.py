@@ -1,7 +1,8 @@
 """Structured config schemas: the typed shape of conf/config.yaml.
 
 Registered in Hydra's ConfigStore as `config_schema`, which conf/config.yaml lists first in its defaults, so a
-misspelt key (`train.batch_szie=4`) or a wrong type (`train.batch_size=abc`) fails at start-up naming the key.
+misspelt key (`train.batch_szie=4`) or a wrong type (`train.batch_size=abc`) fails at start-up naming the key; the
+runner's `check_known_keys` also refuses keys added with `+`/`++`, which Hydra lets into a structured config.
 Cross-field checks live in __post_init__ and run when the Trainer's typed config is built
 (`OmegaConf.to_object`), before any model or data is touched.
 
@@ -10,8 +11,9 @@ The groups model, optim, schedule, precision and data are `_target_` nodes check
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Optional
+import difflib
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -108,6 +110,22 @@ class Config:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     # null: a fresh run | auto: continue from this output directory's checkpoint if there is one | a path
     resume: Optional[str] = None
+
+
+def check_known_keys(cfg, schema: type = Config, prefix: str = "") -> None:
+    """Refuse keys the schema does not have. Hydra refuses `train.max_stpes=5` while composing, but `+key` and
+    `++key` (the form its own error hint suggests) add a key to a structured config without a word."""
+    hints = get_type_hints(schema)
+    known = {f.name for f in fields(schema)}
+    for key in cfg.keys():
+        if key == "hydra" and not prefix:
+            continue
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f" (did you mean {prefix}{close[0]}?)" if close else ""
+            raise ValueError(f"unknown key {prefix}{key}{hint}: the schema in k3train/config.py has no such setting")
+        if is_dataclass(hints[key]):
+            check_known_keys(cfg[key], hints[key], f"{prefix}{key}.")
 
 
 def register_configs() -> None:

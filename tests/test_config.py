@@ -5,7 +5,7 @@ from hydra import compose, initialize_config_module
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from k3train.config import TrainConfig, register_configs
+from k3train.config import TrainConfig, check_known_keys, register_configs
 
 register_configs()
 
@@ -37,6 +37,28 @@ def test_misspelt_key_fails_naming_it():
     with pytest.raises(ConfigCompositionException) as err:
         composed("train.batch_szie=4")
     assert "batch_szie" in str(err.value)
+
+
+@pytest.mark.parametrize("override,key,hint", [
+    ("+train.max_stpes=5", "train.max_stpes", "train.max_steps"),  # the form Hydra's own error hint suggests
+    ("++train.max_stpes=5", "train.max_stpes", "train.max_steps"),
+    ("+profile.activ=2", "profile.activ", "profile.active"),
+    ("+resum=auto", "resum", "resume"),
+])
+def test_a_key_added_with_plus_is_refused_naming_it(override, key, hint):
+    cfg = composed(override)  # Hydra lets it into the structured config...
+    with pytest.raises(ValueError) as err:
+        check_known_keys(cfg)  # ...the runner does not
+    assert str(err.value).startswith(f"unknown key {key} (did you mean {hint}?)")
+    check_known_keys(composed())  # the defaults have none
+
+
+def test_an_unknown_key_in_a_config_file_is_refused_naming_it(tmp_path):
+    (tmp_path / "extra").mkdir()
+    (tmp_path / "extra" / "typo.yaml").write_text("# @package _global_\ntrain:\n  max_stpes: 5\n")
+    with pytest.raises(ConfigCompositionException) as err:
+        composed(f"hydra.searchpath=[file://{tmp_path}]", "+extra=typo")  # what --config-dir does
+    assert "max_stpes" in str(err.value.__cause__ or err.value)
 
 
 def test_wrong_type_fails_naming_the_key():

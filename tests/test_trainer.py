@@ -10,6 +10,7 @@ import torch
 from k3train.config import TrainConfig
 from k3train.models.smoke import SmokeTestLM, SmokeTestConfig
 from k3train.optim.schedule import LRSchedule
+from k3train.train.checkpoint import load_checkpoint
 from k3train.train.metrics import MetricsWriter, read_metrics
 from k3train.train.precision import Precision
 from k3train.train.trainer import Trainer, TrainingDiverged
@@ -241,3 +242,68 @@ def test_grad_clip_scales_the_update_not_just_the_log(tmp_path, builtin_data):
     clipped_update, logged = update_norm(clip)
     assert logged == pytest.approx(raw_norm, rel=1e-6)
     assert clipped_update == pytest.approx(clip, rel=1e-4)
+
+
+class BlowUpAtStep2(torch.optim.SGD):
+    """Its second update multiplies every weight by 1e6: finite, so it is checkpointed, but nothing trains after."""
+
+    def step(self, closure=None):
+        super().step(closure)
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.calls == 2:
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p.mul_(1e6)
+
+
+class OverflowsWhenLarge(NaNLM):
+    """Non-finite only once a weight is large."""
+
+    def forward(self, x, targets=None):
+        logits, loss = self.inner(x, targets)
+        huge = max(p.abs().max() for p in self.parameters()) > 1e3
+        return logits, loss * float("inf") if huge else loss
+
+
+@pytest.mark.parametrize("grad_clip", [None, 1.0])
+def test_divergence_right_after_a_checkpoint_puts_the_good_one_back(tmp_path, builtin_data, grad_clip):
+    """Step 2 blows the weights up (finite) and is checkpointed; every step after overflows. last.pt must end as
+    the step-1 checkpoint, which an update went on from, and the message must say so, advising grad_clip only when
+    it is off."""
+    model = OverflowsWhenLarge(builtin_data.vocab_size)
+    opt = BlowUpAtStep2(model.parameters(), lr=1e-3)
+    for g in opt.param_groups:
+        g["initial_lr"], g["name"] = g["lr"], "all"
+    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=opt, checkpoint_interval=1, max_steps=10,
+                           max_consecutive_skips=3, grad_clip=grad_clip)
+    with pytest.raises(TrainingDiverged) as err:
+        trainer.fit()
+    message = str(err.value)
+    assert "3 non-finite updates in a row at step 2" in message
+    assert f"{tmp_path / 'last.pt'} is back to the checkpoint before it (step 1)" in message
+    assert "kept as diverged_step_0000002.pt" in message
+    assert ("enable train.grad_clip" in message) is (grad_clip is None)
+    assert "lower optim.lr" in message
+    good = load_checkpoint(tmp_path / "last.pt")
+    assert good["trainer"]["step"] == 1
+    assert max(v.abs().max() for v in good["model"].values()) < 1e3
+    assert load_checkpoint(tmp_path / "diverged_step_0000002.pt")["trainer"]["step"] == 2
+    assert not (tmp_path / "previous.pt").exists()
+
+
+def test_a_checkpoint_is_kept_as_previous_only_until_an_update_goes_on_from_the_new_one(tmp_path, builtin_data):
+    model = smoke(builtin_data.vocab_size)
+    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), checkpoint_interval=1,
+                           max_steps=3)
+    seen = []
+    real_train_step = trainer.train_step
+
+    def train_step():
+        seen.append((tmp_path / "previous.pt").exists())
+        return real_train_step()
+
+    trainer.train_step = train_step
+    assert trainer.fit() == "max_steps"
+    assert seen == [False, False, True]  # the step-1 checkpoint is kept from the second save to the next update
+    assert not (tmp_path / "previous.pt").exists()  # the finished run keeps only last.pt

@@ -2,8 +2,8 @@
 
 A checkpoint is a dict of state dicts (model, optimizer, scaler, trainer counters, both loader cursors, RNG)
 plus `meta`: the format version and the identities of the model config, recipe, optimizer layout and data.
-It is written to a temporary file in the same directory, fsynced and renamed over the old one, so a kill at
-any moment leaves either the previous checkpoint or the new one, never a torn file under the final name.
+It is written to a temporary file in the same directory, fsynced and renamed over the old one (files.write_atomic),
+so a kill at any moment leaves either the previous checkpoint or the new one, never a torn file under the final name.
 Loading uses torch.load(weights_only=True): opening a checkpoint never runs code from it.
 """
 
@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from k3train.train.files import write_atomic
+
 FORMAT_VERSION = 1
 
 
@@ -23,24 +25,8 @@ class CheckpointError(ValueError):
 
 
 def save_checkpoint(path: Path, payload: dict) -> int:
-    """Atomically write payload to path; returns the file size in bytes."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-    return path.stat().st_size
+    """Atomically write payload to path (see files.write_atomic); returns the file size in bytes."""
+    return write_atomic(path, lambda f: torch.save(payload, f))
 
 
 def load_checkpoint(path: Path) -> dict:
@@ -81,15 +67,20 @@ def check_compatible(saved: dict, current: dict, path: Path) -> None:
         raise CheckpointError(f"cannot resume from {path}; it does not match this run:\n" + "\n".join(problems))
 
 
+def link_or_copy(checkpoint: Path, copy: Path) -> None:
+    """A second name for a checkpoint: a hard link is free, since last.pt is replaced by rename, never rewritten."""
+    try:
+        os.link(checkpoint, copy)
+    except OSError:  # a filesystem without hard links
+        shutil.copy2(checkpoint, copy)
+
+
 def keep_last(run_dir: Path, checkpoint: Path, step: int, k: int) -> None:
     """Besides last.pt, keep hard-linked step_XXXXXXX.pt copies of the last k checkpoints."""
     if k <= 0:
         return
     copy = run_dir / f"step_{step:07d}.pt"
     if not copy.exists():
-        try:
-            os.link(checkpoint, copy)  # free: last.pt is replaced by rename, never rewritten in place
-        except OSError:  # a filesystem without hard links
-            shutil.copy2(checkpoint, copy)
+        link_or_copy(checkpoint, copy)
     for old in sorted(run_dir.glob("step_*.pt"))[:-k]:
         old.unlink()

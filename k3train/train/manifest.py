@@ -6,7 +6,6 @@ Rewritten atomically at each session start and end, so a crash leaves the previo
 from __future__ import annotations
 
 import json
-import os
 import platform
 import socket
 import subprocess
@@ -16,6 +15,8 @@ import uuid
 from pathlib import Path
 
 import torch
+
+from k3train.train.files import write_atomic
 
 
 def environment(device: torch.device) -> dict:
@@ -53,15 +54,6 @@ def _git_commit() -> str | None:
         return None
 
 
-def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class RunManifest:
     def __init__(self, run_dir: Path, enabled: bool = True):
         self.path = Path(run_dir) / "run.json"
@@ -97,4 +89,5 @@ class RunManifest:
 
     def _write(self) -> None:
         if self.enabled:
-            _write_json_atomic(self.path, self.data)
+            text = json.dumps(self.data, indent=2, default=str)
+            write_atomic(self.path, lambda f: f.write(text.encode("utf-8")))

@@ -25,7 +25,7 @@ import torch
 from k3train.config import ProfileConfig, TrainConfig
 from k3train.data import EndOfData
 from k3train.optim import qk_clip
-from k3train.train.checkpoint import check_compatible, keep_last, save_checkpoint
+from k3train.train.checkpoint import check_compatible, keep_last, link_or_copy, save_checkpoint
 from k3train.train.evaluate import evaluate
 from k3train.train.metrics import MetricsWriter
 from k3train.train.precision import Precision
@@ -98,12 +98,15 @@ class Trainer:
         self.config, self.device, self.metrics = config, device, metrics
         self.run_dir = Path(run_dir)
         self.checkpoint_path = self.run_dir / "last.pt"
+        # The checkpoint last.pt replaced, until an update goes on from the new one (see save()).
+        self.previous_path = self.run_dir / "previous.pt"
         self.meta = meta
         self.profile = profile or ProfileConfig()
         self.state = TrainState()
         self.session_start_step = 0
         self.signals = StopSignals()  # the runner installs it around fit(); the loop only reads the flag
-        self._saved_step: Optional[int] = None
+        self.saved_step: Optional[int] = None  # the step of the checkpoint in last.pt, when this session knows it
+        self._previous_step: Optional[int] = None
         self.label = "[plumbing: smoke_test_lm] " if getattr(model, "is_plumbing_check", False) else ""
         self.tokens_per_update = train_loader.tokens_per_batch * config.gradient_accumulation_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -133,17 +136,21 @@ class Trainer:
             )
         return total
 
-    def _stop_reason(self) -> Optional[str]:
+    def plan_done(self) -> Optional[str]:
+        """Why the run as planned is over (max_steps, max_tokens, end_of_data), or None while work is left."""
         s, c = self.state, self.config
         if c.max_steps is not None and s.step >= c.max_steps:
             return "max_steps"
         if c.max_tokens is not None and s.tokens >= c.max_tokens:
             return "max_tokens"
-        if c.stop_after is not None and s.step - self.session_start_step >= c.stop_after:
-            return "stop_after"
         if not c.overfit_batch and self.train_loader.batches_remaining() < c.gradient_accumulation_steps:
             return "end_of_data"
         return None
+
+    def _stop_reason(self) -> Optional[str]:
+        if self.config.stop_after is not None and self.state.step - self.session_start_step >= self.config.stop_after:
+            return self.plan_done() or "stop_after"
+        return self.plan_done()
 
     # ---- one update -----------------------------------------------------------------------------------------
     def _micro_batches(self):
@@ -219,6 +226,7 @@ class Trainer:
                 if result["skipped"]:
                     self._on_skip(result)
                 else:
+                    self._drop_previous()  # an update went on from last.pt: it is a good checkpoint
                     progress.update(self.state.step, result["loss"], window.tokens_per_s())
                     self._after_update(window, progress)
                 received = self.signals.received
@@ -241,14 +249,32 @@ class Trainer:
         say(f"{self.label}step {s.step}: non-finite loss {result['loss']} or grad norm "
             f"{result['grad_norm']}; update skipped ({s.consecutive_skips} in a row)")
         if s.consecutive_skips >= self.config.max_consecutive_skips:
-            earlier = (f", or resume from the last good checkpoint ({self.checkpoint_path}) with a different recipe"
-                       if self.checkpoint_path.exists() else "")
             self.metrics.log("end", step=s.step, tokens=s.tokens, reason="diverged",
                              skipped_updates=s.skipped_updates)
-            raise TrainingDiverged(
-                f"{s.consecutive_skips} non-finite updates in a row at step {s.step}: the run has diverged. "
-                f"Lower optim.lr or enable train.grad_clip{earlier}"
-            )
+            raise TrainingDiverged(f"{s.consecutive_skips} non-finite updates in a row at step {s.step}: the run "
+                                   f"has diverged. {self._keep_good_checkpoint()}")
+
+    def _keep_good_checkpoint(self) -> str:
+        """Leave in last.pt a checkpoint an update went on from, and say which one it is and what to do."""
+        fix = "lower optim.lr" + (" or train.grad_clip" if self.config.clip_norm else " or enable train.grad_clip")
+        last, step = self.checkpoint_path, self.state.step
+        if not last.exists():
+            return f"No checkpoint was written: {fix} and start again"
+        if self.saved_step is None:
+            return f"{last} is from an earlier session: {fix} and resume from a checkpoint before the failures"
+        if self.saved_step != step:
+            return f"{last} (step {self.saved_step}) is good (updates went on from it): {fix} and resume=auto"
+        # last.pt holds the very weights that failed: one finite update blew them up, then every step overflowed
+        if not self.previous_path.exists():
+            return (f"{last} (step {step}) holds the weights that failed and no earlier checkpoint is kept: {fix} "
+                    "and start again")
+        failed = self.run_dir / f"diverged_step_{step:07d}.pt"
+        os.replace(last, failed)
+        os.replace(self.previous_path, last)
+        self.saved_step = self._previous_step
+        at = f" (step {self._previous_step})" if self._previous_step is not None else ""
+        return (f"{last} is back to the checkpoint before it{at}, which updates went on from (the step-{step} one "
+                f"holds the weights that failed: kept as {failed.name}): {fix} and resume=auto")
 
     def _after_update(self, window: Window, progress: Progress) -> None:
         s, c = self.state, self.config
@@ -284,8 +310,10 @@ class Trainer:
         progress.close()
         if reason != "stop_after" and self.signals.received is None and self.state.step > 0:
             self.run_eval()  # not when time is short (a signal) or the run goes on (stop_after)
-        if self._saved_step != self.state.step:  # an interval checkpoint may have just saved this step
+        if self.saved_step != self.state.step:  # an interval checkpoint may have just saved this step
             self.save()
+        if self.plan_done() is not None:
+            self._drop_previous()  # the run is complete: no update will ever go on from last.pt
         self.metrics.log("end", step=self.state.step, tokens=self.state.tokens, reason=reason,
                          skipped_updates=self.state.skipped_updates)
         say(f"{self.label}stopped at step {self.state.step} ({reason}); checkpoint {self.checkpoint_path}")
@@ -307,13 +335,26 @@ class Trainer:
         }
 
     def save(self) -> None:
-        """Checkpoint at an update boundary (gradients are already cleared)."""
+        """Checkpoint at an update boundary (gradients are already cleared).
+
+        An update can blow the weights up and still be finite; only the non-finite steps after it show it. So the
+        checkpoint last.pt replaces stays as previous.pt (a hard link: free) until an update goes on from the new
+        one, and a divergence right after a save puts it back (_keep_good_checkpoint)."""
         t0 = time.perf_counter()
+        if self.checkpoint_path.exists():
+            self.previous_path.unlink(missing_ok=True)
+            link_or_copy(self.checkpoint_path, self.previous_path)
+            self._previous_step = self.saved_step
         size = save_checkpoint(self.checkpoint_path, self.checkpoint_payload())
-        self._saved_step = self.state.step
+        self.saved_step = self.state.step
         keep_last(self.run_dir, self.checkpoint_path, self.state.step, self.config.keep_last_k)
         self.metrics.log("checkpoint", step=self.state.step, tokens=self.state.tokens,
                          path=str(self.checkpoint_path), bytes=size, seconds=round(time.perf_counter() - t0, 3))
+
+    def _drop_previous(self) -> None:
+        if self._previous_step is not None or self.previous_path.exists():
+            self.previous_path.unlink(missing_ok=True)
+            self._previous_step = None
 
     def restore(self, payload: dict, path: Path) -> dict:
         """Continue from a checkpoint: validate compatibility first, then restore every stateful part.
@@ -343,6 +384,8 @@ class Trainer:
         else:
             self.total_steps = self._plan_total_steps()
         self.schedule.total_steps = self.total_steps
+        if Path(path).resolve() == self.checkpoint_path.resolve():
+            self.saved_step = self.state.step  # continuing from last.pt itself
         self.resumed = {"path": str(path), "changed": changed}
         return changed
 
