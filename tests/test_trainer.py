@@ -23,13 +23,15 @@ def sgd(model, lr=1.0):
     return opt
 
 
-def make_trainer(tmp_path, data, model, optimizer=None, precision="fp32", **train):
+CONSTANT = functools.partial(LRSchedule, decay="constant", warmup_steps=0, min_lr_ratio=1.0)
+
+
+def make_trainer(tmp_path, data, model, optimizer=None, precision="fp32", schedule=CONSTANT, **train):
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = TrainConfig(**{"batch_size": 2, "seq_len": 16, "max_steps": 4, "eval_interval": 0, "eval_batches": 2,
                          "checkpoint_interval": 0, "log_interval": 1, "progress": "lines", "grad_clip": None,
                          **train})
     train_loader, val_loader = data.loaders(cfg.batch_size, cfg.seq_len)
-    schedule = functools.partial(LRSchedule, decay="constant", warmup_steps=0, min_lr_ratio=1.0)
     return Trainer(model=model, optimizer=optimizer or sgd(model), schedule_factory=schedule,
                    precision=Precision(precision), train_loader=train_loader, val_loader=val_loader, config=cfg,
                    device=torch.device("cpu"), metrics=MetricsWriter(tmp_path / "metrics.jsonl"),
@@ -307,3 +309,22 @@ def test_a_checkpoint_is_kept_as_previous_only_until_an_update_goes_on_from_the_
     assert trainer.fit() == "max_steps"
     assert seen == [False, False, True]  # the step-1 checkpoint is kept from the second save to the next update
     assert not (tmp_path / "previous.pt").exists()  # the finished run keeps only last.pt
+
+
+def test_a_restored_optimizer_holds_the_scheduled_lr_not_the_configured_peak(tmp_path, builtin_data):
+    """A checkpoint written straight after a resume (a signal before the first update) must hold the lr the
+    schedule gave the last update, as the checkpoint it came from did."""
+    warmup = functools.partial(LRSchedule, decay="cosine", warmup_steps=4, min_lr_ratio=0.1)
+    model = smoke(builtin_data.vocab_size)
+    first = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), schedule=warmup,
+                         max_steps=8)
+    first.train_step()
+    first.train_step()
+    first.save()
+    saved = load_checkpoint(first.checkpoint_path)
+    assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-3 * 2 / 4)  # warmup, update 2 of 4
+    model = smoke(builtin_data.vocab_size, seed=1)
+    second = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), schedule=warmup,
+                          max_steps=8)
+    second.restore(saved, first.checkpoint_path)
+    assert second.optimizer.param_groups[0]["lr"] == saved["optimizer"]["param_groups"][0]["lr"]

@@ -48,13 +48,16 @@ class MetricsWriter:
     def log(self, event: str, **fields) -> dict:
         record = {"event": event, "time": round(time.time(), 3), **_jsonable(fields)}
         if self.enabled:
-            if self._file is None:
-                torn = _ends_mid_line(self.path)  # a killed writer's half line: never glue an event onto it
-                self._file = open(self.path, "a", encoding="utf-8")
-                if torn:
-                    self._file.write("\n")
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+            try:
+                if self._file is None:
+                    torn = _ends_mid_line(self.path)  # a killed writer's half line: never glue an event onto it
+                    self._file = open(self.path, "a", encoding="utf-8")
+                    if torn:
+                        self._file.write("\n")
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+            except OSError as exc:  # name the file: a full disk's error on an open file names none
+                raise OSError(exc.errno, exc.strerror or str(exc), str(self.path)) from exc
         return record
 
     def close(self) -> None:

@@ -1,13 +1,17 @@
 """From a composed Hydra config to a finished run: build the parts, open the run directory, hand over to the Trainer.
 
 Setup errors (a bad config value, missing data, an incompatible checkpoint) stop here with a one-line message and
-exit status 2, before anything in the run directory is written. In a multirun the failure is raised instead, so
-Hydra records it for that job and goes on with the others (a diverged lr must not end the sweep).
+exit status 2, and leave the run directory as they found it (.hydra/ included; a directory that did not exist is
+removed again: see rundir.py). A run that has already ended says so and exits 0, touching nothing. A write that
+fails during training (a full disk, a read-only directory) ends with one line saying what was kept. In a multirun
+the failure is raised instead, so Hydra records it for that job and goes on with the others (a diverged lr must
+not end the sweep).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
 import sys
 import traceback
@@ -21,21 +25,38 @@ from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
-from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig
+from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig, check_known_keys
 from k3train.optim.param_groups import format_partition
+from k3train.train import rundir
 from k3train.train.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint
+from k3train.train.files import remove_stale_temp_files
 from k3train.train.manifest import RunManifest, environment
 from k3train.train.metrics import MetricsWriter
 from k3train.train.rng import configure_determinism, seed_everything
+from k3train.train.rundir import RunDirError
 from k3train.train.trainer import Trainer, TrainingDiverged
 
 
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, CheckpointError)
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, CheckpointError, RunDirError)
 
 
 class RunFailed(Exception):
     """A job that could not run or diverged; raised (not exited) in a multirun so the sweep goes on."""
+
+
+class RunFinished(Exception):
+    """A resumed run that has nothing left to do."""
+
+
+def check_single_process() -> None:
+    """torchrun sets WORLD_SIZE; each process would train its own copy of the same run until data parallelism lands."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        raise ValueError(f"WORLD_SIZE={world_size}: data-parallel training is not implemented yet, so {world_size} "
+                         "processes would train independent copies of one run; start one process "
+                         "(python -m k3train, or torchrun --nproc_per_node=1)")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -78,15 +99,28 @@ def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
 
 
 class RunDirGuard(Callback):
-    """Checks run-directory ownership before Hydra writes .hydra/ into the directory (it does so before the task
-    starts), so a refused run leaves another run's .hydra/ untouched. Multirun jobs are checked in run()."""
+    """Claims a single run's directory (creates it, locks it, notes its .hydra/) before Hydra writes .hydra/ into
+    it, and refuses a second writer or a run that would write into another run's files. Multirun jobs are
+    claimed and checked in run(), after Hydra has written their (new) job directory."""
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        HydraConfig.instance().set_config(config)  # run.dir may use ${hydra:...}; run_job sets the same config
+        run_dir = Path(config.hydra.run.dir)
+        claim = None
         try:
-            resolve_resume(config.resume, Path(config.hydra.run.dir))
-        except (ValueError, CheckpointError) as exc:
-            print(f"k3train: error: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            check_single_process()
+            claim = rundir.claim(run_dir)
+            resolve_resume(config.resume, run_dir)
+        except USER_ERRORS as exc:
+            if claim is not None:
+                claim.undo()
+            _fail(_describe(exc), 2, multirun=False)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        try:
+            check_single_process()
+        except ValueError as exc:
+            _fail(_describe(exc), 2, multirun=False)
 
 
 def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data) -> dict:
@@ -110,26 +144,56 @@ def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data) -> dic
 
 def run(cfg: DictConfig) -> Optional[str]:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        trainer, manifest, metrics = _setup(cfg)
-    except Exception as exc:  # noqa: BLE001 - sorted into user errors (a message) and bugs (a traceback)
+        check_single_process()
+        claim = rundir.claimed(run_dir) or rundir.claim(run_dir)
+    except USER_ERRORS as exc:
+        return _fail(_describe(exc), 2, multirun)
+    try:
+        return _run(cfg, run_dir, claim, multirun)
+    finally:
+        claim.release()
+
+
+def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bool) -> Optional[str]:
+    try:
+        parts = _build(cfg, run_dir)
+    except BaseException as exc:
+        claim.undo()  # nothing of this start stays: .hydra/ back as it was, a new directory removed
+        if isinstance(exc, RunFinished):
+            print(f"k3train: {exc}", flush=True)
+            return "finished"
         cause = exc.__cause__ if isinstance(exc, InstantiationException) else exc
-        if not isinstance(cause, USER_ERRORS) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+        if not isinstance(cause, (*USER_ERRORS, MissingMandatoryValue)) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        return _fail(f"{type(cause).__name__}: {cause}", 2, multirun)
+        return _fail(_describe(cause), 2, multirun)
+    removed = remove_stale_temp_files(run_dir)  # the lock is ours: their writers are dead
+    if removed:
+        print(f"removed {len(removed)} temporary file(s) left by an interrupted writer: "
+              + ", ".join(p.name for p in removed), flush=True)
+    trainer = parts["trainer"]
+    try:
+        manifest, metrics = _open_session(cfg, run_dir, **parts)
+    except OSError as exc:
+        return _fail(_write_failed(exc, trainer), 1, multirun)
     failure = None
     with trainer.signals:  # SIGTERM/SIGUSR1 now stop at an update boundary instead of killing the process
         try:
             reason = trainer.fit()
         except TrainingDiverged as exc:
             reason, failure = "diverged", str(exc)
+        except OSError as exc:  # a full disk, a read-only directory: say what was kept, no traceback
+            reason, failure = f"error: {exc}", _write_failed(exc, trainer)
         except BaseException as exc:
             _close(trainer, metrics, manifest, f"error: {type(exc).__name__}: {exc}")
             if trainer.signals.received is not None:  # a preemption must still reach the scheduler's handler
                 traceback.print_exc()
                 trainer.signals.redeliver()
             raise
-        _close(trainer, metrics, manifest, reason)
+        close_error = _close(trainer, metrics, manifest, reason)
+        if failure is None and close_error is not None:
+            failure = _write_failed(close_error, trainer)
     if trainer.signals.received is not None:  # checkpointed: now let the signal do what it would have done
         print(f"k3train: stopped by {trainer.signals.received.name} at step {trainer.state.step}; continue in the "
               "same output directory with resume=auto", file=sys.stderr, flush=True)
@@ -139,9 +203,42 @@ def run(cfg: DictConfig) -> Optional[str]:
     return reason
 
 
-def _close(trainer: Trainer, metrics: MetricsWriter, manifest: RunManifest, reason: str) -> None:
-    metrics.close()
-    manifest.end_session(reason, trainer.state.step, trainer.state.tokens)
+def _close(trainer: Trainer, metrics: MetricsWriter, manifest: RunManifest, reason: str) -> Optional[OSError]:
+    """End the session's log and manifest entry; a write that fails is returned (the run is already over)."""
+    error = None
+    for close in (metrics.close, lambda: manifest.end_session(reason, trainer.state.step, trainer.state.tokens)):
+        try:
+            close()
+        except OSError as exc:
+            error = error or exc
+    return error
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, MissingMandatoryValue):
+        return f"{exc.full_key} is not set: add {exc.full_key}=... to the command"
+    if isinstance(exc, RunDirError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _write_failed(exc: OSError, trainer: Trainer) -> str:
+    path = exc.filename or trainer.run_dir
+    saved = trainer.saved_step
+    if saved is not None:
+        kept = f"last.pt of step {saved} is kept"
+    elif trainer.checkpoint_path.exists():
+        kept = "last.pt is kept as it was"
+    else:
+        kept = "no checkpoint was written yet"
+    if exc.errno == errno.ENOSPC:
+        fix = "free disk space"
+    elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = f"make {trainer.run_dir} writable"
+    else:
+        fix = "fix the cause"
+    return (f"writing {path} failed at step {trainer.state.step} ({exc.strerror or exc}); {kept}; {fix}, then "
+            "continue with resume=auto")
 
 
 def _fail(message: str, status: int, multirun: bool) -> None:
@@ -151,9 +248,9 @@ def _fail(message: str, status: int, multirun: bool) -> None:
     sys.exit(status)
 
 
-def _setup(cfg: DictConfig):
-    hydra_cfg = HydraConfig.get()
-    run_dir = Path(hydra_cfg.runtime.output_dir)
+def _build(cfg: DictConfig, run_dir: Path) -> dict:
+    """Every check and every part, writing nothing: a refusal here leaves no trace."""
+    check_known_keys(cfg)
     train_cfg: TrainConfig = OmegaConf.to_object(cfg.train)
     profile_cfg = OmegaConf.to_object(cfg.profile)
     device = resolve_device(train_cfg.device)
@@ -179,12 +276,30 @@ def _setup(cfg: DictConfig):
                       device=device, metrics=metrics, run_dir=run_dir, meta=meta, profile=profile_cfg)
     if resume_path is not None:
         trainer.restore(load_checkpoint(resume_path), resume_path)
+        done = trainer.plan_done()
+        if done is not None:
+            raise RunFinished(_finished_message(resume_path, done, trainer))
+    return {"trainer": trainer, "metrics": metrics, "data": data, "resume_path": resume_path}
+
+
+def _finished_message(resume_path: Path, reason: str, trainer: Trainer) -> str:
+    step = trainer.state.step
+    if reason == "end_of_data":
+        return f"{resume_path} is a finished run (its train split is used up at step {step}); nothing to do"
+    limit = f"train.{reason}"
+    return (f"{resume_path} is a finished run (it reached {limit}={getattr(trainer.config, reason)} at step {step}); "
+            f"nothing to do. To train on, raise {limit} and resume=auto")
+
+
+def _open_session(cfg: DictConfig, run_dir: Path, *, trainer: Trainer, metrics: MetricsWriter, data,
+                  resume_path: Optional[Path]) -> tuple[RunManifest, MetricsWriter]:
+    model, optimizer = trainer.model, trainer.optimizer
     manifest = RunManifest(run_dir)
     manifest.start_session(
-        config=OmegaConf.to_container(cfg, resolve=True), overrides=list(hydra_cfg.overrides.task),
+        config=OmegaConf.to_container(cfg, resolve=True), overrides=list(HydraConfig.get().overrides.task),
         model={"class": type(model).__name__, "config": dataclasses.asdict(model.config),
                "params": model.param_counts()},
-        data=data.identity(), optimizer=_optimizer_summary(optimizer), env=environment(device),
+        data=data.identity(), optimizer=_optimizer_summary(optimizer), env=environment(trainer.device),
         resume_from=str(resume_path) if resume_path else None,
         resume_step=trainer.state.step if resume_path else None)
     metrics.log("session", session=manifest.session["session"], step=trainer.state.step,
@@ -192,7 +307,7 @@ def _setup(cfg: DictConfig):
     _print_summary(run_dir, trainer, model, optimizer, cfg)
     if resume_path is not None:
         trainer.log_resume()
-    return trainer, manifest, metrics
+    return manifest, metrics
 
 
 # The settings a reader needs to compare runs; torch's implementation flags (foreach, capturable...) are left out.

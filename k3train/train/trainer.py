@@ -384,6 +384,8 @@ class Trainer:
         else:
             self.total_steps = self._plan_total_steps()
         self.schedule.total_steps = self.total_steps
+        if self.state.step > 0:  # the lr of the last update, as the checkpoint had it (not the configured peak)
+            self.schedule.apply(self.optimizer, self.state.step - 1)
         if Path(path).resolve() == self.checkpoint_path.resolve():
             self.saved_step = self.state.step  # continuing from last.pt itself
         self.resumed = {"path": str(path), "changed": changed}
