@@ -8,8 +8,8 @@ handshake files:
   pause_replace:N  at the N-th rename of last.pt's temporary file (written and fsynced, not yet renamed), create
                    <dir>/paused-replace-N and wait until <dir>/go-replace-N exists: a kill here lands while the
                    temporary file exists
-  enospc:N         the N-th write of last.pt's temporary file writes part of the checkpoint, then fails with
-                   ENOSPC (a full disk)
+  enospc:N         the N-th write of last.pt's temporary file meets a full disk half-way: torch.save's writes
+                   fail with ENOSPC, and torch reacts as it does on a real full disk
 """
 
 import errno
@@ -71,22 +71,39 @@ def install(faults: dict[str, int]) -> None:
         save = torch.save
 
         def save_until_the_disk_is_full(obj, f, *args, **kwargs):
-            name = f if isinstance(f, (str, bytes, os.PathLike)) else getattr(f, "name", "")
-            if isinstance(name, (str, bytes, os.PathLike)) and _is_checkpoint_temp(name):
+            if _is_checkpoint_temp(str(getattr(f, "name", ""))):
                 counts["save"] += 1
                 if counts["save"] == faults["enospc"]:
-                    buffer = io.BytesIO()
-                    save(obj, buffer, *args, **kwargs)
-                    part = buffer.getvalue()[: buffer.tell() // 2]
-                    if isinstance(f, (str, bytes, os.PathLike)):
-                        with open(f, "wb") as out:
-                            out.write(part)
-                    else:
-                        f.write(part)
-                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                    size = len(_serialized(save, obj))
+                    f = _FullDisk(f, budget=size // 2)  # torch itself meets the full disk, as on a real one
             return save(obj, f, *args, **kwargs)
 
         torch.save = save_until_the_disk_is_full
+
+
+def _serialized(save, obj) -> bytes:
+    buffer = io.BytesIO()
+    save(obj, buffer)
+    return buffer.getvalue()
+
+
+class _FullDisk:
+    """A file whose disk fills after `budget` bytes: the write that crosses it writes what fits and raises ENOSPC."""
+
+    def __init__(self, file, budget: int):
+        self.file, self.budget = file, budget
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        if len(data) > self.budget:
+            self.file.write(data[: self.budget])
+            self.budget = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.budget -= len(data)
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
 
 
 if __name__ == "__main__":

@@ -247,6 +247,7 @@ class TrialResult:
     notes: list[str] = field(default_factory=list)  # where each kill landed
     problems: list[str] = field(default_factory=list)
     damaged: int = 0  # files a fault left unusable (must stay 0)
+    skipped: str = ""  # why the trial could not run here
 
 
 def kill_trials(seeds: range) -> list[KillTrial]:
@@ -415,3 +416,73 @@ def run_trials(trials: list, work: Path, cache: Path, jobs: int = 2) -> dict[str
                 return TrialResult(trial.name, problems=[f"{type(exc).__name__}: {exc}"])
 
         return {r.name: r for r in pool.map(one, trials)}
+
+
+# ---- a full disk ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DiskTrial:
+    """The disk fills during a checkpoint write: `enospc` makes the writer raise ENOSPC half-way (always
+    possible); `tmpfs` runs in a real tmpfs sized so the second checkpoint cannot fit (needs mount rights).
+    The run must end with exit 1 and one line (what failed, what was kept, what to do), keep a loadable
+    checkpoint and no temporary file, and resume=auto (with space again) must end bitwise."""
+
+    kind: str  # enospc | tmpfs
+    model: str = "smoke_test_lm"
+    interval: int = 1
+    failing_write: int = 4  # enospc: the checkpoint write that fails
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}-ckpt{self.interval}-full-disk-{self.kind}"
+
+    def run(self, baseline: Baseline, work: Path, cache: Path) -> TrialResult:
+        result = TrialResult(self.name)
+        if self.kind == "enospc":
+            return self._fill(work / self.name, baseline, work, cache, result, fault=f"enospc:{self.failing_write}")
+        mount = work / self.name
+        mount.mkdir()
+        size = (baseline.run_dir / "last.pt").stat().st_size * 3 // 2 + 128 * 1024  # one checkpoint, not two
+        try:
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=True,
+                           capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError) as exc:
+            result.skipped = f"cannot mount a tmpfs here ({getattr(exc, 'stderr', '') or exc}); the enospc trial " \
+                             "covers a full disk"
+            return result
+        try:
+            return self._fill(mount / "run", baseline, work, cache, result, remount=str(mount))
+        finally:
+            subprocess.run(["umount", str(mount)], check=False)
+
+    def _fill(self, run_dir: Path, baseline: Baseline, work: Path, cache: Path, result: TrialResult,
+              fault: str = "", remount: str = "") -> TrialResult:
+        args = [*command(self.model, self.interval), "resume=auto", f"hydra.run.dir={run_dir}"]
+        proc = Proc(args, work / "logs" / self.name, cache, fault=fault, handshake=work)
+        rc, err = proc.wait(), proc.stderr()
+        result.kills_tried += 1
+        lines = [line for line in err.splitlines() if line.strip()]
+        if rc != 1:
+            result.problems.append(f"exit {rc}, want 1")
+        else:
+            result.kills_landed += 1
+        if "Traceback" in err or len([line for line in lines if "error" in line.lower()]) != 1:
+            result.problems.append("want one error line, no traceback")
+        for words in ("No space left on device", "kept", "resume=auto"):
+            if words not in err:
+                result.problems.append(f"the message lacks {words!r}")
+        if not (run_dir / "last.pt").exists():
+            result.problems.append("no checkpoint kept")
+        if temp_files(run_dir):
+            result.problems.append(f"temporary files left: {[p.name for p in temp_files(run_dir)]}")
+        damage = check_loadable(run_dir)
+        result.damaged += len(damage)
+        result.problems += damage
+        if result.problems:
+            result.problems.append(f"stderr: {err[-2000:]}")
+        result.notes.append(f"disk full; last.pt kept at step {checkpoint_step(run_dir)}")
+        if remount:  # space again
+            subprocess.run(["mount", "-o", "remount,size=256m", remount], check=True)
+        return finish_and_compare(args, baseline, run_dir, work / "logs" / f"{self.name}-final", cache, result)
+
+
+DISK_TRIALS = [DiskTrial("enospc"), DiskTrial("tmpfs")]
