@@ -1,0 +1,87 @@
+"""The fault suite's long mode: many seeded SIGKILL trials, the SIGTERM/SIGUSR1 and full-disk trials, and every
+bad-input class; prints the figures a closing note needs and writes them to benchmarks/results/fault_trials.json.
+
+    python benchmarks/fault_trials.py [--seeds 10] [--jobs 2] [--work DIR]
+
+Each seed is 12 SIGKILL trials (smoke_test_lm and k3_tiny x checkpoint_interval 1 and 5 x a kill at a random
+time, right after a step, and while last.pt's temporary file exists; one or two kills each, then resume=auto).
+The trials are those of tests/test_fault_trials.py and tests/test_fault_inputs.py (tests/fault_harness.py,
+tests/fault_inputs.py); the CI suite runs seeds 0-1. Files damaged counts checkpoints, run.json and
+metrics.jsonl left unreadable after a fault, plus files already in a run directory that a bad input changed or
+removed: it must be 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+import fault_harness as fh  # noqa: E402
+import fault_inputs as fi  # noqa: E402
+
+RESULTS = ROOT / "benchmarks" / "results" / "fault_trials.json"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=10, help="12 SIGKILL trials per seed")
+    parser.add_argument("--first-seed", type=int, default=100, help="the CI suite uses seeds 0 and 1")
+    parser.add_argument("--jobs", type=int, default=2, help="trials run at once (each is a few processes)")
+    parser.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temp dir)")
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    work = args.work or Path(tempfile.mkdtemp(prefix="k3train-fault-"))
+    cache = work / "cache"
+    started = time.monotonic()
+
+    trials = [*fh.kill_trials(range(args.first_seed, args.first_seed + args.seeds)), *fh.SIGNAL_TRIALS,
+              *fh.DISK_TRIALS]
+    results = fh.run_trials(trials, work, cache, jobs=args.jobs)
+    inputs = {case.name: fi.run_bad_input(case, work / "bad-input", cache) for case in fi.BAD_INPUTS
+              if not case.missing()}
+
+    ran = [r for r in results.values() if not r.skipped]
+    kill_names = {t.name for t in trials if isinstance(t, fh.KillTrial)}
+    kills = [r for r in ran if r.name in kill_names]
+    failed = {r.name: r.problems for r in ran if r.problems}
+    failed.update({f"bad input: {k}": v for k, (v, _) in inputs.items() if v})
+    figures = {
+        "sigkill_trials": len(kills),
+        "sigkill_kills_tried": sum(r.kills_tried for r in kills),
+        "sigkill_kills_landed": sum(r.kills_landed for r in kills),
+        "signal_and_disk_trials": len(ran) - len(kills),
+        "trials_run": len(ran),
+        "faults_landed": sum(r.kills_landed for r in ran),
+        "resumed_bitwise": sum(r.bitwise for r in ran),
+        "bad_input_classes_tried": len(inputs),
+        "bad_input_classes_refused_cleanly": sum(not v for v, _ in inputs.values()),
+        "files_damaged": sum(r.damaged for r in ran) + sum(damaged for _, damaged in inputs.values()),
+        "skipped": {**{r.name: r.skipped for r in results.values() if r.skipped},
+                    **{c.name: c.missing() for c in fi.BAD_INPUTS if c.missing()}},
+        "failures": failed,
+        "wall_s": round(time.monotonic() - started, 1),
+        "jobs": args.jobs,
+        "seeds": [args.first_seed, args.first_seed + args.seeds - 1],
+        "trials": {r.name: {"landed": r.kills_landed, "tried": r.kills_tried, "bitwise": r.bitwise,
+                            "notes": r.notes} for r in results.values()},
+    }
+    for key, value in figures.items():
+        if key not in ("trials", "failures"):
+            print(f"{key}: {value}")
+    for name, problems in failed.items():
+        print(f"FAILED {name}: " + " | ".join(p.splitlines()[0] for p in problems))
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(figures, indent=2) + "\n")
+    print(f"wrote {args.output}")
+    sys.exit(1 if failed or figures["files_damaged"] else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""`python tests/fault_entry.py <overrides>`: `python -m k3train` with faults injected from outside the product.
+
+The product has no test hooks; this wrapper patches the functions a fault needs before Hydra starts.
+K3TRAIN_FAULT is a comma-separated list of `kind:N` (N counts from 1), K3TRAIN_FAULT_DIR a directory for the
+handshake files:
+  pause_step:N     after the train event of step N is written, create <dir>/paused-step-N and wait until
+                   <dir>/go-step-N exists: a step boundary the test can signal or kill at
+  pause_replace:N  at the N-th rename of last.pt's temporary file (written and fsynced, not yet renamed), create
+                   <dir>/paused-replace-N and wait until <dir>/go-replace-N exists: a kill here lands while the
+                   temporary file exists
+  enospc:N         the N-th write of last.pt's temporary file meets a full disk half-way: torch.save's writes
+                   fail with ENOSPC, and torch reacts as it does on a real full disk
+"""
+
+import errno
+import io
+import os
+import time
+from pathlib import Path
+
+import torch
+
+TEMP_PREFIX = ".last.pt.tmp-"  # the checkpoint writer's temporary file: .<name>.tmp-<pid>
+
+
+def _faults() -> dict[str, int]:
+    spec = os.environ.get("K3TRAIN_FAULT", "")
+    return {kind: int(n) for kind, n in (item.split(":") for item in spec.split(",") if item)}
+
+
+def _pause(kind: str, n: int) -> None:
+    handshake = Path(os.environ["K3TRAIN_FAULT_DIR"])
+    (handshake / f"paused-{kind}-{n}").touch()
+    while not (handshake / f"go-{kind}-{n}").exists():
+        time.sleep(0.005)  # signal handlers run between sleeps, as they would between steps
+
+
+def _is_checkpoint_temp(path) -> bool:
+    return Path(os.fsdecode(path)).name.startswith(TEMP_PREFIX)
+
+
+def install(faults: dict[str, int]) -> None:
+    from k3train.train import metrics
+
+    counts = {"replace": 0, "save": 0}
+
+    if "pause_step" in faults:
+        log = metrics.MetricsWriter.log
+
+        def log_then_pause(self, event, **fields):
+            record = log(self, event, **fields)
+            if event == "train" and fields.get("step") == faults["pause_step"]:
+                _pause("step", faults["pause_step"])
+            return record
+
+        metrics.MetricsWriter.log = log_then_pause
+
+    if "pause_replace" in faults:
+        replace = os.replace
+
+        def pause_then_replace(src, dst, *args, **kwargs):
+            if _is_checkpoint_temp(src):
+                counts["replace"] += 1
+                if counts["replace"] == faults["pause_replace"]:
+                    _pause("replace", counts["replace"])
+            return replace(src, dst, *args, **kwargs)
+
+        os.replace = pause_then_replace
+
+    if "enospc" in faults:
+        save = torch.save
+
+        def save_until_the_disk_is_full(obj, f, *args, **kwargs):
+            if _is_checkpoint_temp(str(getattr(f, "name", ""))):
+                counts["save"] += 1
+                if counts["save"] == faults["enospc"]:
+                    size = len(_serialized(save, obj))
+                    f = _FullDisk(f, budget=size // 2)  # torch itself meets the full disk, as on a real one
+            return save(obj, f, *args, **kwargs)
+
+        torch.save = save_until_the_disk_is_full
+
+
+def _serialized(save, obj) -> bytes:
+    buffer = io.BytesIO()
+    save(obj, buffer)
+    return buffer.getvalue()
+
+
+class _FullDisk:
+    """A file whose disk fills after `budget` bytes: the write that crosses it writes what fits and raises ENOSPC."""
+
+    def __init__(self, file, budget: int):
+        self.file, self.budget = file, budget
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        if len(data) > self.budget:
+            self.file.write(data[: self.budget])
+            self.budget = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.budget -= len(data)
+        return self.file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self.file, name)
+
+
+if __name__ == "__main__":
+    install(_faults())
+    from k3train.__main__ import main
+
+    main()

@@ -1,0 +1,62 @@
+"""SIGKILL, SIGTERM and SIGUSR1 at seeded moments, and a full disk; resume=auto must end bitwise where an
+uninterrupted run ends.
+
+The trials live in fault_harness.py (benchmarks/fault_trials.py runs many more of them). Each is a few
+subprocesses, so the selected trials run together, K3TRAIN_FAULT_JOBS (default 2) at a time, the first time a
+test asks for a result; each test then reports its own trial."""
+
+import os
+
+import pytest
+
+import fault_harness as fh
+
+pytestmark = pytest.mark.fault
+
+# 2 models x checkpoint_interval 1 and 5 x 3 kinds of kill x 2 seeds = 24 trials of one or two kills each
+KILL_TRIALS = {t.name: t for t in fh.kill_trials(range(2))}
+SIGNAL_TRIALS = {t.name: t for t in fh.SIGNAL_TRIALS}
+DISK_TRIALS = {t.name: t for t in fh.DISK_TRIALS}
+TRIALS = {**KILL_TRIALS, **SIGNAL_TRIALS, **DISK_TRIALS}
+
+
+@pytest.fixture(scope="session")
+def trial_results(request, tmp_path_factory, k3_cache):
+    selected = [TRIALS[item.callspec.params["trial"]] for item in request.session.items
+                if item.module.__name__ == __name__ and hasattr(item, "callspec") and "trial" in item.callspec.params]
+    jobs = int(os.environ.get("K3TRAIN_FAULT_JOBS", "2"))
+    return fh.run_trials(selected, tmp_path_factory.mktemp("fault"), k3_cache, jobs=jobs)
+
+
+def _check(result: fh.TrialResult) -> None:
+    assert not result.problems, "\n".join([result.name, *result.notes, *result.problems])
+    assert result.bitwise and result.damaged == 0
+
+
+@pytest.mark.parametrize("trial", KILL_TRIALS)
+def test_sigkill_then_resume_auto_is_bitwise(trial, trial_results):
+    result = trial_results[trial]
+    _check(result)
+    if KILL_TRIALS[trial].kind != "random":  # a random moment may fall after the end; the others always land
+        assert result.kills_landed >= 1, result.notes
+
+
+@pytest.mark.parametrize("trial", SIGNAL_TRIALS)
+def test_stop_signal_then_resume_auto_is_bitwise(trial, trial_results):
+    result = trial_results[trial]
+    _check(result)
+    assert result.kills_landed == 1 + SIGNAL_TRIALS[trial].second
+
+
+# Found by these trials: torch.save meets ENOSPC, then its zip writer's cleanup raises RuntimeError ("unexpected
+# pos", chained on the OSError), which files.write_atomic's `except OSError` lets through, so a full disk ends in a
+# traceback instead of one line. The checkpoint is kept and the resume is bitwise; only the message is wrong.
+# Strict: when the writer handles it, these pass and the marker must go.
+@pytest.mark.xfail(strict=True, reason="a full disk inside torch.save ends in a RuntimeError traceback, not one line")
+@pytest.mark.parametrize("trial", DISK_TRIALS)
+def test_full_disk_keeps_the_checkpoint_and_resume_auto_is_bitwise(trial, trial_results):
+    result = trial_results[trial]
+    if result.skipped:
+        pytest.skip(result.skipped)
+    _check(result)
+    assert result.kills_landed == 1
