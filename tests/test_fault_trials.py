@@ -48,11 +48,8 @@ def test_stop_signal_then_resume_auto_is_bitwise(trial, trial_results):
     assert result.kills_landed == 1 + SIGNAL_TRIALS[trial].second
 
 
-# Found by these trials: torch.save meets ENOSPC, then its zip writer's cleanup raises RuntimeError ("unexpected
-# pos", chained on the OSError), which files.write_atomic's `except OSError` lets through, so a full disk ends in a
-# traceback instead of one line. The checkpoint is kept and the resume is bitwise; only the message is wrong.
-# Strict: when the writer handles it, these pass and the marker must go.
-@pytest.mark.xfail(strict=True, reason="a full disk inside torch.save ends in a RuntimeError traceback, not one line")
+# Found by these trials: torch.save meets ENOSPC, then its zip writer's clean-up raises a RuntimeError ("unexpected
+# pos") chained on the OSError; files.write_atomic now reports the OSError underneath as one line.
 @pytest.mark.parametrize("trial", DISK_TRIALS)
 def test_full_disk_keeps_the_checkpoint_and_resume_auto_is_bitwise(trial, trial_results):
     result = trial_results[trial]

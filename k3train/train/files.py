@@ -19,7 +19,8 @@ def temp_path(path: Path) -> Path:
 
 def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> int:
     """Write path through write(file) atomically; returns the file size in bytes. An OSError (a full disk, a
-    read-only directory) leaves the previous file and no temporary one, and names path."""
+    read-only directory), also one that torch.save wraps in a RuntimeError, leaves the previous file and no
+    temporary one, and is raised as an OSError naming path."""
     path = Path(path)
     tmp = temp_path(path)
     try:
@@ -33,12 +34,24 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> int:
             os.fsync(dir_fd)  # make the rename itself durable
         finally:
             os.close(dir_fd)
-    except OSError as exc:
-        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+    except (OSError, RuntimeError) as exc:
+        # torch.save's zip writer meets a full disk as an OSError, then its own clean-up raises a RuntimeError
+        # ("unexpected pos") on top of it: the OSError underneath is what failed.
+        failure = _os_error(exc)
+        if failure is None:
+            raise
+        raise OSError(failure.errno, failure.strerror or str(failure), str(path)) from exc
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
     return path.stat().st_size
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """exc if it is an OSError, else the OSError it was raised while handling (None if there is none)."""
+    while exc is not None and not isinstance(exc, OSError):
+        exc = exc.__context__
+    return exc
 
 
 def remove_stale_temp_files(directory: Path) -> list[Path]:
