@@ -101,14 +101,14 @@ class Progress:
         return (f"{self.label}first update took {elapsed:.2f} s; {left} more at that pace: ETA {format_duration(eta)} "
                 "(evals and checkpoints not included)")
 
-    def log_line(self, record: dict, total: int) -> None:
+    def log_line(self, record: dict) -> None:
         if self.bar is not None:
             return
         step = record["step"]
         elapsed = time.perf_counter() - self.t_start
         done = step - self.start
-        eta = elapsed / done * (total - step) if done else 0.0
-        say(f"{self.label}step {step}/{total} | loss {record['loss']:.4f} | grad {record['grad_norm']:.3f} | "
+        eta = elapsed / done * (self.total - step) if done else 0.0
+        say(f"{self.label}step {step}/{self.total} | loss {record['loss']:.4f} | grad {record['grad_norm']:.3f} | "
                f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s']:.3f} s/step | "
                f"ETA {format_duration(eta)}")
 

@@ -107,6 +107,8 @@ class Trainer:
         self.signals = StopSignals()  # the runner installs it around fit(); the loop only reads the flag
         self.saved_step: Optional[int] = None  # the step of the checkpoint in last.pt, when this session knows it
         self._previous_step: Optional[int] = None
+        # Whether previous.pt is on disk (a killed session's counts too), so the loop checks a flag, not the disk.
+        self._previous_kept = self.previous_path.exists()
         self.label = "[plumbing: smoke_test_lm] " if getattr(model, "is_plumbing_check", False) else ""
         self.tokens_per_update = train_loader.tokens_per_batch * config.gradient_accumulation_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -271,7 +273,7 @@ class Trainer:
         failed = self.run_dir / f"diverged_step_{step:07d}.pt"
         os.replace(last, failed)
         os.replace(self.previous_path, last)
-        self.saved_step = self._previous_step
+        self.saved_step, self._previous_kept = self._previous_step, False
         at = f" (step {self._previous_step})" if self._previous_step is not None else ""
         return (f"{last} is back to the checkpoint before it{at}, which updates went on from (the step-{step} one "
                 f"holds the weights that failed: kept as {failed.name}): {fix} and resume=auto")
@@ -284,7 +286,7 @@ class Trainer:
                                           for i, g in enumerate(self.optimizer.param_groups)},
                                       peak_memory_mb=peak_memory_mb(self.device),
                                       skipped_updates=s.skipped_updates, **self._diagnostics())
-            progress.log_line(record, self.total_steps)
+            progress.log_line(record)
             window.reset()
         if c.eval_interval and s.step % c.eval_interval == 0 and s.step < self.total_steps:
             self.run_eval(progress)
@@ -342,10 +344,11 @@ class Trainer:
         one, and a divergence right after a save puts it back (_keep_good_checkpoint)."""
         t0 = time.perf_counter()
         self.previous_path.unlink(missing_ok=True)
+        self._previous_kept = False
         if self.saved_step is not None and self.checkpoint_path.exists():  # last.pt is this line's (not a later
             # one left behind by a resume from an earlier step_*.pt)
             link_or_copy(self.checkpoint_path, self.previous_path)
-            self._previous_step = self.saved_step
+            self._previous_step, self._previous_kept = self.saved_step, True
         size = save_checkpoint(self.checkpoint_path, self.checkpoint_payload())
         self.saved_step = self.state.step
         keep_last(self.run_dir, self.checkpoint_path, self.state.step, self.config.keep_last_k)
@@ -353,9 +356,9 @@ class Trainer:
                          path=str(self.checkpoint_path), bytes=size, seconds=round(time.perf_counter() - t0, 3))
 
     def _drop_previous(self) -> None:
-        if self._previous_step is not None or self.previous_path.exists():
+        if self._previous_kept:
             self.previous_path.unlink(missing_ok=True)
-            self._previous_step = None
+            self._previous_step, self._previous_kept = None, False
 
     def restore(self, payload: dict, path: Path) -> dict:
         """Continue from a checkpoint: validate compatibility first, then restore every stateful part.
