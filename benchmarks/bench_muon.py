@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from k3train.optim.muon import MuonAdamW, as_matrices
-from k3train.optim.param_groups import format_partition
+from k3train.optim.summary import format_param_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,7 +79,7 @@ def main() -> None:
     baseline = _optimizer(model, "adamw")
     x = torch.randint(args.vocab_size, (args.batch_size, args.seq_len))
     y = torch.randint(args.vocab_size, (args.batch_size, args.seq_len))
-    print(format_partition(opt.param_groups))
+    print(format_param_groups(opt.param_groups))
 
     def fwd_bwd() -> None:
         model.zero_grad(set_to_none=True)

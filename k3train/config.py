@@ -6,7 +6,8 @@ runner's `check_known_keys` also refuses keys added with `+`/`++`, which Hydra l
 Cross-field checks live in __post_init__ and run when the Trainer's typed config is built
 (`OmegaConf.to_object`), before any model or data is touched.
 
-The groups model, optim, schedule, precision and data are `_target_` nodes checked by the classes they build.
+The groups model, optim, schedule, precision and data are `_target_` nodes checked by the classes they build;
+callbacks and logger hold any number of them, by name.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ class TrainConfig:
     deterministic: bool = False
     overfit_batch: bool = False  # repeat the first (accumulated) batch forever: a plumbing check
     compile: bool = False
-    qk_clip_tau: Optional[float] = 100.0  # QK-Clip threshold for MLA layers; null disables
     progress: str = "auto"  # auto (a bar on a terminal, log lines otherwise) | bar | lines
     cpu_threads: str = "auto"  # torch threads: auto (usable CPUs / local jobs, k3train/train/cpu.py) or a count
     # End this session after this many updates (counted from where the session started) with a checkpoint,
@@ -65,8 +65,6 @@ class TrainConfig:
             raise ValueError(f"train.max_tokens must be >= 1 or null, got {self.max_tokens}")
         if self.grad_clip is not None and self.grad_clip < 0:
             raise ValueError(f"train.grad_clip must be >= 0 or null, got {self.grad_clip}")
-        if self.qk_clip_tau is not None and self.qk_clip_tau <= 0:
-            raise ValueError(f"train.qk_clip_tau must be > 0 or null, got {self.qk_clip_tau}")
         if self.progress not in ("auto", "bar", "lines"):
             raise ValueError(f"train.progress must be auto, bar or lines, got {self.progress!r}")
         if self.stop_after is not None and self.stop_after < 1:
@@ -111,6 +109,8 @@ class Config:
     schedule: Any = MISSING
     precision: Any = MISSING
     data: Any = MISSING
+    callbacks: Any = field(default_factory=dict)  # name -> `_target_` node of a k3train.train.callbacks.Callback
+    logger: Any = field(default_factory=dict)  # name -> `_target_` node of a metrics sink, besides metrics.jsonl
     train: TrainConfig = field(default_factory=TrainConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     # null: a fresh run | auto: continue from this output directory's checkpoint if there is one | a path

@@ -45,7 +45,7 @@ def install(faults: dict[str, int]) -> None:
     counts = {"replace": 0, "save": 0}
 
     if "pause_step" in faults:
-        log = metrics.MetricsWriter.log
+        log = metrics.MetricsLogger.log
 
         def log_then_pause(self, event, **fields):
             record = log(self, event, **fields)
@@ -53,7 +53,7 @@ def install(faults: dict[str, int]) -> None:
                 _pause("step", faults["pause_step"])
             return record
 
-        metrics.MetricsWriter.log = log_then_pause
+        metrics.MetricsLogger.log = log_then_pause
 
     if "pause_replace" in faults:
         replace = os.replace

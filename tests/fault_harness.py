@@ -38,7 +38,7 @@ SHAPE = ["train.batch_size=2", "train.seq_len=32", "train.log_interval=1", "trai
 MODELS = {
     "smoke_test_lm": ["model=smoke_test_lm"],
     "k3_tiny": ["model=k3_tiny", "optim=muon_adamw", "model.d_model=64", "model.expert_ffn_dim=32",
-                "model.dense_ffn_dim=64", "model.kda_chunk_size=16", "train.qk_clip_tau=0.05"],
+                "model.dense_ffn_dim=64", "model.kda_chunk_size=16", "callbacks.qk_clip.tau=0.05"],
 }
 KILL_KINDS = ("random", "after_step", "temp_file")
 TIMEOUT = 300
@@ -182,7 +182,7 @@ def compare_to_baseline(baseline: Path, run_dir: Path) -> list[str]:
         b = torch.load(run_dir / "last.pt", weights_only=True)
     except Exception as exc:  # noqa: BLE001
         return [f"final last.pt unloadable: {type(exc).__name__}: {exc}"]
-    for part in ("model", "scaler", "trainer", "loaders", "schedule"):
+    for part in ("model", "scaler", "trainer", "train_loader", "val_loader", "plan"):
         if not _equal(a[part], b[part]):
             differ = [k for k in a[part] if not _equal(a[part][k], b[part].get(k))]
             problems.append(f"{part} differs from the uninterrupted run: {differ[:5]}")

@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from k3train.train.checkpoint import (FORMAT_VERSION, CheckpointError, check_compatible, keep_last,
+from k3train.train.checkpoint import (FORMAT_VERSION, Checkpointer, CheckpointError, check_compatible, keep_last,
                                       load_checkpoint, save_checkpoint)
 
 
@@ -90,3 +90,60 @@ def test_keep_last_k(tmp_path):
         keep_last(tmp_path, ckpt, step, k=2)
     assert sorted(p.name for p in tmp_path.glob("step_*.pt")) == ["step_0000020.pt", "step_0000030.pt"]
     assert torch.equal(load_checkpoint(tmp_path / "step_0000020.pt")["model"]["w"], torch.full((4,), 20.0))
+
+
+class Box:
+    def __init__(self, value=0.0):
+        self.value = value
+
+    def state_dict(self):
+        return {"value": torch.tensor(self.value)}
+
+    def load_state_dict(self, state):
+        self.value = state["value"].item()
+
+
+def test_checkpointer_saves_and_restores_its_named_parts(tmp_path):
+    writer = Checkpointer(tmp_path, meta={"data": {"fingerprint": "abc"}})
+    writer.add("a", Box(1.0))
+    writer.add("b", Box(2.0))
+    assert writer.save(step=5) > 0 and writer.saved_step == 5
+    reader = Checkpointer(tmp_path, meta={"data": {"fingerprint": "abc"}})
+    a, b = Box(), Box()
+    reader.add("a", a)
+    reader.add("b", b)
+    assert reader.load(tmp_path / "last.pt") == 5
+    assert (a.value, b.value) == (1.0, 2.0) and reader.saved_step == 5
+
+
+def test_checkpointer_refuses_a_part_it_cannot_save_and_a_checkpoint_lacking_one(tmp_path):
+    ckpt = Checkpointer(tmp_path, meta={})
+    with pytest.raises(TypeError, match="state_dict"):
+        ckpt.add("x", object())
+    ckpt.add("a", Box(1.0))
+    with pytest.raises(ValueError, match="already added"):
+        ckpt.add("a", Box())
+    ckpt.save(step=1)
+    later = Checkpointer(tmp_path, meta={})
+    later.add("a", Box())
+    later.add("sampler", Box())
+    with pytest.raises(CheckpointError, match="lacks sampler"):
+        later.load(tmp_path / "last.pt")
+
+
+def test_checkpointer_refuses_a_mismatched_run_before_touching_any_part(tmp_path):
+    ckpt = Checkpointer(tmp_path, meta={"data": {"fingerprint": "abc"}})
+    ckpt.add("a", Box(1.0))
+    ckpt.save(step=1)
+    other = Checkpointer(tmp_path, meta={"data": {"fingerprint": "xyz"}})
+    box = Box(3.0)
+    other.add("a", box)
+    with pytest.raises(CheckpointError, match="fingerprint was 'abc', now 'xyz'"):
+        other.load(tmp_path / "last.pt")
+    assert box.value == 3.0
+
+
+def test_a_version_1_checkpoint_is_refused_as_older(tmp_path):
+    torch.save({"meta": {"format_version": 1}, "model": {}}, tmp_path / "old.pt")
+    with pytest.raises(CheckpointError, match="written by an older k3train"):
+        load_checkpoint(tmp_path / "old.pt")

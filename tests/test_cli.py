@@ -44,9 +44,9 @@ def test_smoke_run_writes_ordered_events_manifest_and_checkpoint(run_cli, tmp_pa
     assert (run_dir / ".hydra" / "config.yaml").exists()
 
     ckpt = load_checkpoint(run_dir / "last.pt")
-    assert set(ckpt) >= {"meta", "model", "optimizer", "scaler", "trainer", "schedule", "loaders", "rng"}
+    assert set(ckpt) == {"meta", "model", "optimizer", "scaler", "trainer", "plan", "train_loader", "val_loader", "rng"}
     assert ckpt["trainer"]["step"] == 6 and ckpt["trainer"]["tokens"] == 6 * 64
-    assert ckpt["loaders"]["train"]["cursor"] == 6 * 64 and ckpt["loaders"]["val"]["cursor"] == 0
+    assert ckpt["train_loader"]["cursor"] == 6 * 64 and ckpt["val_loader"]["cursor"] == 0
     assert ckpt["meta"]["recipe"]["batch_size"] == 2
     assert ckpt["meta"]["data"]["fingerprint"] == manifest["data"]["fingerprint"]
 
@@ -54,7 +54,7 @@ def test_smoke_run_writes_ordered_events_manifest_and_checkpoint(run_cli, tmp_pa
 # The Kimi K3 case shrinks k3_tiny and uses Muon + AdamW with QK-Clip at a threshold under the initial max logits (~0.09), so the optimizer
 # state, the Quantile Balancing buffers and QK-Clip's weight edits all have to survive the resume.
 K3_RESUME = ["model=k3_tiny", "optim=muon_adamw", "model.d_model=64", "model.expert_ffn_dim=32",
-             "model.dense_ffn_dim=64", "model.kda_chunk_size=16", "train.qk_clip_tau=0.05"]
+             "model.dense_ffn_dim=64", "model.kda_chunk_size=16", "callbacks.qk_clip.tau=0.05"]
 
 
 # fp16 on CPU with accumulation, until a small dataset runs out: the GradScaler's state, the micro-batch cursors
@@ -103,7 +103,8 @@ def test_exact_resume_in_a_new_process(run_cli, tmp_path, model, tiny_data_dir):
     for pid, state in a["optimizer"]["state"].items():
         for key, value in state.items():
             assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["optimizer"]["state"][pid][key])), key
-    assert a["loaders"] == b["loaders"] and a["trainer"] == b["trainer"] and a["scaler"] == b["scaler"]
+    assert a["train_loader"] == b["train_loader"] and a["val_loader"] == b["val_loader"]
+    assert a["plan"] == b["plan"] and a["trainer"] == b["trainer"] and a["scaler"] == b["scaler"]
     if model is FP16_ACCUM:
         assert a["trainer"]["skipped_updates"] > 0, "the scaler never overflowed: this case tests too little"
     assert a["rng"]["python"] == b["rng"]["python"] and torch.equal(a["rng"]["torch"], b["rng"]["torch"])

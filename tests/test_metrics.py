@@ -2,13 +2,13 @@
 
 import json
 
-from k3train.train.metrics import MetricsWriter, read_metrics
+from k3train.train.metrics import MetricsLogger, read_metrics
 
 
 def test_a_torn_last_line_is_closed_before_the_next_event_and_counted_by_readers(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text(json.dumps({"event": "train", "step": 1}) + "\n" + '{"event": "train", "st')  # killed mid-write
-    with MetricsWriter(path) as writer:
+    with MetricsLogger(path) as writer:
         writer.log("session", session=1, step=1)
         writer.log("train", step=2)
     events = read_metrics(path)
@@ -19,9 +19,9 @@ def test_a_torn_last_line_is_closed_before_the_next_event_and_counted_by_readers
 
 def test_an_intact_file_reads_with_nothing_torn(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    with MetricsWriter(path) as writer:
+    with MetricsLogger(path) as writer:
         writer.log("train", step=1)
-    with MetricsWriter(path) as writer:  # a second session appends; no blank line inserted
+    with MetricsLogger(path) as writer:  # a second session appends; no blank line inserted
         writer.log("train", step=2)
     assert path.read_text().count("\n") == 2
     events = read_metrics(path)
@@ -31,7 +31,7 @@ def test_an_intact_file_reads_with_nothing_torn(tmp_path):
 def test_final_only_drops_the_steps_a_resumed_session_redid(tmp_path):
     """Session 0 checkpointed at step 2, logged steps 3 and 4 and was killed; session 1 resumed from step 2."""
     path = tmp_path / "metrics.jsonl"
-    with MetricsWriter(path) as writer:
+    with MetricsLogger(path) as writer:
         writer.log("session", session=0, step=0)
         for step in (1, 2, 3, 4):
             writer.log("train", step=step, loss=float(step))

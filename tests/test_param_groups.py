@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from k3train.optim.muon import MuonAdamW
-from k3train.optim.param_groups import check_partition, format_partition, partition_parameters
+from k3train.optim.param_groups import check_partition, partition_parameters
+from k3train.optim.summary import format_param_groups
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 D, H, DH, E, F = 16, 4, 8, 3, 24
@@ -154,8 +155,8 @@ def test_yaml_targets_build_named_groups() -> None:
                                                      "adamw_aux", "adamw_no_decay"]
     assert all(g["initial_lr"] == g["lr"] == 3e-3 for g in opt.param_groups)
     assert opt.param_groups[-1]["weight_decay"] == 0.0 and opt.param_groups[0]["weight_decay"] == 0.1
-    table = format_partition(opt.param_groups)
-    assert "muon_attention" in table and "heads x7, matrix x2" in table and "experts x3" in table
+    table = format_param_groups(opt.param_groups)
+    assert "muon_attention" in table and "nesterov" in table and "betas=(0.9, 0.95)" in table
 
     baseline = hydra.utils.instantiate(OmegaConf.load(CONF / "optim" / "adamw.yaml"))(model)
     assert isinstance(baseline, torch.optim.AdamW)
@@ -163,7 +164,7 @@ def test_yaml_targets_build_named_groups() -> None:
         ("decay", 0.1, 3e-3), ("no_decay", 0.0, 3e-3)]
     no_decay = {id(p) for p in baseline.param_groups[1]["params"]}
     assert no_decay == {id(a.param) for a in partition_parameters(model) if not a.weight_decay}
-    assert "no_decay" in format_partition(baseline.param_groups)
+    assert "no_decay" in format_param_groups(baseline.param_groups)
 
 
 @pytest.mark.parametrize("path", sorted((CONF / "model").glob("*.yaml")), ids=lambda p: p.stem)
@@ -175,3 +176,17 @@ def test_partition_complete_and_disjoint_for_every_model_config(path: Path) -> N
     check_partition(model, opt.param_groups)
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == sum(
         p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_the_optimizer_summary_reads_any_torch_optimizer() -> None:
+    """SGD's groups have no betas or eps: the summary shows what each group has, JSON-able, initial lr first."""
+    import json
+
+    from k3train.optim.summary import summarize_param_groups
+
+    sgd = torch.optim.SGD(FakeModel().parameters(), lr=0.5, momentum=0.9, nesterov=True)
+    rows = summarize_param_groups(sgd.param_groups)
+    assert rows[0]["initial_lr"] == 0.5 and rows[0]["momentum"] == 0.9 and rows[0]["nesterov"] is True
+    assert "foreach" not in rows[0] and "maximize" not in rows[0]  # implementation flags and False flags are left out
+    json.dumps(rows)
+    assert "lr=0.5 momentum=0.9 dampening=0 weight_decay=0 nesterov" in format_param_groups(sgd.param_groups)

@@ -10,8 +10,10 @@ import torch
 from k3train.config import TrainConfig
 from k3train.models.smoke import SmokeTestLM, SmokeTestConfig
 from k3train.optim.schedule import LRSchedule
-from k3train.train.checkpoint import load_checkpoint
-from k3train.train.metrics import MetricsWriter, read_metrics
+from k3train.optim.qk_clip import QKClip
+from k3train.train.callbacks import Callback
+from k3train.train.checkpoint import Checkpointer, load_checkpoint
+from k3train.train.metrics import MetricsLogger, read_metrics
 from k3train.train.precision import Precision
 from k3train.train.trainer import Trainer, TrainingDiverged
 
@@ -26,7 +28,7 @@ def sgd(model, lr=1.0):
 CONSTANT = functools.partial(LRSchedule, decay="constant", warmup_steps=0, min_lr_ratio=1.0)
 
 
-def make_trainer(tmp_path, data, model, optimizer=None, precision="fp32", schedule=CONSTANT, **train):
+def make_trainer(tmp_path, data, model, optimizer=None, precision="fp32", schedule=CONSTANT, callbacks=None, **train):
     tmp_path.mkdir(parents=True, exist_ok=True)
     cfg = TrainConfig(**{"batch_size": 2, "seq_len": 16, "max_steps": 4, "eval_interval": 0, "eval_batches": 2,
                          "checkpoint_interval": 0, "log_interval": 1, "progress": "lines", "grad_clip": None,
@@ -34,8 +36,8 @@ def make_trainer(tmp_path, data, model, optimizer=None, precision="fp32", schedu
     train_loader, val_loader = data.loaders(cfg.batch_size, cfg.seq_len)
     return Trainer(model=model, optimizer=optimizer or sgd(model), schedule_factory=schedule,
                    precision=Precision(precision), train_loader=train_loader, val_loader=val_loader, config=cfg,
-                   device=torch.device("cpu"), metrics=MetricsWriter(tmp_path / "metrics.jsonl"),
-                   run_dir=tmp_path, meta={"format_version": 1})
+                   device=torch.device("cpu"), metrics=MetricsLogger(tmp_path / "metrics.jsonl"),
+                   checkpointer=Checkpointer(tmp_path, meta={}, keep_last_k=cfg.keep_last_k), callbacks=callbacks)
 
 
 def smoke(vocab_size, seed=0):
@@ -43,12 +45,34 @@ def smoke(vocab_size, seed=0):
     return SmokeTestLM(SmokeTestConfig(vocab_size=vocab_size, d_model=16))
 
 
-class Recorder(torch.nn.Module):
-    """Records what the trainer feeds the model."""
+class WrapsSmoke(torch.nn.Module):
+    """A test model around SmokeTestLM that keeps its LanguageModel members (k3train/models/protocol.py)."""
+
+    log_label = ""
 
     def __init__(self, vocab_size):
         super().__init__()
         self.inner = smoke(vocab_size)
+        self.config = self.inner.config
+
+    def forward(self, x, targets=None):
+        return self.inner(x, targets)
+
+    def check_data(self, vocab_size, seq_len):
+        self.inner.check_data(vocab_size, seq_len)
+
+    def diagnostics(self):
+        return {}
+
+    def param_counts(self):
+        return self.inner.param_counts()
+
+
+class Recorder(WrapsSmoke):
+    """Records what the trainer feeds the model."""
+
+    def __init__(self, vocab_size):
+        super().__init__(vocab_size)
         self.seen = []
 
     def forward(self, x, targets=None):
@@ -117,12 +141,8 @@ def test_eval_mutates_nothing(tmp_path, builtin_data):
     assert trainer.run_eval()["loss"] == result["loss"]  # the same fixed prefix every time
 
 
-class LinearLM(torch.nn.Module):
+class LinearLM(WrapsSmoke):
     """Embedding -> Linear head, so fp16 autocast runs a matmul whose backward overflows at scale 65536."""
-
-    def __init__(self, vocab_size):
-        super().__init__()
-        self.inner = smoke(vocab_size)
 
     def forward(self, x, targets=None):
         logits, loss = self.inner(x, targets)
@@ -154,11 +174,7 @@ def test_precision_rejects_unknown_dtype_and_device():
         Precision("fp32").check_device(torch.device("meta"))
 
 
-class NaNLM(torch.nn.Module):
-    def __init__(self, vocab_size):
-        super().__init__()
-        self.inner = smoke(vocab_size)
-
+class NaNLM(WrapsSmoke):
     def forward(self, x, targets=None):
         logits, loss = self.inner(x, targets)
         return logits, loss * float("nan")
@@ -218,14 +234,17 @@ def test_qk_clip_tracking_follows_the_config(tmp_path, builtin_data, tau):
                                mla_n_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
                                kda_n_heads=2, kda_head_dim=16, n_routed_experts=4, expert_ffn_dim=16,
                                dense_ffn_dim=32)
-    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-2), qk_clip_tau=tau)
-    result = trainer.train_step()
+    callbacks = {"qk_clip": QKClip(tau)} if tau is not None else None
+    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-2), callbacks=callbacks)
+    trainer.train_step()
     mla = model.layers[1].mixer
-    assert mla.track_max_logit is (tau is not None) and trainer.qk_clip_tau == tau
+    assert mla.track_max_logit is (tau is not None)
     if tau is None:
-        assert "qk_clip" not in result
+        assert "qk_clip" not in trainer._diagnostics()
     else:
-        assert result["qk_clip"]["n_clipped"] > 0 and mla.max_logit is None  # measured, clipped, consumed
+        figures = trainer._diagnostics()["qk_clip"]
+        assert figures["n_clipped"] > 0 and mla.max_logit is None  # measured, clipped, consumed
+        assert "qk_clip" not in trainer._diagnostics()  # reported once: the next train event starts afresh
 
 
 def test_grad_clip_scales_the_update_not_just_the_log(tmp_path, builtin_data):
@@ -321,12 +340,12 @@ def test_a_restored_optimizer_holds_the_scheduled_lr_not_the_configured_peak(tmp
     first.train_step()
     first.train_step()
     first.save()
-    saved = load_checkpoint(first.checkpoint_path)
+    saved = load_checkpoint(first.checkpointer.path)
     assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-3 * 2 / 4)  # warmup, update 2 of 4
     model = smoke(builtin_data.vocab_size, seed=1)
     second = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), schedule=warmup,
                           max_steps=8)
-    second.restore(saved, first.checkpoint_path)
+    second.resume(first.checkpointer.path)
     assert second.optimizer.param_groups[0]["lr"] == saved["optimizer"]["param_groups"][0]["lr"]
 
 
@@ -339,8 +358,85 @@ def test_after_a_resume_from_an_earlier_checkpoint_the_later_last_pt_is_not_kept
     first.fit()
     model = smoke(builtin_data.vocab_size)
     second = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), max_steps=4)
-    second.restore(load_checkpoint(tmp_path / "step_0000002.pt"), tmp_path / "step_0000002.pt")
+    second.resume(tmp_path / "step_0000002.pt")
     second.train_step()
     second.save()
     assert not (tmp_path / "previous.pt").exists()
     assert load_checkpoint(tmp_path / "last.pt")["trainer"]["step"] == 3
+
+
+class NaNOnSecondCall(WrapsSmoke):
+    def __init__(self, vocab_size):
+        super().__init__(vocab_size)
+        self.calls = 0
+
+    def forward(self, x, targets=None):
+        self.calls += 1
+        logits, loss = self.inner(x, targets)
+        return logits, loss * float("nan") if self.calls == 2 else loss
+
+
+class RecordingCallback(Callback):
+    def __init__(self):
+        self.heard = []
+
+    def setup(self, model, optimizer):
+        self.heard.append("setup")
+
+    def after_optimizer_step(self, step):
+        self.heard.append(("update", step))
+
+    def after_skipped_step(self, step):
+        self.heard.append(("skip", step))
+
+    def metrics(self):
+        return {"heard": len(self.heard)}
+
+
+def test_callbacks_hear_every_update_and_skip_and_their_figures_reach_the_train_events(tmp_path, builtin_data):
+    model = NaNOnSecondCall(builtin_data.vocab_size)
+    recorder = RecordingCallback()
+    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), max_steps=3,
+                           callbacks={"recorder": recorder})
+    assert trainer.fit() == "max_steps"
+    assert recorder.heard == ["setup", ("update", 1), ("skip", 1), ("update", 2), ("update", 3)]
+    train = [e for e in read_metrics(tmp_path / "metrics.jsonl") if e["event"] == "train"]
+    assert [e["step"] for e in train] == [1, 2, 3]
+    assert [e["recorder"]["heard"] for e in train] == [2, 4, 5]
+
+
+class Counter:
+    """A Stateful part a user might add (say, a data-mixing schedule's position)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": self.n}
+
+    def load_state_dict(self, state):
+        self.n = state["n"]
+
+
+def test_a_checkpoint_holds_the_registered_parts_and_adding_one_is_one_line(tmp_path, builtin_data):
+    model = smoke(builtin_data.vocab_size)
+    first = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3))
+    counter = Counter()
+    first.checkpointer.add("counter", counter)
+    first.train_step()
+    counter.n = 7
+    first.save()
+    saved = load_checkpoint(tmp_path / "last.pt")
+    assert set(saved) == {"meta", "model", "optimizer", "scaler", "train_loader", "val_loader", "rng", "trainer",
+                          "plan", "counter"}
+    assert saved["meta"]["step"] == 1 and saved["counter"] == {"n": 7}
+
+    model = smoke(builtin_data.vocab_size, seed=1)
+    second = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3))
+    restored = Counter()
+    second.checkpointer.add("counter", restored)
+    second.resume(tmp_path / "last.pt")
+    assert restored.n == 7 and second.state.step == 1
+    assert second.train_loader.state_dict() == first.train_loader.state_dict()
+    for a, b in zip(first.model.parameters(), second.model.parameters()):
+        assert torch.equal(a, b)

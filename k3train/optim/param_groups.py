@@ -121,29 +121,3 @@ def check_partition(model: nn.Module, param_groups: Sequence[dict[str, Any]]) ->
     if problems:
         raise ValueError("optimizer partition is not complete and disjoint: " + "; ".join(problems)
                          + " (see the rules in k3train/optim/param_groups.py)")
-
-
-def format_partition(param_groups: Sequence[dict[str, Any]]) -> str:
-    """A short table of the optimizer's groups for the run summary: kind, tensors, parameters, settings, views."""
-    rows = [("group", "kind", "tensors", "params", "settings")]
-    for g in param_groups:
-        kind = g.get("kind", "adamw")
-        settings = f"lr={g['lr']:.3g} wd={g['weight_decay']:g}"
-        if kind == "muon":
-            settings += (f" momentum={g['momentum']:g}{' nesterov' if g['nesterov'] else ''}"
-                         f" ns_steps={g['ns_steps']} ns_dtype={g.get('ns_dtype', 'bf16')} rms_match={g['rms_match']:g}"
-                         f" views: {_views(g)}")
-        else:
-            settings += f" betas={tuple(g['betas'])} eps={g['eps']:g}"
-        rows.append((g["name"], kind, str(len(g["params"])), f"{sum(p.numel() for p in g['params']):,}", settings))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}"
-                     for r in rows)
-
-
-def _views(group: dict[str, Any]) -> str:
-    counts: dict[str, int] = {}
-    for p, split in zip(group["params"], group["head_splits"]):
-        view = "experts" if p.ndim == 3 else "heads" if split is not None else "matrix"
-        counts[view] = counts.get(view, 0) + 1
-    return ", ".join(f"{view} x{n}" for view, n in counts.items())

@@ -6,27 +6,41 @@ and key weights scaled so that the same inputs would give logits times gamma_h =
 tau / S_h) for every head; heads at or under tau keep gamma 1 and are not touched). It never clips scores inside
 the forward pass: it keeps the weights from growing logits further.
 
-Usage (the Trainer): `set_max_logit_tracking(model, True)` once; after each successful `optimizer.step()`,
-`qk_clip_(model, tau)`, which reads the running max logits of the training forward passes since its last call
-(all micro-batches of the update), clears them, and returns them for metrics. After a skipped update the Trainer
-calls `reset_max_logits(model)`: a forward pass that produced a non-finite loss may have measured inf/NaN logits,
-and an inf would give gamma = 0 and wipe the head's query and key rows.
+It runs as a training callback (QKClip, conf/callbacks/qk_clip.yaml): `setup` turns the max-logit measurement on;
+after each successful update `qk_clip_` reads the running max logits of the training forward passes since its last
+call (all micro-batches of the update), clears them and clips; after a skipped update `reset_max_logits` drops them:
+a forward pass that produced a non-finite loss may have measured inf/NaN logits, and an inf would give gamma = 0 and
+wipe the head's query and key rows. Any module with the MaxLogitTracking attributes takes part (MLA has them).
 """
 
 from __future__ import annotations
 
+from typing import Optional, Protocol, runtime_checkable
+
 import torch
 from torch import nn
 
-from k3train.models.k3.mla import MultiHeadLatentAttention
+from k3train.train.callbacks import Callback
 
 
-def _mla_modules(model: nn.Module) -> dict[str, MultiHeadLatentAttention]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, MultiHeadLatentAttention)}
+@runtime_checkable
+class MaxLogitTracking(Protocol):
+    """What an attention module offers QK-Clip (k3train/models/k3/mla.py has it): with `track_max_logit` on, each
+    training forward folds its per-head max scaled logit into `max_logit` [n_heads]; `scale_qk_heads_(gamma)` makes
+    the same inputs give head h's logits times gamma[h]."""
+
+    track_max_logit: bool
+    max_logit: Optional[torch.Tensor]
+
+    def scale_qk_heads_(self, gamma: torch.Tensor) -> None: ...
+
+
+def _mla_modules(model: nn.Module) -> dict[str, MaxLogitTracking]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, MaxLogitTracking)}
 
 
 def set_max_logit_tracking(model: nn.Module, on: bool) -> int:
-    """Turn the per-head max-logit measurement of every MLA module on or off; returns how many were set."""
+    """Turn the per-head max-logit measurement of every tracking (MLA) module on or off; returns how many were set."""
     modules = _mla_modules(model)
     for m in modules.values():
         m.track_max_logit = on
@@ -66,3 +80,52 @@ def qk_clip_(model: nn.Module, tau: float) -> dict:
             m.scale_qk_heads_(gamma)
             clipped[name] = over.nonzero().flatten().tolist()
     return {"max_logit": max_logit, "clipped_heads": clipped, "n_clipped": sum(len(v) for v in clipped.values())}
+
+
+class QKClip(Callback):
+    """QK-Clip after every successful update, with threshold tau; its `metrics()` gather every update's clipping
+    since the last train event: max logit per module (the largest seen), heads clipped, clip count."""
+
+    def __init__(self, tau: float):
+        if not tau > 0:
+            raise ValueError(f"callbacks.qk_clip.tau={tau} must be > 0 (remove callbacks.qk_clip to turn QK-Clip off)")
+        self.tau = tau
+        self.model: Optional[nn.Module] = None
+        self.n_modules = 0
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self.max_logit: dict[str, float] = {}
+        self.clipped_heads: dict[str, set] = {}
+        self.n_clipped = 0
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.n_modules = set_max_logit_tracking(model, True)
+
+    def after_optimizer_step(self, step: int) -> None:
+        if not self.n_modules:
+            return
+        result = qk_clip_(self.model, self.tau)
+        for name, value in result["max_logit"].items():
+            self.max_logit[name] = max(value, self.max_logit.get(name, value))
+        for name, heads in result["clipped_heads"].items():
+            self.clipped_heads.setdefault(name, set()).update(heads)
+        self.n_clipped += result["n_clipped"]
+
+    def after_skipped_step(self, step: int) -> None:
+        if self.n_modules:
+            reset_max_logits(self.model)  # measured by the failed forward: never act on it
+
+    def metrics(self) -> dict:
+        if not self.max_logit:
+            return {}
+        out = {"max_logit": self.max_logit, "n_clipped": self.n_clipped,
+               "clipped_heads": {k: sorted(v) for k, v in self.clipped_heads.items()}}
+        self._reset_window()
+        return out
+
+    def describe(self) -> str:
+        if not self.n_modules:
+            return "QK-Clip: off (the model has no attention module that measures its max logits)"
+        return f"QK-Clip: tau {self.tau:g} on {self.n_modules} attention module(s)"

@@ -50,6 +50,18 @@ class LRSchedule:
         progress = min(1.0, (step - decay_start) / decay_steps)
         return 1.0 - (1.0 - self.min_lr_ratio) * progress
 
+    def describe(self) -> str:
+        """One line for the run summary, with a warning when the warmup outlasts the plan."""
+        text = f"{self.decay}, warmup {self.warmup_steps}, {self.total_steps} updates"
+        if self.decay != "constant":
+            text += f", down to {self.min_lr_ratio:g} x lr"
+        if self.decay == "wsd":
+            text += f" over the last {self.decay_fraction:g} of them"
+        if self.warmup_steps >= self.total_steps:
+            text += (f"\n  warning: schedule.warmup_steps={self.warmup_steps} >= the {self.total_steps} planned "
+                     "updates: the lr never reaches its peak")
+        return text
+
     def apply(self, optimizer, step: int) -> float:
         """Set every group's lr for the next update; returns the factor."""
         f = self.factor(step)

@@ -1,10 +1,17 @@
-"""Checkpoint files: atomic writes, safe loads, and the compatibility check a resume must pass.
+"""Checkpoints: one Checkpointer saves and restores a run's named Stateful parts (torchtitan's
+components/checkpoint.py is the model).
 
-A checkpoint is a dict of state dicts (model, optimizer, scaler, trainer counters, both loader cursors, RNG)
-plus `meta`: the format version and the identities of the model config, recipe, optimizer layout and data.
-It is written to a temporary file in the same directory, fsynced and renamed over the old one (files.write_atomic),
-so a kill at any moment leaves either the previous checkpoint or the new one, never a torn file under the final name.
-Loading uses torch.load(weights_only=True): opening a checkpoint never runs code from it.
+A checkpoint is `{"meta": {...}, "<part>": part.state_dict(), ...}`: `meta` holds the format version, the step
+and the identities a resume must match (model config, recipe, optimizer layout, data: see runner.build_meta).
+The parts are whatever the Trainer registers (model, optimizer, scaler, loaders, RNG, counters, step plan); adding
+one is one `add()` call, and `load()` restores them in the order they were added. Files are written to a temporary
+file in the same directory, fsynced and renamed over the old one (files.write_atomic), so a kill at any moment
+leaves the previous checkpoint or the new one, never a torn file under the final name. Loading uses
+torch.load(weights_only=True): opening a checkpoint never runs code from it.
+
+Files in the run directory: last.pt; step_<7 digits>.pt (keep_last_k hard links); previous.pt (the checkpoint
+last.pt replaced, until an update goes on from the new one); diverged_step_<7 digits>.pt (set aside by
+`set_aside_diverged`).
 """
 
 from __future__ import annotations
@@ -12,16 +19,24 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
 from k3train.train.files import write_atomic
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: named Stateful parts (train_loader, val_loader, rng, trainer, plan); 1 had fixed entries
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used: missing, corrupt, of another format, or incompatible with this run."""
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 def save_checkpoint(path: Path, payload: dict) -> int:
@@ -44,8 +59,11 @@ def load_checkpoint(path: Path) -> dict:
         raise CheckpointError(f"{path} is not a k3train checkpoint (no 'meta' entry)")
     version = payload["meta"].get("format_version")
     if version != FORMAT_VERSION:
+        older = isinstance(version, int) and version < FORMAT_VERSION
         raise CheckpointError(
             f"checkpoint {path} has format version {version}; this k3train reads version {FORMAT_VERSION}"
+            + ("; it was written by an older k3train: resume it with the k3train version that wrote it, or start "
+               "a new run" if older else "; it was written by a newer k3train: upgrade k3train to resume it")
         )
     return payload
 
@@ -84,3 +102,93 @@ def keep_last(run_dir: Path, checkpoint: Path, step: int, k: int) -> None:
         link_or_copy(checkpoint, copy)
     for old in sorted(run_dir.glob("step_*.pt"))[:-k]:
         old.unlink()
+
+
+class Checkpointer:
+    """Saves and restores the named parts of a run in `run_dir/last.pt`.
+
+    An update can blow the weights up and still be finite; only the non-finite steps after it show it. So the
+    checkpoint last.pt replaces stays as previous.pt (a hard link: free) until `update_went_on()` says an update
+    went on from the new one, and `set_aside_diverged()` puts it back if the run diverges first."""
+
+    def __init__(self, run_dir: Path, meta: dict, keep_last_k: int = 0):
+        self.run_dir = Path(run_dir)
+        self.meta = {**meta, "format_version": FORMAT_VERSION}
+        self.keep_last_k = keep_last_k
+        self.parts: dict[str, Stateful] = {}
+        self.path = self.run_dir / "last.pt"
+        self.previous_path = self.run_dir / "previous.pt"
+        self.saved_step: Optional[int] = None  # the step in last.pt, when this line of training wrote or read it
+        self._previous_step: Optional[int] = None
+        # Whether previous.pt is on disk (a killed session's counts too), so the loop checks a flag, not the disk.
+        self._previous_kept = self.previous_path.exists()
+
+    def add(self, name: str, part: Stateful) -> None:
+        if name == "meta" or name in self.parts:
+            raise ValueError(f"checkpoint part {name!r} is reserved or already added")
+        if not isinstance(part, Stateful):
+            raise TypeError(f"checkpoint part {name!r} ({type(part).__name__}) needs state_dict() and "
+                            "load_state_dict()")
+        self.parts[name] = part
+
+    def save(self, step: int) -> int:
+        """Write every part to last.pt (at an update boundary); returns the file's size in bytes."""
+        self.previous_path.unlink(missing_ok=True)
+        self._previous_kept = False
+        if self.saved_step is not None and self.path.exists():  # last.pt is this line's (not a later one left
+            # behind by a resume from an earlier step_*.pt)
+            link_or_copy(self.path, self.previous_path)
+            self._previous_step, self._previous_kept = self.saved_step, True
+        payload = {"meta": {**self.meta, "step": step}}
+        payload.update((name, part.state_dict()) for name, part in self.parts.items())
+        size = save_checkpoint(self.path, payload)
+        self.saved_step = step
+        keep_last(self.run_dir, self.path, step, self.keep_last_k)
+        return size
+
+    def load(self, path: Path) -> int:
+        """Check the checkpoint against this run, then restore every part; returns its step."""
+        path = Path(path)
+        payload = load_checkpoint(path)
+        check_compatible(payload["meta"], self.meta, path)
+        missing = [name for name in self.parts if name not in payload]
+        if missing:
+            raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: it was not written by this run's "
+                                  "setup; resume from a checkpoint of this run")
+        for name, part in self.parts.items():
+            try:
+                part.load_state_dict(payload[name])
+            except (KeyError, ValueError, RuntimeError) as exc:
+                raise CheckpointError(f"cannot restore {name} from {path}: {exc}") from exc
+        step = payload["meta"]["step"]
+        if path.resolve() == self.path.resolve():
+            self.saved_step = step  # continuing from last.pt itself
+        return step
+
+    def update_went_on(self) -> None:
+        """An update went on from last.pt: it is a good checkpoint, and previous.pt is no longer needed."""
+        if self._previous_kept:
+            self.previous_path.unlink(missing_ok=True)
+            self._previous_step, self._previous_kept = None, False
+
+    def set_aside_diverged(self, step: int, fix: str) -> str:
+        """The run diverged at `step`: leave in last.pt a checkpoint an update went on from, and say which one it
+        is and what to do (`fix`)."""
+        last = self.path
+        if not last.exists():
+            return f"No checkpoint was written: {fix} and start again"
+        if self.saved_step is None:
+            return f"{last} is from an earlier session: {fix} and resume from a checkpoint before the failures"
+        if self.saved_step != step:
+            return f"{last} (step {self.saved_step}) is good (updates went on from it): {fix} and resume=auto"
+        # last.pt holds the very weights that failed: one finite update blew them up, then every step overflowed
+        if not self.previous_path.exists():
+            return (f"{last} (step {step}) holds the weights that failed and no earlier checkpoint is kept: {fix} "
+                    "and start again")
+        failed = self.run_dir / f"diverged_step_{step:07d}.pt"
+        os.replace(last, failed)
+        os.replace(self.previous_path, last)
+        self.saved_step, self._previous_kept = self._previous_step, False
+        at = f" (step {self._previous_step})" if self._previous_step is not None else ""
+        return (f"{last} is back to the checkpoint before it{at}, which updates went on from (the step-{step} one "
+                f"holds the weights that failed: kept as {failed.name}): {fix} and resume=auto")

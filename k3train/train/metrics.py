@@ -1,4 +1,9 @@
-"""metrics.jsonl: one JSON event per line, flushed per event so a crash never loses a completed line.
+"""Metrics: every event goes to a list of sinks; metrics.jsonl (JsonlSink) is always one of them and is the record.
+
+A sink is any object with `write(record: dict)` and `close()` (MetricsSink); the runner adds the ones listed under
+`logger` in the config (conf/logger/; none by default), so a TensorBoard or W&B sink is one more file.
+
+metrics.jsonl: one JSON event per line, flushed per event so a crash never loses a completed line.
 
 Events: session (start), resume, train, eval, skip, checkpoint, end. Every event has "event", "time" (unix
 seconds) and, where it applies, "step" (completed updates) and "tokens" (training tokens consumed). The file is
@@ -13,6 +18,7 @@ import json
 import math
 import time
 from pathlib import Path
+from typing import Protocol, Sequence, runtime_checkable
 
 
 def _jsonable(value):
@@ -39,33 +45,67 @@ def _ends_mid_line(path: Path) -> bool:
         return False
 
 
-class MetricsWriter:
-    def __init__(self, path: Path, enabled: bool = True):
-        self.path = Path(path)
-        self.enabled = enabled  # non-zero ranks write nothing
-        self._file = None  # opened at the first event, so a run that fails its checks leaves no empty log
+@runtime_checkable
+class MetricsSink(Protocol):
+    def write(self, record: dict) -> None: ...
 
-    def log(self, event: str, **fields) -> dict:
-        record = {"event": event, "time": round(time.time(), 3), **_jsonable(fields)}
-        if self.enabled:
-            try:
-                if self._file is None:
-                    torn = _ends_mid_line(self.path)  # a killed writer's half line: never glue an event onto it
-                    self._file = open(self.path, "a", encoding="utf-8")
-                    if torn:
-                        self._file.write("\n")
-                self._file.write(json.dumps(record) + "\n")
-                self._file.flush()
-            except OSError as exc:  # name the file: a full disk's error on an open file names none
-                raise OSError(exc.errno, exc.strerror or str(exc), str(self.path)) from exc
-        return record
+    def close(self) -> None: ...
+
+
+class JsonlSink:
+    """Appends each record to a JSON-lines file, opened at the first record (so a run that fails its checks
+    leaves no empty log)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._file = None
+
+    def write(self, record: dict) -> None:
+        try:
+            if self._file is None:
+                torn = _ends_mid_line(self.path)  # a killed writer's half line: never glue an event onto it
+                self._file = open(self.path, "a", encoding="utf-8")
+                if torn:
+                    self._file.write("\n")
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        except OSError as exc:  # name the file: a full disk's error on an open file names none
+            raise OSError(exc.errno, exc.strerror or str(exc), str(self.path)) from exc
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
 
-    def __enter__(self) -> "MetricsWriter":
+
+class MetricsLogger:
+    """`log(event, **fields)` builds one record (event, time, fields made JSON-able) and hands it to every sink:
+    metrics.jsonl first, then `sinks`. With enabled=False (ranks other than 0) it builds records and writes none."""
+
+    def __init__(self, path: Path, sinks: Sequence[MetricsSink] = (), enabled: bool = True):
+        self.path = Path(path)
+        self.sinks: list[MetricsSink] = [JsonlSink(self.path), *sinks]
+        self.enabled = enabled
+
+    def log(self, event: str, **fields) -> dict:
+        record = {"event": event, "time": round(time.time(), 3), **_jsonable(fields)}
+        if self.enabled:
+            for sink in self.sinks:
+                sink.write(record)
+        return record
+
+    def close(self) -> None:
+        """Close every sink, even when one fails; the first failure is raised after."""
+        error = None
+        for sink in self.sinks:
+            try:
+                sink.close()
+            except Exception as exc:  # noqa: BLE001 - the others must still close
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def __enter__(self) -> "MetricsLogger":
         return self
 
     def __exit__(self, *exc) -> None:

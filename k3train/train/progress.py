@@ -36,9 +36,6 @@ class Window:
 
     def reset(self) -> None:
         self.losses, self.grad_norms, self.seconds, self.tokens, self.attempts = [], [], 0.0, 0, 0
-        self.max_logit: dict[str, float] = {}
-        self.clipped_heads: dict[str, set] = {}
-        self.n_clipped = 0
 
     def add(self, result: dict, seconds: float, tokens: int) -> None:
         self.seconds += seconds
@@ -48,26 +45,15 @@ class Window:
             return
         self.losses.append(result["loss"])
         self.grad_norms.append(result["grad_norm"])
-        qk = result.get("qk_clip")
-        if qk:  # every update's clipping counts, not just the last one's before the event
-            for name, value in qk["max_logit"].items():
-                self.max_logit[name] = max(value, self.max_logit.get(name, value))
-            for name, heads in qk["clipped_heads"].items():
-                self.clipped_heads.setdefault(name, set()).update(heads)
-            self.n_clipped += qk["n_clipped"]
 
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
 
     def summary(self) -> dict:
         n = max(1, len(self.losses))
-        out = {"loss": sum(self.losses) / n, "grad_norm": sum(self.grad_norms) / n,
-               "grad_norm_max": max(self.grad_norms, default=0.0), "tokens_per_s": self.tokens_per_s(),
-               "step_time_s": self.seconds / max(1, self.attempts)}
-        if self.max_logit:
-            out["qk_clip"] = {"max_logit": self.max_logit, "n_clipped": self.n_clipped,
-                              "clipped_heads": {k: sorted(v) for k, v in self.clipped_heads.items()}}
-        return out
+        return {"loss": sum(self.losses) / n, "grad_norm": sum(self.grad_norms) / n,
+                "grad_norm_max": max(self.grad_norms, default=0.0), "tokens_per_s": self.tokens_per_s(),
+                "step_time_s": self.seconds / max(1, self.attempts)}
 
 
 class Progress:

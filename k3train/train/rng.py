@@ -48,6 +48,16 @@ def restore_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class RNGState:
+    """Every RNG stream as one checkpoint part."""
+
+    def state_dict(self) -> dict:
+        return capture_rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        restore_rng_state(state)
+
+
 def configure_determinism(enabled: bool) -> None:
     """Deterministic kernels where PyTorch has them; an op without one raises rather than silently varying.
 

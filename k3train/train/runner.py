@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.experimental.callback import Callback
+from hydra.experimental.callback import Callback as HydraCallback
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
@@ -28,13 +28,15 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig, check_known_keys
-from k3train.optim.param_groups import format_partition
+from k3train.models.protocol import missing_members
+from k3train.optim.summary import format_param_groups, summarize_param_groups
 from k3train.train import rundir
-from k3train.train.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint
+from k3train.train.callbacks import Callback
+from k3train.train.checkpoint import Checkpointer, CheckpointError
 from k3train.train.cpu import ThreadChoice, apply_threads, choose_threads, cpu_runtime
 from k3train.train.files import remove_stale_temp_files
 from k3train.train.manifest import RunManifest, environment
-from k3train.train.metrics import MetricsWriter
+from k3train.train.metrics import MetricsLogger, MetricsSink
 from k3train.train.rng import configure_determinism, seed_everything
 from k3train.train.rundir import RunDirError
 from k3train.train.trainer import Trainer, TrainingDiverged
@@ -99,7 +101,7 @@ def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
     return path
 
 
-class RunDirGuard(Callback):
+class RunDirGuard(HydraCallback):
     """Claims a single run's directory (creates it, locks it, notes its .hydra/) before Hydra writes .hydra/ into
     it, and refuses a second writer or a run that would write into another run's files. Multirun jobs are
     claimed and checked in run(), after Hydra has written their (new) job directory."""
@@ -132,7 +134,6 @@ def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data) -> dic
     }
     identity = data.identity()
     return {
-        "format_version": FORMAT_VERSION,
         "model_config": {k: v for k, v in dataclasses.asdict(model.config).items()
                          if k not in RESUME_MAY_CHANGE_MODEL},
         "recipe": {**{f: getattr(train_cfg, f) for f in RESUME_MUST_MATCH}, "precision": precision.dtype,
@@ -204,7 +205,7 @@ def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bo
     return reason
 
 
-def _close(trainer: Trainer, metrics: MetricsWriter, manifest: RunManifest, reason: str) -> Optional[OSError]:
+def _close(trainer: Trainer, metrics: MetricsLogger, manifest: RunManifest, reason: str) -> Optional[OSError]:
     """End the session's log and manifest entry; a write that fails is returned (the run is already over)."""
     error = None
     for close in (metrics.close, lambda: manifest.end_session(reason, trainer.state.step, trainer.state.tokens)):
@@ -225,10 +226,10 @@ def _describe(exc: BaseException) -> str:
 
 def _write_failed(exc: OSError, trainer: Trainer) -> str:
     path = exc.filename or trainer.run_dir
-    saved = trainer.saved_step
+    saved = trainer.checkpointer.saved_step
     if saved is not None:
         kept = f"last.pt of step {saved} is kept"
-    elif trainer.checkpoint_path.exists():
+    elif trainer.checkpointer.path.exists():
         kept = "last.pt is kept as it was"
     else:
         kept = "no checkpoint was written yet"
@@ -266,25 +267,48 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict:
     configure_determinism(train_cfg.deterministic)
     seed_everything(train_cfg.seed)
     data = instantiate(cfg.data)
-    if cfg.model.get("vocab_size") is None:
-        cfg.model.vocab_size = data.vocab_size
-    model = instantiate(cfg.model)
+    # vocab_size: null in a model YAML means "the data's"; a value the user set is kept, and check_data refuses a
+    # mismatch.
+    model = instantiate(cfg.model, **({"vocab_size": data.vocab_size} if cfg.model.get("vocab_size") is None else {}))
+    missing = missing_members(model)
+    if missing:
+        raise TypeError(f"model {cfg.model._target_} built a {type(model).__name__}, which lacks {', '.join(missing)}: "
+                        "a model implements k3train/models/protocol.py's LanguageModel")
     model.check_data(data.vocab_size, train_cfg.seq_len)
-    train_loader, val_loader = data.loaders(train_cfg.batch_size, train_cfg.seq_len)
+    rank, world_size = 0, 1  # one process: check_single_process() refused more
+    train_loader, val_loader = data.loaders(train_cfg.batch_size, train_cfg.seq_len, rank=rank, world_size=world_size)
     model.to(device)
     optimizer = instantiate(cfg.optim)(model)
-    meta = build_meta(model, optimizer, train_cfg, precision, data)
+    callbacks = _build_named(cfg.callbacks, Callback, "callbacks")
+    sinks = _build_named(cfg.logger, MetricsSink, "logger", run_dir=str(run_dir))
 
-    metrics = MetricsWriter(run_dir / "metrics.jsonl")  # opens the file at its first event, after all checks
+    # The log file is opened at its first event, after all checks.
+    metrics = MetricsLogger(run_dir / "metrics.jsonl", sinks=list(sinks.values()), enabled=rank == 0)
+    checkpointer = Checkpointer(run_dir, build_meta(model, optimizer, train_cfg, precision, data),
+                                train_cfg.keep_last_k)
     trainer = Trainer(model=model, optimizer=optimizer, schedule_factory=instantiate(cfg.schedule),
                       precision=precision, train_loader=train_loader, val_loader=val_loader, config=train_cfg,
-                      device=device, metrics=metrics, run_dir=run_dir, meta=meta, profile=profile_cfg)
+                      device=device, metrics=metrics, checkpointer=checkpointer, callbacks=callbacks,
+                      profile=profile_cfg)
     if resume_path is not None:
-        trainer.restore(load_checkpoint(resume_path), resume_path)
-        done = trainer.plan_done()
+        trainer.resume(resume_path)
+        done = trainer.plan.done()
         if done is not None:
             raise RunFinished(_finished_message(resume_path, done, trainer))
     return {"trainer": trainer, "metrics": metrics, "data": data, "resume_path": resume_path, "threads": threads}
+
+
+def _build_named(nodes: DictConfig, kind: type, group: str, **kwargs) -> dict:
+    """Instantiate each `name: {_target_: ...}` entry of a config group that lists several (callbacks, logger)
+    and check it is a `kind`."""
+    built = {}
+    for name, node in nodes.items():
+        part = instantiate(node, **kwargs)
+        if not isinstance(part, kind):
+            raise TypeError(f"{group}.{name}: {node.get('_target_')} built a {type(part).__name__}, which is not a "
+                            f"{kind.__name__} ({kind.__module__})")
+        built[name] = part
+    return built
 
 
 def _finished_message(resume_path: Path, reason: str, trainer: Trainer) -> str:
@@ -296,41 +320,26 @@ def _finished_message(resume_path: Path, reason: str, trainer: Trainer) -> str:
             f"nothing to do. To train on, raise {limit} and resume=auto")
 
 
-def _open_session(cfg: DictConfig, run_dir: Path, *, trainer: Trainer, metrics: MetricsWriter, data,
-                  resume_path: Optional[Path], threads: ThreadChoice) -> tuple[RunManifest, MetricsWriter]:
+def _open_session(cfg: DictConfig, run_dir: Path, *, trainer: Trainer, metrics: MetricsLogger, data,
+                  resume_path: Optional[Path], threads: ThreadChoice) -> tuple[RunManifest, MetricsLogger]:
     model, optimizer = trainer.model, trainer.optimizer
     manifest = RunManifest(run_dir)
     manifest.start_session(
         config=OmegaConf.to_container(cfg, resolve=True), overrides=list(HydraConfig.get().overrides.task),
         model={"class": type(model).__name__, "config": dataclasses.asdict(model.config),
                "params": model.param_counts()},
-        data=data.identity(), optimizer=_optimizer_summary(optimizer),
+        data=data.identity(), optimizer=summarize_param_groups(optimizer.param_groups),
         env={**environment(trainer.device), "cpu": cpu_runtime(threads)},
         resume_from=str(resume_path) if resume_path else None,
         resume_step=trainer.state.step if resume_path else None)
     metrics.log("session", session=manifest.session["session"], step=trainer.state.step,
                 run_dir=str(run_dir), resume_from=manifest.session["resume_from"])
-    _print_summary(run_dir, trainer, model, optimizer, cfg, threads)
-    if resume_path is not None:
-        trainer.log_resume()
+    _print_summary(run_dir, trainer, threads)
     return manifest, metrics
 
 
-# The settings a reader needs to compare runs; torch's implementation flags (foreach, capturable...) are left out.
-_SUMMARY_SETTINGS = ("kind", "initial_lr", "weight_decay", "betas", "eps", "momentum", "nesterov", "ns_steps",
-                     "ns_dtype", "rms_match")
-
-
-def _optimizer_summary(optimizer) -> list[dict]:
-    groups = []
-    for i, g in enumerate(optimizer.param_groups):
-        settings = {k: g[k] for k in _SUMMARY_SETTINGS if k in g}
-        groups.append({"name": g.get("name", str(i)), "tensors": len(g["params"]),
-                       "values": sum(p.numel() for p in g["params"]), **settings})
-    return groups
-
-
-def _print_summary(run_dir: Path, trainer: Trainer, model, optimizer, cfg: DictConfig, threads) -> None:
+def _print_summary(run_dir: Path, trainer: Trainer, threads: ThreadChoice) -> None:
+    model, optimizer, schedule = trainer.model, trainer.optimizer, trainer.schedule
     counts = model.param_counts()
     lines = [
         f"{trainer.label}run directory: {run_dir}",
@@ -340,12 +349,9 @@ def _print_summary(run_dir: Path, trainer: Trainer, model, optimizer, cfg: DictC
     ]
     if trainer.device.type == "cpu":
         lines.insert(2, f"  cpu: {threads.describe()}")
-    lines += ["    " + row for row in format_partition(optimizer.param_groups).splitlines()]
-    lines.append(f"  schedule: {cfg.schedule.decay}, warmup {cfg.schedule.warmup_steps}, "
-                 f"{trainer.total_steps} updates; QK-Clip tau: {trainer.qk_clip_tau}")
-    if cfg.schedule.warmup_steps >= trainer.total_steps:
-        lines.append(f"  warning: schedule.warmup_steps={cfg.schedule.warmup_steps} >= the {trainer.total_steps} "
-                     "planned updates: the lr never reaches its peak")
+    lines += ["    " + row for row in format_param_groups(optimizer.param_groups).splitlines()]
+    lines.append(f"  schedule: {schedule.describe()}")
+    lines += [f"  {callback.describe()}" for callback in trainer.callbacks.values()]
     lines.append(f"  token plan: {trainer.tokens_per_update:,} tokens per nominal update x {trainer.total_steps} "
                  f"= {trainer.tokens_per_update * trainer.total_steps:,} tokens (a plan, not a measurement)")
     print("\n".join(lines), flush=True)

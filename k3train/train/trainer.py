@@ -1,158 +1,98 @@
-"""The update loop: batch -> forward -> loss / accumulation -> backward -> clip -> step (+ QK-Clip) -> schedule.
+"""The update loop: batch -> forward -> loss / accumulation -> backward -> grad clip -> step -> callbacks.
 
-The Trainer composes parts built elsewhere (model, optimizer, schedule, precision, loaders, metrics) and owns
-only the loop and its counters. Everything it needs to continue exactly is in `checkpoint_payload()`.
+The Trainer composes parts built elsewhere (model, optimizer, schedule, precision, loaders, metrics, checkpointer,
+callbacks) and owns only the loop and its counters. Everything it needs to continue exactly is a part of its
+Checkpointer (registered in __init__). It knows models only through k3train/models/protocol.py and what acts
+beside the optimizer only through callbacks (k3train/train/callbacks.py).
 
 Accumulation: each micro-batch's mean loss is divided by the number of micro-batches, so k micro-batches of
-B/k sequences give the gradient of one batch of B (every micro-batch has the same token count). For a MoE with
-Quantile Balancing this is arithmetic, not a promise of identical routing: the router bias changes on every
-training forward pass, so k micro-batches see k bias updates where one big batch would see one.
+B/k sequences give the gradient of one batch of B (every micro-batch has the same token count). For a model whose
+training forward pass changes its own state (a router bias, say) this is arithmetic, not a promise of identical
+results: k micro-batches see k state changes where one big batch would see one.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import signal
-import threading
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
 from k3train.config import ProfileConfig, TrainConfig
 from k3train.data import EndOfData
-from k3train.optim import qk_clip
-from k3train.train.checkpoint import check_compatible, keep_last, link_or_copy, save_checkpoint
+from k3train.models.protocol import LanguageModel
+from k3train.train.callbacks import Callback
+from k3train.train.checkpoint import Checkpointer
 from k3train.train.evaluate import evaluate
-from k3train.train.metrics import MetricsWriter
+from k3train.train.metrics import MetricsLogger
+from k3train.train.plan import TrainingPlan
 from k3train.train.precision import Precision
 from k3train.train.profile import make_profiler
 from k3train.train.progress import Progress, Window, peak_memory_mb, say
-from k3train.train.rng import capture_rng_state, restore_rng_state
-
-
-class StopSignals:
-    """While entered, SIGTERM (preemption) and SIGUSR1 (SLURM's time-limit warning) only raise a flag: the loop
-    stops at the next update boundary and the run checkpoints. On exit the previous handlers come back and
-    `redeliver()` sends them the first signal (the default ends the process; submitit's requeues the job).
-    A second signal does not wait: the previous handlers take it at once (a step may be stuck)."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-    def __init__(self) -> None:
-        self.received: Optional[signal.Signals] = None
-        self._previous: dict = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.received is None:
-            self.received = signal.Signals(signum)
-            return
-        self._restore()
-        os.kill(os.getpid(), signum)
-
-    def __enter__(self) -> "StopSignals":
-        if threading.current_thread() is threading.main_thread():  # Python only delivers signals there
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def _restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous = {}
-
-    def __exit__(self, *exc) -> None:
-        self._restore()
-
-    def redeliver(self) -> None:
-        if self.received is not None:
-            self._restore()
-            os.kill(os.getpid(), self.received)
+from k3train.train.rng import RNGState
+from k3train.train.signals import StopSignals
+from k3train.train.state import ConfiguredOptimizer, TrainState
 
 
 class TrainingDiverged(RuntimeError):
     """Too many non-finite updates in a row."""
 
 
-@dataclass
-class TrainState:
-    step: int = 0  # successful optimizer updates: the schedule's position
-    tokens: int = 0  # training tokens consumed, skipped updates included (they consumed data)
-    skipped_updates: int = 0
-    consecutive_skips: int = 0
+@runtime_checkable
+class ReportsDiagnostics(Protocol):
+    """An optimizer with figures for the train events (MuonAdamW: update RMS, orthogonality error)."""
+
+    def diagnostics(self) -> dict: ...
 
 
 class Trainer:
-    def __init__(self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 schedule_factory: Callable, precision: Precision, train_loader, val_loader,
-                 config: TrainConfig, device: torch.device, metrics: MetricsWriter, run_dir: Path,
-                 meta: dict, profile: Optional[ProfileConfig] = None):
+    def __init__(self, *, model: LanguageModel, optimizer: torch.optim.Optimizer, schedule_factory: Callable,
+                 precision: Precision, train_loader, val_loader, config: TrainConfig, device: torch.device,
+                 metrics: MetricsLogger, checkpointer: Checkpointer, callbacks: Optional[dict[str, Callback]] = None,
+                 profile: Optional[ProfileConfig] = None):
         self.model = model  # the uncompiled module: its state_dict keys stay stable
         self.forward = torch.compile(model) if config.compile else model
         self.optimizer = optimizer
+        for i, group in enumerate(optimizer.param_groups):  # the schedule scales initial_lr; names label the log
+            group.setdefault("initial_lr", group["lr"])
+            group.setdefault("name", str(i))
         self.precision = precision
         self.scaler = precision.make_scaler(device)
         self.train_loader, self.val_loader = train_loader, val_loader
         self.config, self.device, self.metrics = config, device, metrics
-        self.run_dir = Path(run_dir)
-        self.checkpoint_path = self.run_dir / "last.pt"
-        # The checkpoint last.pt replaced, until an update goes on from the new one (see save()).
-        self.previous_path = self.run_dir / "previous.pt"
-        self.meta = meta
+        self.checkpointer = checkpointer
+        self.run_dir = checkpointer.run_dir
+        self.callbacks = callbacks or {}
         self.profile = profile or ProfileConfig()
         self.state = TrainState()
         self.session_start_step = 0
         self.signals = StopSignals()  # the runner installs it around fit(); the loop only reads the flag
-        self.saved_step: Optional[int] = None  # the step of the checkpoint in last.pt, when this session knows it
-        self._previous_step: Optional[int] = None
-        # Whether previous.pt is on disk (a killed session's counts too), so the loop checks a flag, not the disk.
-        self._previous_kept = self.previous_path.exists()
-        self.label = "[plumbing: smoke_test_lm] " if getattr(model, "is_plumbing_check", False) else ""
+        self.label = model.log_label
         self.tokens_per_update = train_loader.tokens_per_batch * config.gradient_accumulation_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._fixed_batches: Optional[list] = None  # overfit_batch mode
-        has_mla = qk_clip.set_max_logit_tracking(model, config.qk_clip_tau is not None) > 0
-        self.qk_clip_tau = config.qk_clip_tau if has_mla else None
-        self.total_steps = self._plan_total_steps()
-        self.schedule = schedule_factory(total_steps=self.total_steps)
+        self.plan = TrainingPlan(config, self.state, train_loader, self.tokens_per_update, schedule_factory)
+        self.schedule = self.plan.schedule
+        self._optimizer_part = ConfiguredOptimizer(optimizer)
+        self._resumed_from: Optional[Path] = None
+        parts = {"model": model, "optimizer": self._optimizer_part, "scaler": self.scaler,
+                 "train_loader": train_loader, "val_loader": val_loader, "rng": RNGState(), "trainer": self.state,
+                 "plan": self.plan}  # restored in this order: the plan re-derives from the counters and cursor
+        for name, part in parts.items():
+            checkpointer.add(name, part)
+        for callback in self.callbacks.values():
+            callback.setup(model, optimizer)
 
-    # ---- planning -------------------------------------------------------------------------------------------
-    def _plan_total_steps(self) -> int:
-        limits = []
-        if self.config.max_steps is not None:
-            limits.append(self.config.max_steps)
-        if self.config.max_tokens is not None:
-            limits.append(math.ceil(self.config.max_tokens / self.tokens_per_update))
-        if not self.config.overfit_batch:
-            remaining = self.train_loader.batches_remaining() // self.config.gradient_accumulation_steps
-            limits.append(self.state.step + remaining)
-        if not limits:
-            raise ValueError("train.overfit_batch=true needs train.max_steps or train.max_tokens")
-        total = min(limits)
-        if total < 1:
-            raise ValueError(
-                f"the train split has too few tokens for one update of {self.tokens_per_update} tokens: "
-                "lower train.batch_size, train.seq_len or train.gradient_accumulation_steps"
-            )
-        return total
-
-    def plan_done(self) -> Optional[str]:
-        """Why the run as planned is over (max_steps, max_tokens, end_of_data), or None while work is left."""
-        s, c = self.state, self.config
-        if c.max_steps is not None and s.step >= c.max_steps:
-            return "max_steps"
-        if c.max_tokens is not None and s.tokens >= c.max_tokens:
-            return "max_tokens"
-        if not c.overfit_batch and self.train_loader.batches_remaining() < c.gradient_accumulation_steps:
-            return "end_of_data"
-        return None
+    @property
+    def total_steps(self) -> int:
+        return self.plan.total_steps
 
     def _stop_reason(self) -> Optional[str]:
         if self.config.stop_after is not None and self.state.step - self.session_start_step >= self.config.stop_after:
-            return self.plan_done() or "stop_after"
-        return self.plan_done()
+            return self.plan.done() or "stop_after"
+        return self.plan.done()
 
     # ---- one update -----------------------------------------------------------------------------------------
     def _micro_batches(self):
@@ -191,17 +131,17 @@ class Trainer:
                 torch.nn.utils.clip_grads_with_norm_(self.params, self.config.clip_norm, torch.tensor(grad_norm))
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            if self.qk_clip_tau is not None:
-                result["qk_clip"] = qk_clip.qk_clip_(self.model, self.qk_clip_tau)
             self.state.step += 1
             self.state.consecutive_skips = 0
+            for callback in self.callbacks.values():
+                callback.after_optimizer_step(self.state.step)
             result["skipped"] = False
         else:
             self.scaler.update()  # fp16: an overflow lowers the loss scale; otherwise a no-op
-            if self.qk_clip_tau is not None:
-                qk_clip.reset_max_logits(self.model)  # measured by the failed forward: never act on it
             self.state.skipped_updates += 1
             self.state.consecutive_skips += 1
+            for callback in self.callbacks.values():
+                callback.after_skipped_step(self.state.step)
             result["skipped"] = True
         self.optimizer.zero_grad(set_to_none=True)
         return result
@@ -210,6 +150,8 @@ class Trainer:
     def fit(self) -> str:
         """Train until a stop condition; returns the end reason. Final eval and checkpoint on a clean stop."""
         self.session_start_step = self.state.step
+        if self._resumed_from is not None:
+            self._log_resume()
         self._announce()
         progress = Progress(self.config, self.state.step, self.total_steps, self.label)
         window = Window()
@@ -228,7 +170,7 @@ class Trainer:
                 if result["skipped"]:
                     self._on_skip(result)
                 else:
-                    self._drop_previous()  # an update went on from last.pt: it is a good checkpoint
+                    self.checkpointer.update_went_on()
                     progress.update(self.state.step, result["loss"], window.tokens_per_s())
                     self._after_update(window, progress)
                 received = self.signals.received
@@ -253,37 +195,15 @@ class Trainer:
         if s.consecutive_skips >= self.config.max_consecutive_skips:
             self.metrics.log("end", step=s.step, tokens=s.tokens, reason="diverged",
                              skipped_updates=s.skipped_updates)
+            fix = "lower optim.lr" + (" or train.grad_clip" if self.config.clip_norm else " or enable train.grad_clip")
             raise TrainingDiverged(f"{s.consecutive_skips} non-finite updates in a row at step {s.step}: the run "
-                                   f"has diverged. {self._keep_good_checkpoint()}")
-
-    def _keep_good_checkpoint(self) -> str:
-        """Leave in last.pt a checkpoint an update went on from, and say which one it is and what to do."""
-        fix = "lower optim.lr" + (" or train.grad_clip" if self.config.clip_norm else " or enable train.grad_clip")
-        last, step = self.checkpoint_path, self.state.step
-        if not last.exists():
-            return f"No checkpoint was written: {fix} and start again"
-        if self.saved_step is None:
-            return f"{last} is from an earlier session: {fix} and resume from a checkpoint before the failures"
-        if self.saved_step != step:
-            return f"{last} (step {self.saved_step}) is good (updates went on from it): {fix} and resume=auto"
-        # last.pt holds the very weights that failed: one finite update blew them up, then every step overflowed
-        if not self.previous_path.exists():
-            return (f"{last} (step {step}) holds the weights that failed and no earlier checkpoint is kept: {fix} "
-                    "and start again")
-        failed = self.run_dir / f"diverged_step_{step:07d}.pt"
-        os.replace(last, failed)
-        os.replace(self.previous_path, last)
-        self.saved_step, self._previous_kept = self._previous_step, False
-        at = f" (step {self._previous_step})" if self._previous_step is not None else ""
-        return (f"{last} is back to the checkpoint before it{at}, which updates went on from (the step-{step} one "
-                f"holds the weights that failed: kept as {failed.name}): {fix} and resume=auto")
+                                   f"has diverged. {self.checkpointer.set_aside_diverged(s.step, fix)}")
 
     def _after_update(self, window: Window, progress: Progress) -> None:
         s, c = self.state, self.config
         if s.step % c.log_interval == 0 or s.step == self.total_steps:
             record = self.metrics.log("train", step=s.step, tokens=s.tokens, **window.summary(),
-                                      lr={g.get("name", str(i)): g["lr"]
-                                          for i, g in enumerate(self.optimizer.param_groups)},
+                                      lr={g["name"]: g["lr"] for g in self.optimizer.param_groups},
                                       peak_memory_mb=peak_memory_mb(self.device),
                                       skipped_updates=s.skipped_updates, **self._diagnostics())
             progress.log_line(record)
@@ -294,11 +214,13 @@ class Trainer:
             self.save()
 
     def _diagnostics(self) -> dict:
-        out = {}
-        if hasattr(self.model, "diagnostics"):
-            out["model"] = self.model.diagnostics()
-        if hasattr(self.optimizer, "diagnostics"):
+        out = {"model": self.model.diagnostics()}
+        if isinstance(self.optimizer, ReportsDiagnostics):
             out["optimizer"] = self.optimizer.diagnostics()
+        for name, callback in self.callbacks.items():
+            figures = callback.metrics()  # since the last train event
+            if figures:
+                out[name] = figures
         return out
 
     def run_eval(self, progress: Optional[Progress] = None) -> dict:
@@ -312,98 +234,37 @@ class Trainer:
         progress.close()
         if reason != "stop_after" and self.signals.received is None and self.state.step > 0:
             self.run_eval()  # not when time is short (a signal) or the run goes on (stop_after)
-        if self.saved_step != self.state.step:  # an interval checkpoint may have just saved this step
+        if self.checkpointer.saved_step != self.state.step:  # an interval checkpoint may have just saved this step
             self.save()
-        if self.plan_done() is not None:
-            self._drop_previous()  # the run is complete: no update will ever go on from last.pt
+        if self.plan.done() is not None:
+            self.checkpointer.update_went_on()  # the run is complete: no update will ever go on from last.pt
         self.metrics.log("end", step=self.state.step, tokens=self.state.tokens, reason=reason,
                          skipped_updates=self.state.skipped_updates)
-        say(f"{self.label}stopped at step {self.state.step} ({reason}); checkpoint {self.checkpoint_path}")
+        say(f"{self.label}stopped at step {self.state.step} ({reason}); checkpoint {self.checkpointer.path}")
 
-    # ---- checkpointing --------------------------------------------------------------------------------------
-    def checkpoint_payload(self) -> dict:
-        return {
-            "meta": self.meta,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "trainer": asdict(self.state),
-            # The plan the schedule was built for, and the limits it came from: a resume keeps it unless they
-            # change (skipped updates consume data, so re-deriving it from the data left would shift the lr).
-            "schedule": {"total_steps": self.total_steps, "max_steps": self.config.max_steps,
-                         "max_tokens": self.config.max_tokens},
-            "loaders": {"train": self.train_loader.state_dict(), "val": self.val_loader.state_dict()},
-            "rng": capture_rng_state(),
-        }
-
+    # ---- checkpointing ------------------------------------------------------------------------------------------
     def save(self) -> None:
-        """Checkpoint at an update boundary (gradients are already cleared).
-
-        An update can blow the weights up and still be finite; only the non-finite steps after it show it. So the
-        checkpoint last.pt replaces stays as previous.pt (a hard link: free) until an update goes on from the new
-        one, and a divergence right after a save puts it back (_keep_good_checkpoint)."""
+        """Checkpoint at an update boundary (gradients are already cleared)."""
         t0 = time.perf_counter()
-        self.previous_path.unlink(missing_ok=True)
-        self._previous_kept = False
-        if self.saved_step is not None and self.checkpoint_path.exists():  # last.pt is this line's (not a later
-            # one left behind by a resume from an earlier step_*.pt)
-            link_or_copy(self.checkpoint_path, self.previous_path)
-            self._previous_step, self._previous_kept = self.saved_step, True
-        size = save_checkpoint(self.checkpoint_path, self.checkpoint_payload())
-        self.saved_step = self.state.step
-        keep_last(self.run_dir, self.checkpoint_path, self.state.step, self.config.keep_last_k)
+        size = self.checkpointer.save(self.state.step)
         self.metrics.log("checkpoint", step=self.state.step, tokens=self.state.tokens,
-                         path=str(self.checkpoint_path), bytes=size, seconds=round(time.perf_counter() - t0, 3))
+                         path=str(self.checkpointer.path), bytes=size, seconds=round(time.perf_counter() - t0, 3))
 
-    def _drop_previous(self) -> None:
-        if self._previous_kept:
-            self.previous_path.unlink(missing_ok=True)
-            self._previous_step, self._previous_kept = None, False
-
-    def restore(self, payload: dict, path: Path) -> dict:
-        """Continue from a checkpoint: validate compatibility first, then restore every stateful part.
-
-        Optimizer hyperparameters (lr, weight decay, betas, momentum...) come from the current config, not the
-        checkpoint, so a resume may change them on purpose; returns {"group.setting": [old, new]} for each change.
-        """
-        check_compatible(payload["meta"], self.meta, path)
-        current = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        self.model.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
-        changed = {}
-        for group, settings in zip(self.optimizer.param_groups, current):
-            for key, value in settings.items():
-                if key != "lr" and group.get(key) != value:  # lr is re-derived from initial_lr every update
-                    changed[f"{group.get('name', '?')}.{key}"] = [group.get(key), value]
-            group.update(settings)
-        self.scaler.load_state_dict(payload["scaler"])
-        self.train_loader.load_state_dict(payload["loaders"]["train"])
-        self.val_loader.load_state_dict(payload["loaders"]["val"])
-        self.state = TrainState(**payload["trainer"])
-        restore_rng_state(payload["rng"])
-        plan = payload["schedule"]
-        if (plan.get("max_steps"), plan.get("max_tokens")) == (self.config.max_steps, self.config.max_tokens) \
-                and "total_steps" in plan:
-            self.total_steps = plan["total_steps"]
-        else:
-            self.total_steps = self._plan_total_steps()
-        self.schedule.total_steps = self.total_steps
+    def resume(self, path: Path) -> None:
+        """Continue from a checkpoint: the Checkpointer checks it against this run and restores every part.
+        Optimizer hyperparameters come from the current config (see state.ConfiguredOptimizer)."""
+        self.checkpointer.load(path)
         if self.state.step > 0:  # the lr of the last update, as the checkpoint had it (not the configured peak)
             self.schedule.apply(self.optimizer, self.state.step - 1)
-        if Path(path).resolve() == self.checkpoint_path.resolve():
-            self.saved_step = self.state.step  # continuing from last.pt itself
-        self.resumed = {"path": str(path), "changed": changed}
-        return changed
+        self._resumed_from = Path(path)
 
-    def log_resume(self) -> None:
-        """The resume event and line (after the session has opened its log)."""
-        s, path, changed = self.state, self.resumed["path"], self.resumed["changed"]
+    def _log_resume(self) -> None:
+        s, path, changed = self.state, str(self._resumed_from), self._optimizer_part.changed
         cursor = self.train_loader.state_dict()["cursor"]
         self.metrics.log("resume", step=s.step, tokens=s.tokens, path=path, train_cursor=cursor,
-                         lr={g.get("name", str(i)): g["initial_lr"] * self.schedule.factor(s.step)
-                             for i, g in enumerate(self.optimizer.param_groups)},
+                         lr={g["name"]: g["initial_lr"] * self.schedule.factor(s.step)
+                             for g in self.optimizer.param_groups},
                          total_steps=self.total_steps, changed_settings=changed)
         say(f"{self.label}resumed from {path} at step {s.step} ({s.tokens:,} tokens), train cursor {cursor}, "
-               f"RNG restored" + (f"; settings changed: {changed}" if changed else ""))
-
-
+            f"RNG restored" + (f"; settings changed: {changed}" if changed else ""))
+        self._resumed_from = None

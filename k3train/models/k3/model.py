@@ -57,6 +57,8 @@ class Block(nn.Module):
 
 
 class KimiK3(nn.Module):
+    log_label = ""
+
     def __init__(self, config: KimiK3Config) -> None:
         super().__init__()
         if config.vocab_size is None:
@@ -127,7 +129,7 @@ class KimiK3(nn.Module):
 
     def diagnostics(self) -> dict[str, float]:
         """Router health per MoE layer (moe/<layer>/<stat>) from the last training pass. The MLA max logits are
-        reported by k3train.optim.qk_clip.qk_clip_, which consumes them after each update."""
+        reported by the QK-Clip callback (k3train/optim/qk_clip.py), which consumes them after each update."""
         out: dict[str, float] = {}
         for i, moe in self.moe_layers().items():
             out.update({f"moe/{i}/{k}": v for k, v in moe.diagnostics().items()})

@@ -1,0 +1,45 @@
+"""What the Trainer and the runner need from a model: the LanguageModel protocol.
+
+Any torch.nn.Module with these members trains (k3train/models/smoke.py is the smallest example, 70 lines). The
+runner checks a built model against it and names what is missing; nothing else probes the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import torch
+
+
+@runtime_checkable
+class LanguageModel(Protocol):
+    # A dataclass of the model's settings: run.json records it and a checkpoint pins it (a resume must match).
+    config: Any
+    # Prefixed to every log line of the run; "" for a real model, e.g. "[plumbing: smoke_test_lm] " for a check
+    # whose numbers must never be read as model results.
+    log_label: str
+
+    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """x [B, T] token ids -> (logits [B, T, V], loss): with targets [B, T] (x shifted by one token), the mean
+        next-token cross-entropy over all B*T positions in fp32; without, None."""
+        ...
+
+    def check_data(self, vocab_size: int, seq_len: int) -> None:
+        """Raise ValueError, saying what to change, if data of this vocabulary and sequence length cannot train it."""
+        ...
+
+    def diagnostics(self) -> dict[str, float]:
+        """Flat, JSON-able health figures of the last training pass (may be empty); logged in every train event."""
+        ...
+
+    def param_counts(self) -> dict[str, int]:
+        """total, active (what one token uses), embedding."""
+        ...
+
+
+def missing_members(model: object) -> list[str]:
+    """The LanguageModel members `model` lacks (empty when it has them all)."""
+    methods = [name for name, value in vars(LanguageModel).items() if callable(value) and not name.startswith("_")]
+    wanted = [*LanguageModel.__annotations__, *methods]
+    return [name for name in wanted if not hasattr(model, name)]
