@@ -7,7 +7,7 @@ from importlib.resources import files
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
+from config_helpers import composed
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException
@@ -15,17 +15,10 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from k3train.config import ProfileConfig, TrainConfig, check_known_keys, register_configs
+from k3train.config import ProfileConfig, TrainConfig, check_known_keys
 from k3train.train.precision import Precision
 
-register_configs()
-
 GROUPS = ("model", "optim", "schedule", "precision", "data")
-
-
-def composed(*overrides, return_hydra_config=False):
-    with initialize_config_module(config_module="k3train.conf", version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides), return_hydra_config=return_hydra_config)
 
 
 def options(group: str) -> list[str]:
