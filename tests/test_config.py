@@ -2,6 +2,7 @@
 the runner builds it, at a tiny size (no training run). Options are found in conf/, so a new YAML file is tested
 without editing this file."""
 
+import functools
 import math
 from importlib.resources import files
 
@@ -23,6 +24,17 @@ GROUPS = ("model", "optim", "schedule", "precision", "data")
 
 def options(group: str) -> list[str]:
     return sorted(p.name[:-5] for p in (files("k3train.conf") / group).iterdir() if p.name.endswith(".yaml"))
+
+
+@functools.cache
+def default_option(group: str) -> str:
+    return composed(return_hydra_config=True).hydra.runtime.choices[group]
+
+
+def with_option(group: str, option: str):
+    """The default config with `group=option`. The default option composes to the default config, so that one is
+    not composed again (composing takes ~0.1 s)."""
+    return composed() if option == default_option(group) else composed(f"{group}={option}")
 
 
 def test_every_group_and_the_experiments_have_options():
@@ -97,8 +109,8 @@ def test_unknown_group_option_lists_the_choices():
 # Every option is built as the runner builds it (k3train/train/runner.py), shrunk to widths that run in milliseconds:
 # the shrink applies to the keys a model config has, so a new model YAML needs no entry here.
 TINY_MODEL = {"d_model": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
-              "kda_head_dim": 8, "expert_ffn_dim": 16, "dense_ffn_dim": 32}
-V, B, T = 97, 2, 64  # T: one KDA chunk of the model configs' kda_chunk_size
+              "kda_head_dim": 8, "kda_chunk_size": 16, "n_routed_experts": 8, "expert_ffn_dim": 16, "dense_ffn_dim": 32}
+V, B, T = 97, 2, 16
 
 
 def tiny_model(cfg):
@@ -116,7 +128,7 @@ def tokens():
 
 @pytest.mark.parametrize("option", options("model"))
 def test_every_model_builds_and_starts_near_a_uniform_guess(option):
-    model = tiny_model(composed(f"model={option}"))
+    model = tiny_model(with_option("model", option))
     model.check_data(V, T)
     logits, loss = model(*tokens())
     assert logits.shape == (B, T, V) and loss.dtype == torch.float32
@@ -126,15 +138,15 @@ def test_every_model_builds_and_starts_near_a_uniform_guess(option):
 
 
 def test_k3_mla_only_is_k3_tiny_with_mla_in_every_layer():
-    tiny = OmegaConf.to_container(composed("model=k3_tiny").model)
-    mla_only = OmegaConf.to_container(composed("model=k3_mla_only").model)
+    tiny = OmegaConf.to_container(with_option("model", "k3_tiny").model)
+    mla_only = OmegaConf.to_container(with_option("model", "k3_mla_only").model)
     assert mla_only.keys() == tiny.keys()
     assert {key for key in tiny if tiny[key] != mla_only[key]} == {"kda_mla_ratio"}
 
 
 @pytest.mark.parametrize("option", options("optim"))
 def test_every_optimizer_groups_every_parameter_and_takes_a_step(option):
-    cfg = composed(f"optim={option}")
+    cfg = with_option("optim", option)
     model = tiny_model(cfg)
     optimizer = instantiate(cfg.optim)(model)
     grouped = [p for g in optimizer.param_groups for p in g["params"]]
@@ -150,7 +162,7 @@ def test_every_optimizer_groups_every_parameter_and_takes_a_step(option):
 
 @pytest.mark.parametrize("option", options("schedule"))
 def test_every_schedule_reaches_the_peak_lr_and_stays_within_it(option):
-    cfg = composed(f"schedule={option}")
+    cfg = with_option("schedule", option)
     schedule = instantiate(cfg.schedule)(total_steps=cfg.train.max_steps)  # as the Trainer completes it
     factors = [schedule.factor(step) for step in range(cfg.train.max_steps)]
     assert all(0 < f <= 1 for f in factors) and max(factors) == 1.0
@@ -158,7 +170,7 @@ def test_every_schedule_reaches_the_peak_lr_and_stays_within_it(option):
 
 @pytest.mark.parametrize("option", options("precision"))
 def test_every_precision_autocasts_and_takes_a_scaled_update(option):
-    cfg = composed(f"precision={option}")
+    cfg = with_option("precision", option)
     precision, model, cpu = instantiate(cfg.precision), tiny_model(cfg), torch.device("cpu")
     assert isinstance(precision, Precision)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -181,16 +193,15 @@ def test_every_precision_autocasts_and_takes_a_scaled_update(option):
 
 @pytest.mark.parametrize("option", options("data"))
 def test_every_data_option_loads_next_token_batches(option, k3_cache, tiny_data_dir):
-    cfg = composed(f"data={option}")
+    cfg = with_option("data", option)
     if OmegaConf.is_missing(cfg.data, "path"):
         cfg.data.path = str(tiny_data_dir)  # what the user gives: data.path=DIR
     if "cache_dir" in cfg.data:
         cfg.data.cache_dir = str(k3_cache)  # the test session's cache, not ~/.cache
     data = instantiate(cfg.data)
-    seq_len = 16  # tiny_data_dir's val split holds 73 tokens
-    for loader in data.loaders(B, seq_len):
+    for loader in data.loaders(B, T):  # tiny_data_dir's val split holds 73 tokens
         x, y = loader.next_batch()
-        assert x.shape == y.shape == (B, seq_len) and torch.equal(x[:, 1:], y[:, :-1])
+        assert x.shape == y.shape == (B, T) and torch.equal(x[:, 1:], y[:, :-1])
         assert 0 <= x.min() and x.max() < data.vocab_size
 
 
@@ -200,6 +211,10 @@ def sweep_jobs(cfg) -> list[list[str]]:
     params = cfg.hydra.sweeper.get("params") or {}
     overrides = OverridesParser.create().parse_overrides([f"{key}={value}" for key, value in params.items()])
     return BasicSweeper.split_arguments(overrides, max_batch_size=None)[0]
+
+
+def without_hydra(cfg):
+    return OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
 
 
 def planned_updates(train: TrainConfig):
@@ -215,12 +230,11 @@ def test_every_experiment_and_each_job_of_its_sweep_builds(name):
     every part but the data: a recipe can only leave data.path to the user."""
     experiment = composed(f"+experiment={name}", return_hydra_config=True)
     for job in sweep_jobs(experiment):
-        cfg = composed(f"+experiment={name}", *job, return_hydra_config=True) if job else experiment
+        cfg = composed(f"+experiment={name}", *job) if job else experiment
         check_known_keys(cfg)
         train = OmegaConf.to_object(cfg.train)  # the cross-field checks
         assert isinstance(OmegaConf.to_object(cfg.profile), ProfileConfig)
-        settings = OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])  # hydra's own ??? are its own
-        assert OmegaConf.missing_keys(settings) <= {"data.path"}
+        assert OmegaConf.missing_keys(without_hydra(cfg)) <= {"data.path"}  # hydra's own ??? are filled at run time
         model = tiny_model(cfg)
         model.check_data(V, train.seq_len)  # the recipe's seq_len fits the model's max_seq_len
         instantiate(cfg.optim)(model)
@@ -240,4 +254,6 @@ def test_the_muon_vs_adamw_sweep_runs_both_optimizers_at_each_lr():
 
 
 def test_the_quickstart_experiment_is_the_default_run():
-    assert OmegaConf.to_container(composed("+experiment=quickstart")) == OmegaConf.to_container(composed())
+    quickstart = without_hydra(composed("+experiment=quickstart", return_hydra_config=True))
+    default = without_hydra(composed(return_hydra_config=True))
+    assert OmegaConf.to_container(quickstart) == OmegaConf.to_container(default)
