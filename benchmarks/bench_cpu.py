@@ -150,9 +150,10 @@ def _timed(fn) -> float:
 def quickstart(steps: int, planned_steps: int = 200) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "k3train", f"train.max_steps={steps}", "train.eval_interval=0",
-                               f"train.log_interval={steps // 2}", "train.progress=lines",
-                               f"hydra.run.dir={tmp}/run"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        cmd = [sys.executable, "-m", "k3train", "+experiment=quickstart", f"train.max_steps={steps}",
+               "train.eval_interval=0", f"train.log_interval={steps // 2}", "train.progress=lines",
+               f"hydra.run.dir={tmp}/run"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
             raise RuntimeError(f"quickstart failed:\n{proc.stderr}")

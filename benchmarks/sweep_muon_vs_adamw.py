@@ -1,9 +1,10 @@
 """Muon + AdamW versus AdamW on k3_tiny and the built-in corpus, at equal steps, each at its best of three lrs.
 
-Runs one Hydra multirun (`python -m k3train -m optim=adamw,muon_adamw optim.lr=...`), reads each job's
-metrics.jsonl, prints a table and writes benchmarks/results/muon_vs_adamw.json.
+Runs the sweep conf/experiment/muon_vs_adamw.yaml describes (`python -m k3train -m +experiment=muon_vs_adamw`),
+reads each job's metrics.jsonl, prints a table and writes benchmarks/results/muon_vs_adamw.json. The grid, the
+steps and the model are the experiment's unless given here.
 
-    python benchmarks/sweep_muon_vs_adamw.py [--steps 200] [--lrs 1e-3,3e-3,1e-2]
+    python benchmarks/sweep_muon_vs_adamw.py [--steps 200] [--lrs 1e-3,3e-3,1e-2] [--model k3_tiny]
 """
 
 from __future__ import annotations
@@ -15,22 +16,23 @@ import sys
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
+
 REPO = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--lrs", default="1e-3,3e-3,1e-2")
-    parser.add_argument("--model", default="k3_tiny")
+    parser.add_argument("--steps", type=int, help="train.max_steps (default: the experiment's)")
+    parser.add_argument("--lrs", help="the lr grid, comma-separated (default: the experiment's)")
+    parser.add_argument("--model", help="a conf/model option (default: the experiment's)")
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "muon_vs_adamw.json"))
     args = parser.parse_args()
 
     sweep_dir = REPO / "outputs" / "sweeps" / f"muon_vs_adamw-{time.strftime('%Y%m%d-%H%M%S')}"
-    cmd = [sys.executable, "-m", "k3train", "-m", f"model={args.model}", "optim=adamw,muon_adamw",
-           f"optim.lr={args.lrs}", f"train.max_steps={args.steps}", "train.eval_interval=0",
-           "train.eval_batches=16", "train.checkpoint_interval=0", "train.progress=lines",
-           f"hydra.sweep.dir={sweep_dir}"]
+    given = {"model": args.model, "optim.lr": args.lrs, "train.max_steps": args.steps}
+    cmd = [sys.executable, "-m", "k3train", "-m", "+experiment=muon_vs_adamw",
+           *(f"{key}={value}" for key, value in given.items() if value is not None), f"hydra.sweep.dir={sweep_dir}"]
     print(" ".join(cmd), flush=True)
     t0 = time.time()
     subprocess.run(cmd, cwd=REPO, check=True)
@@ -61,8 +63,11 @@ def main() -> None:
         mark = "  <- best" if best[r["optimizer"]] is r else ""
         print(f"{r['optimizer']:<12}{r['lr']:>8g}{r['steps']:>7}{r['final_train_loss']:>12.4f}{r['val_loss']:>10.4f}"
               f"{r['mean_step_time_s']:>8.3f}{mark}")
-    result = {"model": args.model, "steps": args.steps, "lrs": args.lrs, "wall_s": round(wall, 1), "runs": rows,
-              "best": best, "sweep_dir": str(sweep_dir)}
+    # What ran, as the jobs composed it (the experiment's values unless given above).
+    model = OmegaConf.load(sweep_dir / "0" / ".hydra" / "hydra.yaml").hydra.runtime.choices.model
+    lrs = ",".join(f"{lr:g}" for lr in sorted({r["lr"] for r in rows}))
+    result = {"model": model, "steps": max(r["steps"] for r in rows), "lrs": lrs, "wall_s": round(wall, 1),
+              "runs": rows, "best": best, "sweep_dir": str(sweep_dir)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")

@@ -1,26 +1,54 @@
-"""Composition and override semantics of conf/ (no training)."""
+"""conf/: composition and override semantics, and every option of every group and every experiment built the way
+the runner builds it, at a tiny size (no training run). Options are found in conf/, so a new YAML file is tested
+without editing this file."""
+
+import functools
+import math
+from importlib.resources import files
 
 import pytest
-from hydra import compose, initialize_config_module
+import torch
+from config_helpers import composed
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException
+from hydra.types import RunMode
+from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from k3train.config import TrainConfig, check_known_keys, register_configs
+from k3train.config import ProfileConfig, TrainConfig, check_known_keys
+from k3train.train.precision import Precision
 
-register_configs()
+GROUPS = ("model", "optim", "schedule", "precision", "data")
 
 
-def composed(*overrides):
-    with initialize_config_module(config_module="k3train.conf", version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
+def options(group: str) -> list[str]:
+    return sorted(p.name[:-5] for p in (files("k3train.conf") / group).iterdir() if p.name.endswith(".yaml"))
+
+
+@functools.cache
+def default_option(group: str) -> str:
+    return composed(return_hydra_config=True).hydra.runtime.choices[group]
+
+
+def with_option(group: str, option: str):
+    """The default config with `group=option`. The default option composes to the default config, so that one is
+    not composed again (composing takes ~0.1 s)."""
+    return composed() if option == default_option(group) else composed(f"{group}={option}")
+
+
+def test_every_group_and_the_experiments_have_options():
+    for group in (*GROUPS, "experiment"):
+        assert options(group), group
 
 
 def test_defaults_compose_to_a_typed_train_config():
     cfg = composed()
+    check_known_keys(cfg)  # the defaults add no unknown key
     train = OmegaConf.to_object(cfg.train)
     assert isinstance(train, TrainConfig)
     assert train.batch_size == cfg.train.batch_size and train.device == "auto"
-    for group in ("model", "optim", "schedule", "precision", "data"):
+    for group in GROUPS:
         assert "_target_" in cfg[group], group
 
 
@@ -50,7 +78,6 @@ def test_a_key_added_with_plus_is_refused_naming_it(override, key, hint):
     with pytest.raises(ValueError) as err:
         check_known_keys(cfg)  # ...the runner does not
     assert str(err.value).startswith(f"unknown key {key} (did you mean {hint}?)")
-    check_known_keys(composed())  # the defaults have none
 
 
 def test_an_unknown_key_in_a_config_file_is_refused_naming_it(tmp_path):
@@ -79,14 +106,154 @@ def test_unknown_group_option_lists_the_choices():
     assert "adamw" in str(err.value)
 
 
-def test_every_option_of_every_group_composes():
-    from importlib.resources import files
+# Every option is built as the runner builds it (k3train/train/runner.py), shrunk to widths that run in milliseconds:
+# the shrink applies to the keys a model config has, so a new model YAML needs no entry here.
+TINY_MODEL = {"d_model": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
+              "kda_head_dim": 8, "kda_chunk_size": 16, "n_routed_experts": 8, "expert_ffn_dim": 16, "dense_ffn_dim": 32}
+V, B, T = 97, 2, 16
 
-    conf = files("k3train.conf")
-    for group in ("model", "optim", "schedule", "precision", "data"):
-        options = sorted(p.name[:-5] for p in (conf / group).iterdir() if p.name.endswith(".yaml"))
-        assert options, group
-        for option in options:
-            extra = ["data.path=/nonexistent"] if (group, option) == ("data", "prepared") else []
-            cfg = composed(f"{group}={option}", *extra)
-            assert cfg[group]["_target_"], (group, option)
+
+def tiny_model(cfg):
+    for key, value in TINY_MODEL.items():
+        if key in cfg.model:
+            cfg.model[key] = value
+    torch.manual_seed(0)
+    return instantiate(cfg.model, vocab_size=V)  # the vocabulary comes from the data, as in the runner
+
+
+def tokens():
+    x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0))
+    return x, x.roll(-1, dims=1)
+
+
+@pytest.mark.parametrize("option", options("model"))
+def test_every_model_builds_and_starts_near_a_uniform_guess(option):
+    model = tiny_model(with_option("model", option))
+    model.check_data(V, T)
+    logits, loss = model(*tokens())
+    assert logits.shape == (B, T, V) and loss.dtype == torch.float32
+    assert abs(loss.item() - math.log(V)) < 0.5, loss.item()  # small initial weights: near-uniform predictions
+    counts = model.param_counts()
+    assert 0 < counts["embedding"] < counts["active"] <= counts["total"] == sum(p.numel() for p in model.parameters())
+
+
+def test_k3_mla_only_is_k3_tiny_with_mla_in_every_layer():
+    tiny = OmegaConf.to_container(with_option("model", "k3_tiny").model)
+    mla_only = OmegaConf.to_container(with_option("model", "k3_mla_only").model)
+    assert mla_only.keys() == tiny.keys()
+    assert {key for key in tiny if tiny[key] != mla_only[key]} == {"kda_mla_ratio"}
+
+
+@pytest.mark.parametrize("option", options("optim"))
+def test_every_optimizer_groups_every_parameter_and_takes_a_step(option):
+    cfg = with_option("optim", option)
+    model = tiny_model(cfg)
+    optimizer = instantiate(cfg.optim)(model)
+    grouped = [p for g in optimizer.param_groups for p in g["params"]]
+    assert len(grouped) == len({id(p) for p in grouped}) == len(list(model.parameters()))
+    for group in optimizer.param_groups:  # what the schedule and the run summary read (docs/contracts.md)
+        assert group["name"] and group["kind"] in ("muon", "adamw") and group["initial_lr"] == cfg.optim.lr
+    before = [p.detach().clone() for p in grouped]
+    model(*tokens())[1].backward()
+    optimizer.step()
+    for old, p in zip(before, grouped):
+        assert p.grad is None or not torch.equal(old, p)  # every parameter that got a gradient moved
+
+
+@pytest.mark.parametrize("option", options("schedule"))
+def test_every_schedule_reaches_the_peak_lr_and_stays_within_it(option):
+    cfg = with_option("schedule", option)
+    schedule = instantiate(cfg.schedule)(total_steps=cfg.train.max_steps)  # as the Trainer completes it
+    factors = [schedule.factor(step) for step in range(cfg.train.max_steps)]
+    assert all(0 < f <= 1 for f in factors) and max(factors) == 1.0
+
+
+@pytest.mark.parametrize("option", options("precision"))
+def test_every_precision_autocasts_and_takes_a_scaled_update(option):
+    cfg = with_option("precision", option)
+    precision, model, cpu = instantiate(cfg.precision), tiny_model(cfg), torch.device("cpu")
+    assert isinstance(precision, Precision)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = precision.make_scaler(cpu)
+    assert scaler.is_enabled() == (precision.dtype == "fp16")
+    before = [p.detach().clone() for p in model.parameters()]
+    for _ in range(8):  # fp16's first loss scales overflow: those updates are skipped and the scale halves
+        with precision.autocast(cpu):
+            logits, loss = model(*tokens())
+        assert logits.dtype == precision.torch_dtype and loss.dtype == torch.float32 and torch.isfinite(loss)
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if any(not torch.equal(old, p) for old, p in zip(before, model.parameters())):
+            break
+    else:
+        pytest.fail(f"precision={option}: 8 updates were all skipped")
+
+
+@pytest.mark.parametrize("option", options("data"))
+def test_every_data_option_loads_next_token_batches(option, k3_cache, tiny_data_dir):
+    cfg = with_option("data", option)
+    if OmegaConf.is_missing(cfg.data, "path"):
+        cfg.data.path = str(tiny_data_dir)  # what the user gives: data.path=DIR
+    if "cache_dir" in cfg.data:
+        cfg.data.cache_dir = str(k3_cache)  # the test session's cache, not ~/.cache
+    data = instantiate(cfg.data)
+    for loader in data.loaders(B, T):  # tiny_data_dir's val split holds 73 tokens
+        x, y = loader.next_batch()
+        assert x.shape == y.shape == (B, T) and torch.equal(x[:, 1:], y[:, :-1])
+        assert 0 <= x.min() and x.max() < data.vocab_size
+
+
+def sweep_jobs(cfg) -> list[list[str]]:
+    """The overrides of each job a multirun launches from cfg's hydra.sweeper.params, as Hydra's basic sweeper
+    expands them ([[]]: one job, the config itself)."""
+    params = cfg.hydra.sweeper.get("params") or {}
+    overrides = OverridesParser.create().parse_overrides([f"{key}={value}" for key, value in params.items()])
+    return BasicSweeper.split_arguments(overrides, max_batch_size=None)[0]
+
+
+def without_hydra(cfg):
+    return OmegaConf.masked_copy(cfg, [key for key in cfg if key != "hydra"])
+
+
+def planned_updates(train: TrainConfig):
+    """The Trainer's plan from the recipe's limits (None: until the data runs out, which needs the data)."""
+    tokens_per_update = train.batch_size * train.seq_len * train.gradient_accumulation_steps
+    limits = [train.max_steps, train.max_tokens and math.ceil(train.max_tokens / tokens_per_update)]
+    return min((n for n in limits if n), default=None)
+
+
+@pytest.mark.parametrize("name", options("experiment"))
+def test_every_experiment_and_each_job_of_its_sweep_builds(name):
+    """What `python -m k3train +experiment=NAME` runs (each job, for a sweep) passes the runner's checks and builds
+    every part but the data: a recipe can only leave data.path to the user."""
+    experiment = composed(f"+experiment={name}", return_hydra_config=True)
+    for job in sweep_jobs(experiment):
+        cfg = composed(f"+experiment={name}", *job) if job else experiment
+        check_known_keys(cfg)
+        train = OmegaConf.to_object(cfg.train)  # the cross-field checks
+        assert isinstance(OmegaConf.to_object(cfg.profile), ProfileConfig)
+        assert OmegaConf.missing_keys(without_hydra(cfg)) <= {"data.path"}  # hydra's own ??? are filled at run time
+        model = tiny_model(cfg)
+        model.check_data(V, train.seq_len)  # the recipe's seq_len fits the model's max_seq_len
+        instantiate(cfg.optim)(model)
+        planned = planned_updates(train)
+        schedule = instantiate(cfg.schedule)(total_steps=planned or 1)
+        assert planned is None or schedule.warmup_steps < planned  # else the lr never reaches its peak
+        assert isinstance(instantiate(cfg.precision), Precision)
+
+
+def test_the_muon_vs_adamw_sweep_runs_both_optimizers_at_each_lr():
+    """benchmarks/sweep_muon_vs_adamw.py's table: each optimizer at each lr of the grid, once (the test above
+    composes and builds each of these jobs)."""
+    experiment = composed("+experiment=muon_vs_adamw", return_hydra_config=True)
+    assert experiment.hydra.mode == RunMode.MULTIRUN  # a sweep even without -m
+    jobs = sorted((job[0], float(job[1].split("=")[1])) for job in sweep_jobs(experiment))
+    assert jobs == [(f"optim={optim}", lr) for optim in ("adamw", "muon_adamw") for lr in (1e-3, 3e-3, 1e-2)]
+
+
+def test_the_quickstart_experiment_is_the_default_run():
+    quickstart = without_hydra(composed("+experiment=quickstart", return_hydra_config=True))
+    default = without_hydra(composed(return_hydra_config=True))
+    assert OmegaConf.to_container(quickstart) == OmegaConf.to_container(default)

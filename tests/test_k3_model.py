@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from config_helpers import model_config
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
@@ -202,7 +203,7 @@ def test_param_counts():
 
 @pytest.mark.parametrize("name", ["k3_tiny", "k3_small", "k3_mla_only"])
 def test_model_yamls_instantiate(name):
-    cfg = OmegaConf.load(CONF / f"{name}.yaml")
+    cfg = model_config(name)
     assert cfg.vocab_size is None
     if name == "k3_small":  # building 200M parameters is slow here; the config alone is validated
         fields = OmegaConf.to_container(cfg)

@@ -7,6 +7,7 @@ from pathlib import Path
 import hydra
 import pytest
 import torch
+from config_helpers import model_config
 from omegaconf import OmegaConf
 from torch import nn
 
@@ -169,7 +170,7 @@ def test_yaml_targets_build_named_groups() -> None:
 
 @pytest.mark.parametrize("path", sorted((CONF / "model").glob("*.yaml")), ids=lambda p: p.stem)
 def test_partition_complete_and_disjoint_for_every_model_config(path: Path) -> None:
-    cfg = OmegaConf.load(path)
+    cfg = model_config(path.stem)
     cfg.vocab_size = 64
     model = hydra.utils.instantiate(cfg)
     opt = _muon_adamw(model)  # checks completeness and disjointness while building
