@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from k3train.train.files import write_atomic
+from k3train.files import write_atomic
 
 FORMAT_VERSION = 1
 

@@ -32,7 +32,7 @@ from k3train.optim.param_groups import format_partition
 from k3train.train import rundir
 from k3train.train.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint
 from k3train.train.cpu import ThreadChoice, apply_threads, choose_threads, cpu_runtime
-from k3train.train.files import remove_stale_temp_files
+from k3train.files import remove_stale_temp_files
 from k3train.train.manifest import RunManifest, environment
 from k3train.train.metrics import MetricsWriter
 from k3train.train.rng import configure_determinism, seed_everything
