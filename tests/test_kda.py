@@ -13,14 +13,7 @@ import torch.nn.functional as F
 
 from k3train.models.kda import KimiDeltaAttention, chunk_kda, fla_chunk_kda, naive_recurrent_kda
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These ops are tiny: a thread pool only adds synchronisation, which stalls badly on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 NAMES = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
