@@ -37,9 +37,9 @@ def run(fn, inputs, seed=1, **kwargs):
         if x is not None:
             x.grad = None
     o, S = fn(*inputs[:5], initial_state=inputs[5], output_final_state=True, **kwargs)
-    gen = torch.Generator().manual_seed(seed)  # float64 draws, so fp32 and float64 runs get the same upstream
-    loss = (o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o.dtype)).sum()
-    loss = loss + (S * torch.randn(S.shape, generator=gen, dtype=torch.float64).to(S.dtype)).sum()
+    gen = torch.Generator().manual_seed(seed)  # float64 CPU draws: every dtype and device gets the same upstream
+    loss = (o * torch.randn(o.shape, generator=gen, dtype=torch.float64).to(o)).sum()
+    loss = loss + (S * torch.randn(S.shape, generator=gen, dtype=torch.float64).to(S)).sum()
     loss.backward()
     grads = [x.grad if x is not None else torch.zeros(()) for x in inputs]
     return dict(zip(NAMES, [o.detach(), S.detach()] + grads))
@@ -47,7 +47,7 @@ def run(fn, inputs, seed=1, **kwargs):
 
 def assert_close(result, reference, tol):
     for name in NAMES:
-        diff = (result[name].double() - reference[name].double()).abs().max()
+        diff = (result[name].double().cpu() - reference[name].double().cpu()).abs().max()
         err = (diff / reference[name].double().abs().max().clamp(min=1e-30)).item()
         assert err < tol, f"{name}: max |chunk - reference| / max |reference| = {err:.2e} >= {tol:.0e}"
 
