@@ -197,6 +197,7 @@ def test_fla_on_cpu_tensors_says_it_needs_cuda(monkeypatch):
         fla_chunk_kda(q, k, v, g, beta)
 
 
+@pytest.mark.slow
 def test_package_import_does_not_import_fla():
     code = "import sys, k3train.models.kda; assert 'fla' not in sys.modules, 'fla imported eagerly'"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -15,7 +15,9 @@ import torch
 from k3train.models.kda import KimiDeltaAttention, chunk_kda, fla_chunk_kda, naive_recurrent_kda
 from test_kda import NAMES, assert_close, make_inputs, run
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+# slow too: on a GPU machine Triton's autotuning alone takes minutes, too long for the fast tier.
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 # FLA's test_chunk accepts these error ratios for fp16 inputs. Its fp32 dots run in TF32, which keeps fp16's 10
 # mantissa bits, so fp32 gets them too; bf16 keeps 7, 8x fp16's rounding error, so 8x the tolerance.
