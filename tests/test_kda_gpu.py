@@ -1,7 +1,7 @@
 """KDA on a CUDA GPU: our pure-PyTorch chunk_kda there, FLA's Triton chunk_kda (through k3train's fla_chunk_kda)
-against it (output, final state and every gradient, in fp32, fp16 and bf16), and the layer with
-implementation="fla" against "chunk". Skipped without CUDA; the FLA checks also without flash-linear-attention and
-triton (pip install 'k3train[gpu]'). `python -m pytest -m gpu` runs them; benchmarks/gpu_kda_speed.py times both.
+against it (output, final state and every gradient, in fp32, fp16 and bf16), and the layer and the whole model
+with implementation="fla" against "chunk". Skipped without CUDA; the FLA checks also without flash-linear-attention
+and triton (pip install 'k3train[gpu]'). `python -m pytest -m gpu` runs them; benchmarks/gpu_kda_speed.py times.
 
 Metric for FLA, as FLA's own tests/ops/test_kda.py: RMS(fast - reference) / RMS(reference) per tensor."""
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from k3train.models.kda import KimiDeltaAttention, chunk_kda, fla_chunk_kda, naive_recurrent_kda
+from test_k3_model import batch, tiny_model
 from test_kda import NAMES, assert_close, make_inputs, run
 
 # slow too: on a GPU machine Triton's autotuning alone takes minutes, too long for the fast tier.
@@ -103,3 +104,22 @@ def test_fla_layer_matches_chunk_layer(autocast):
     assert err_ratio(outputs[0], outputs[1]) < FLA_TOLERANCE["o"] * factor
     # Every weight's gradient passes through dq..dbeta; the loosest of their tolerances bounds the whole.
     assert err_ratio(grads[0], grads[1]) < FLA_TOLERANCE["dg"] * factor
+
+
+@pytest.mark.usefixtures("fla")
+def test_k3_model_with_fla_matches_chunk_under_bf16_autocast():
+    """The whole model as training runs it on a GPU: one bf16-autocast forward and backward with KDA through FLA
+    gives chunk's loss, and every weight a finite gradient."""
+    x, y = batch(B=4, T=256)
+    losses, grads = [], []
+    for implementation in ("fla", "chunk"):
+        model = tiny_model(kda_implementation=implementation, max_seq_len=256).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(x.cuda(), y.cuda())
+        loss.backward()
+        missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.isfinite().all()]
+        assert not missing, f"{implementation}: no or non-finite gradient for {missing}"
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert abs(losses[0] - losses[1]) < 1e-2 * losses[1], losses
+    assert err_ratio(grads[0], grads[1]) < FLA_TOLERANCE["dg"] * DTYPE_FACTOR[torch.bfloat16]
