@@ -8,8 +8,9 @@ Sized to finish in about 3 minutes on one H200; stops starting new cases past --
     python benchmarks/gpu_train_step.py                 # needs CUDA (and k3train[gpu] for the fla case)
     python benchmarks/gpu_train_step.py --dry-run-cpu   # exercises this script on CPU with k3_tiny, tiny shapes
 
-The whole GPU check for issue 4 is one command (about 7 minutes):
-    python benchmarks/gpu_kda_parity.py --budget-s 200 && python benchmarks/gpu_train_step.py --budget-s 150
+The whole GPU check is one command (the parity tests, then the timings):
+    python -m pytest -m gpu && python benchmarks/gpu_kda_speed.py --budget-s 200 && \
+        python benchmarks/gpu_train_step.py --budget-s 150
 Writes benchmarks/results/gpu_train_step.json (the dry run writes to a temporary file unless --out is given).
 """
 

@@ -43,3 +43,15 @@ def tiny_data_dir(tmp_path_factory) -> Path:
     from data_helpers import make_dataset
 
     return make_dataset(tmp_path_factory.mktemp("tiny-data"), shard_tokens=1000)
+
+
+@pytest.fixture
+def one_thread():
+    """For tests of tiny ops (pytestmark = pytest.mark.usefixtures("one_thread")): a thread pool only adds
+    synchronisation, which stalls badly on a shared machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -54,6 +54,7 @@ def test_loading_never_runs_code_from_the_file(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.slow
 def test_kill_between_write_and_rename_leaves_previous_checkpoint(tmp_path):
     """A process killed after writing the temp file but before the rename: last.pt is still the old one."""
     path = tmp_path / "last.pt"

@@ -80,6 +80,7 @@ def _python(code: str, **env: str) -> str:
                           check=True, timeout=120).stdout.strip()
 
 
+@pytest.mark.slow
 def test_openmp_wait_policy_is_passive_unless_chosen_and_only_before_torch() -> None:
     setup = "from k3train.train.cpu import configure_openmp; print(configure_openmp())"
     assert _python(setup) == "PASSIVE"

@@ -1,3 +1,4 @@
+import contextlib
 import multiprocessing as mp
 from pathlib import Path
 
@@ -53,17 +54,19 @@ def test_cache_key_follows_the_tokenizer_and_the_recipe(cache, tmp_path, monkeyp
 
 
 def test_losing_a_prepare_race_opens_the_winners_copy(cache, monkeypatch):
-    """Simulate the race exactly: another process commits between our check and our rename."""
-    real_commit = prepare_mod._commit
+    """Simulate the race exactly: another process commits between our finished copy and our rename."""
+    real_atomic_directory = prepare_mod.atomic_directory
     calls = []
 
-    def commit_after_rival(tmp, output, overwrite):
-        calls.append(tmp)
-        if len(calls) == 1:
-            prepare_builtin()  # the rival prepares and commits first (the nested call's commit is the real one)
-        real_commit(tmp, output, overwrite)
+    @contextlib.contextmanager
+    def rival_commits_first(path, **kwargs):
+        calls.append(path)
+        with real_atomic_directory(path, **kwargs) as tmp:
+            yield tmp
+            if len(calls) == 1:
+                prepare_builtin()  # the rival prepares and commits first (the nested call's commit is the real one)
 
-    monkeypatch.setattr(prepare_mod, "_commit", commit_after_rival)
+    monkeypatch.setattr(prepare_mod, "atomic_directory", rival_commits_first)
     path = prepare_builtin()
     assert len(calls) == 2 and (path / MANIFEST_NAME).is_file()
     assert [p.name for p in cache.iterdir()] == [path.name]  # the loser's temporary copy is gone

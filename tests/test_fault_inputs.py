@@ -5,7 +5,7 @@ import torch
 
 import fault_inputs as fi
 
-pytestmark = pytest.mark.fault
+pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
 
 @pytest.fixture(scope="session")

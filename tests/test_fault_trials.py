@@ -11,7 +11,7 @@ import pytest
 
 import fault_harness as fh
 
-pytestmark = pytest.mark.fault
+pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
 # 2 models x checkpoint_interval 1 and 5 x 3 kinds of kill x 2 seeds = 24 trials of one or two kills each
 KILL_TRIALS = {t.name: t for t in fh.kill_trials(range(2))}

@@ -12,6 +12,11 @@ from omegaconf import OmegaConf
 from k3train.models.k3 import KimiK3, KimiK3Config
 from k3train.models.k3.moe import MoE
 
+# A tiny model runs hundreds of tiny ops a step: with a thread pool each waits for both threads, and one thread
+# descheduled by another busy process stalls them all (measured: the memorisation test took 32 s instead of 2.5 s
+# beside a busy process with spinning OpenMP threads).
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 V = 61
 # A model small enough for a unit test that still has every kind of part: 3 KDA + 1 MLA, a dense first layer,

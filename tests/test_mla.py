@@ -1,10 +1,14 @@
-"""MLA: shapes, causality, query compression and rotary on/off, against a naive explicit-softmax reference."""
+"""MLA: shapes, causality, query compression and rotary on/off, against a naive explicit-softmax reference;
+gradients checked in float64 against finite differences and against the reference's."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.func import functional_call
 
 from k3train.models.k3.mla import MultiHeadLatentAttention, RotaryEmbedding
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 D, H, T = 32, 4, 12
 
@@ -115,3 +119,52 @@ def test_head_split_annotations():
         assert m.kv_b_proj.weight.head_split == (H, 0) and m.kv_b_proj.weight.shape[0] == H * (m.dn + m.dv)
         assert m.o_proj.weight.head_split == (H, 1) and m.o_proj.weight.shape[1] == H * m.dv
         assert not hasattr(m.kv_a_proj.weight, "head_split")  # shared across heads
+
+
+def tiny_mla(q_lora_rank, rope, track_max_logit) -> MultiHeadLatentAttention:
+    """float64 and a few hundred numbers in all, so finite differences over every input and weight stay cheap."""
+    torch.manual_seed(0)
+    m = MultiHeadLatentAttention(8, 2, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3,
+                                 q_lora_rank=q_lora_rank, rope=rope, max_seq_len=8).double()
+    m.track_max_logit = track_max_logit
+    for norm in (m.kv_a_norm, getattr(m, "q_a_norm", None)):
+        if norm is not None:  # away from all-ones, so a gradient that ignored the norm weight would show
+            torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
+    return m
+
+
+# Every pair of (query compression, rotary, max-logit tracking) settings occurs in one of these four cases.
+GRAD_CASES = [(None, False, False), (None, True, True), (3, False, True), (3, True, False)]
+GRAD_IDS = [f"q_lora={q}-rope={rope}-track={track}" for q, rope, track in GRAD_CASES]
+
+
+@pytest.mark.parametrize("q_lora_rank, rope, track_max_logit", GRAD_CASES, ids=GRAD_IDS)
+def test_gradcheck_float64(q_lora_rank, rope, track_max_logit):
+    m = tiny_mla(q_lora_rank, rope, track_max_logit)
+    names = [name for name, _ in m.named_parameters()]
+    weights = [p.detach().clone().requires_grad_() for p in m.parameters()]
+    x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True)
+
+    def forward(x, *weights):
+        return functional_call(m, dict(zip(names, weights)), (x,))
+
+    assert torch.autograd.gradcheck(forward, (x, *weights), eps=1e-6, atol=1e-7, rtol=1e-5)
+    assert (m.max_logit is not None) == track_max_logit  # the tracked passes were really checked
+
+
+@pytest.mark.parametrize("q_lora_rank, rope, track_max_logit", GRAD_CASES, ids=GRAD_IDS)
+def test_gradients_match_naive_reference_float64(q_lora_rank, rope, track_max_logit):
+    """As test_kda.py does for chunk vs recurrent: one random upstream gradient through both, every gradient."""
+    m = tiny_mla(q_lora_rank, rope, track_max_logit)
+    x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(2, 6, 8, dtype=torch.float64)
+    grads = {}
+    for name, fn in (("module", m), ("naive", lambda x: naive_mla(m, x))):
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        (fn(x) * upstream).sum().backward()
+        grads[name] = {"x": x.grad, **{n: p.grad for n, p in m.named_parameters()}}
+    assert grads["module"].keys() == grads["naive"].keys()
+    for key, expected in grads["naive"].items():
+        assert expected is not None and expected.abs().max() > 0, f"{key}: no gradient through the reference"
+        torch.testing.assert_close(grads["module"][key], expected, rtol=1e-10, atol=1e-12, msg=key)

@@ -8,8 +8,8 @@ The pipeline streams: sources.py yields document pieces, which are grouped into 
 tokenized by a process pool (at most 2 chunks per worker in flight, results consumed in submission order, so the
 output does not depend on the worker count and memory stays bounded), and appended to the split's shards while
 their sha256 is computed. Everything is written into a hidden temporary sibling of the output directory, which is
-renamed into place only after the manifest is written: an interrupted prepare never leaves a directory that looks
-complete.
+renamed into place only after the manifest is written (k3train.files.atomic_directory): an interrupted prepare
+never leaves a directory that looks complete.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ import multiprocessing as mp
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -43,6 +42,7 @@ from k3train.data.sources import (
     split_by_plan,
 )
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from k3train.files import atomic_directory
 
 CHUNK_CHARS = 1 << 18
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB per uint16 shard
@@ -144,9 +144,7 @@ class SplitWriter:
 
     def _close_shard(self) -> None:
         assert self._file is not None
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
+        self._file.close()  # fsynced with the whole directory by atomic_directory
         self._file = None
 
     def close(self) -> dict[str, Any]:
@@ -176,21 +174,6 @@ def _check_output(output: Path, overwrite: bool) -> None:
         )
 
 
-def _commit(tmp: Path, output: Path, overwrite: bool) -> None:
-    """Move the finished temporary directory to output in one rename (atomic on POSIX filesystems)."""
-    if overwrite and output.exists():
-        _check_output(output, overwrite)  # still a dataset we may replace
-        old = tmp.with_name(tmp.name + "-old")
-        os.rename(output, old)
-        os.rename(tmp, output)
-        shutil.rmtree(old)
-        return
-    try:
-        os.rename(tmp, output)  # replaces an empty directory; fails if output has content
-    except OSError as e:
-        raise FileExistsError(f"{output} appeared while preparing (another prepare finished first)") from e
-
-
 def write_dataset(
     stream: Iterable[tuple[str, str, bool]],
     output: str | Path,
@@ -208,9 +191,8 @@ def write_dataset(
     if shard_tokens < 1:
         raise ValueError(f"shard_tokens must be >= 1, got {shard_tokens}")
     _check_output(output, overwrite)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
-    try:
+    # Re-checked before the swap: what appeared at output meanwhile must still be a dataset we may replace.
+    with atomic_directory(output, may_replace=lambda existing: _check_output(existing, overwrite)) as tmp:
         dtype = token_dtype(tokenizer.vocab_size)
         writers = {s: SplitWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
 
@@ -236,14 +218,8 @@ def write_dataset(
         }
         if isinstance(tokenizer, HFTokenizer):
             shutil.copyfile(tokenizer.path, tmp / "tokenizer.json")
-        with open(tmp / MANIFEST_NAME, "w") as f:
-            f.write(json.dumps(manifest, indent=2) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        _commit(tmp, output, overwrite)
-        return manifest
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # after a successful commit tmp no longer exists
+        (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")  # written last, fsynced by the swap
+    return manifest
 
 
 def _empty_split_message(split: str, source: dict[str, Any]) -> str:

@@ -23,7 +23,7 @@ from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
-from k3train.train.files import write_atomic
+from k3train.files import write_atomic
 
 FORMAT_VERSION = 2  # 2: named Stateful parts (train_loader, val_loader, rng, trainer, plan); 1 had fixed entries
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from k3train.train.files import write_atomic
+from k3train.files import write_atomic
 
 
 def environment(device: torch.device) -> dict:

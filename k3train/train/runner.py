@@ -34,7 +34,7 @@ from k3train.train import rundir
 from k3train.train.callbacks import Callback
 from k3train.train.checkpoint import Checkpointer, CheckpointError
 from k3train.train.cpu import ThreadChoice, apply_threads, choose_threads, cpu_runtime
-from k3train.train.files import remove_stale_temp_files
+from k3train.files import remove_stale_temp_files
 from k3train.train.manifest import RunManifest, environment
 from k3train.train.metrics import MetricsLogger, MetricsSink
 from k3train.train.rng import configure_determinism, seed_everything

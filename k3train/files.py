@@ -1,0 +1,115 @@
+"""Files and directories a crash cannot tear: each is written under a temporary name beside its final one
+(`.<name>.tmp-<pid>` for a file, `.<name>.tmp-<pid>-<random>` for a directory), fsynced, then renamed over it, so a
+kill at any moment leaves the previous complete file or directory, or the new one. A killed writer can leave its
+temporary file behind; `remove_stale_temp_files` deletes those once no writer can be alive (the run-directory
+lock is held)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+TEMP_GLOB = ".*.tmp-*"
+
+
+def temp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> int:
+    """Write path through write(file) atomically; returns the file size in bytes. An OSError (a full disk, a
+    read-only directory), also one that torch.save wraps in a RuntimeError, leaves the previous file and no
+    temporary one, and is raised as an OSError naming path."""
+    path = Path(path)
+    tmp = temp_path(path)
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)  # make the rename itself durable
+    except (OSError, RuntimeError) as exc:
+        # torch.save's zip writer meets a full disk as an OSError, then its own clean-up raises a RuntimeError
+        # ("unexpected pos") on top of it: the OSError underneath is what failed.
+        failure = _os_error(exc)
+        if failure is None:
+            raise
+        raise OSError(failure.errno, failure.strerror or str(failure), str(path)) from exc
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    return path.stat().st_size
+
+
+@contextlib.contextmanager
+def atomic_directory(path: Path, may_replace: Callable[[Path], None] | None = None) -> Iterator[Path]:
+    """Yield a new empty temporary directory beside path to fill; when the block ends without an exception, its
+    files are fsynced and it is renamed to path in one step. An exception, or a kill, never leaves anything at path
+    (a kill may leave the temporary directory, which nothing reads).
+
+    A path that is missing or an empty directory is simply replaced. A non-empty one is replaced only through
+    may_replace(path), called just before the swap (it raises to refuse); without it the swap raises
+    FileExistsError. Replacing renames the old directory aside and deletes it after the new one is in place: a
+    kill inside that window leaves the old directory under `.<name>.tmp-<pid>-<random>-old` and nothing at path.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{temp_path(path).name}-", dir=path.parent))
+    try:
+        yield tmp
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                _fsync_file(file)
+        _fsync_dir(tmp)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            if may_replace is None:
+                raise FileExistsError(f"{path} already exists and is not empty")
+            may_replace(path)
+            old = tmp.with_name(tmp.name + "-old")
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old)
+        else:
+            try:
+                os.rename(tmp, path)  # replaces an empty directory; fails if something filled path meanwhile
+            except OSError as exc:
+                raise FileExistsError(f"{path} appeared while it was being written") from exc
+        _fsync_dir(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # after the rename tmp no longer exists
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _os_error(exc: BaseException) -> OSError | None:
+    """exc if it is an OSError, else the OSError it was raised while handling (None if there is none)."""
+    while exc is not None and not isinstance(exc, OSError):
+        exc = exc.__context__
+    return exc
+
+
+def remove_stale_temp_files(directory: Path) -> list[Path]:
+    """Delete the temporary files of dead writers in directory; only call it while holding its lock."""
+    removed = []
+    for path in sorted(Path(directory).glob(TEMP_GLOB)):
+        if path.is_file():
+            path.unlink()
+            removed.append(path)
+    return removed
