@@ -122,6 +122,17 @@ def test_stale_temp_files_of_dead_writers_are_removed_at_start(run_cli, finished
     assert load_checkpoint(finished_run / "last.pt")["trainer"]["step"] == 3
 
 
+def test_a_finished_run_removes_a_dead_writers_temp_file_and_touches_nothing_else(run_cli, finished_run):
+    """A kill after the final checkpoint, while run.json was being rewritten, leaves its temporary file; resuming the
+    finished run must not leave it there for ever (the fault trials met this)."""
+    before = hashes(finished_run)
+    (finished_run / ".run.json.tmp-999998").write_bytes(b"{")
+    proc = run_cli(*TINY, "train.max_steps=2", "resume=auto", f"hydra.run.dir={finished_run}")
+    assert proc.returncode == 0, proc.stderr
+    assert "is a finished run" in proc.stdout
+    assert not list(finished_run.glob(".*.tmp-*")) and hashes(finished_run) == before
+
+
 # ---- defect 15: a refused start leaves no directory behind ----------------------------------------------------------
 REFUSED = [
     (["data=prepared"], "data.path is not set: add data.path=... to the command"),

@@ -164,6 +164,9 @@ def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bo
     except BaseException as exc:
         claim.undo()  # nothing of this start stays: .hydra/ back as it was, a new directory removed
         if isinstance(exc, RunFinished):
+            # A writer killed after the final checkpoint (writing run.json, say) may have left a temporary file;
+            # the lock is ours, so it is dead: its temporary file is no user's data.
+            remove_stale_temp_files(run_dir)
             print(f"k3train: {exc}", flush=True)
             return "finished"
         cause = exc.__cause__ if isinstance(exc, InstantiationException) else exc
