@@ -42,7 +42,8 @@ from k3train.train.rundir import RunDirError
 from k3train.train.trainer import Trainer, TrainingDiverged
 
 
-USER_ERRORS = (ValueError, TypeError, FileNotFoundError, CheckpointError, RunDirError)
+# ImportError: an optional dependency a setting needs (model.kda_implementation=fla without flash-linear-attention).
+USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError, CheckpointError, RunDirError)
 
 
 class RunFailed(Exception):
