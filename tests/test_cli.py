@@ -153,7 +153,8 @@ def test_a_fresh_run_never_overwrites_an_existing_one(run_cli, tmp_path):
     ("train.seq_len=8192", "max_seq_len"),
     ("data=prepared data.path=/nonexistent/data", "does not exist"),
     ("model=k3_tiny model.kda_mla_ratio=abc", "must look like '3:1'"),
-    ("model=k3_tiny model.kda_implementation=fla", "k3train: error: ImportError: KDA implementation='fla' needs flash-linear-attention")
+    ("model=k3_tiny model.kda_implementation=fla",
+     "k3train: error: ImportError: KDA implementation='fla' needs flash-linear-attention")
     if importlib.util.find_spec("fla") is None else ("train.seed=x", "seed"),
 ])
 def test_bad_input_fails_before_any_work_with_a_clear_message(run_cli, tmp_path, override, message):
