@@ -1,8 +1,8 @@
 """What an optimizer was built with, for run.json and the run summary: any torch optimizer's param groups.
 
 Every group setting is shown except the parameters, the current lr (the schedule moves it: initial_lr is the
-configured one, shown as `lr` in the table), settings that are None or False, and torch's implementation flags. A setting with one entry
-per parameter (MuonAdamW's head_splits) is shown as counts of its values other than None.
+configured one, shown as `lr` in the table), settings that are None or False, and torch's implementation flags.
+A setting with one entry per parameter (MuonAdamW's head_splits) is shown as counts of its values other than None.
 """
 
 from __future__ import annotations
