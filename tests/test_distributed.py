@@ -58,6 +58,33 @@ def test_two_ranks_train_as_one_process_with_their_global_batch(k3_cache, tmp_pa
     assert "DDP over 2 process(es)" in proc.stdout and proc.stdout.count("run directory:") == 1
 
 
+# k3_tiny shrunk: Muon + AdamW, the Quantile-Balanced MoE (its bias from the global batch) and QK-Clip at a threshold
+# under the initial max logits, so the clipping decision must be the same on both ranks. Newton-Schulz in fp32: in
+# bf16 its rounding turns the last-bit differences of a sum over 2 ranks into weight differences up to 4e-4 after 4
+# steps (measured; 4e-6 in fp32), which would hide a real mismatch.
+K3 = ["model=k3_tiny", "optim.ns_dtype=fp32", "model.d_model=64", "model.expert_ffn_dim=32", "model.dense_ffn_dim=64", "model.kda_chunk_size=16",
+      "callbacks.qk_clip.tau=0.05", "train.seq_len=32", "train.log_interval=1", "train.eval_interval=2",
+      "train.eval_batches=2", "train.progress=lines", "schedule.warmup_steps=0", "train.cpu_threads=1"]
+
+
+def test_two_ranks_train_k3_tiny_as_one_process_with_their_global_batch(k3_cache, tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    proc = launch(k3_cache, *K3, "train.max_steps=4", "train.batch_size=4", f"hydra.run.dir={one}", ranks=None)
+    assert proc.returncode == 0, proc.stderr
+    proc = launch(k3_cache, *K3, "train.max_steps=4", "train.batch_size=2", f"hydra.run.dir={two}")
+    assert proc.returncode == 0, proc.stderr
+    for event in ("train", "eval"):
+        a, b = steps(one, event), steps(two, event)
+        assert sorted(a) == sorted(b) and len(a) >= 2
+        for step in a:
+            assert b[step] == pytest.approx(a[step], rel=1e-5), (event, step)
+    clipped = [e["qk_clip"]["n_clipped"] for e in read_metrics(two / "metrics.jsonl") if e["event"] == "train"]
+    assert sum(clipped) > 0, "tau=0.05 must clip, or this case does not test QK-Clip across ranks"
+    a, b = load_checkpoint(one / "last.pt"), load_checkpoint(two / "last.pt")
+    for name, value in a["model"].items():
+        torch.testing.assert_close(b["model"][name], value, rtol=0, atol=1e-5)
+
+
 def test_a_dead_rank_ends_the_job_and_resume_continues_exactly(k3_cache, tmp_path):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     args = [*SMOKE, "train.max_steps=8", "train.batch_size=2"]
