@@ -4,19 +4,35 @@ from k3train.train.cpu import configure_openmp
 
 configure_openmp()  # before anything imports torch: OpenMP reads its wait policy once, when it loads
 
+import os  # noqa: E402
+import sys  # noqa: E402
+
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from k3train.config import register_configs  # noqa: E402
+from k3train.train import distributed  # noqa: E402
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="pkg://k3train.conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def compose_and_run(cfg: DictConfig) -> None:
     from k3train.train.runner import run
 
     run(cfg)
+
+
+def main() -> None:
+    # Before Hydra: every rank must resolve the same run directory (rank 0's start time, see distributed.py).
+    world = distributed.init_from_env()
+    if not world.is_main:
+        sys.argv.append("hydra.output_subdir=null")  # rank 0 alone writes .hydra/ (and everything else)
+        sys.stdout = open(os.devnull, "w")  # one summary and progress display per run; errors still reach stderr
+    try:
+        compose_and_run()
+    finally:
+        distributed.close()
 
 
 if __name__ == "__main__":

@@ -17,9 +17,10 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Optional, get_type_hints
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from k3train.train.cpu import parse_threads
+from k3train.train.distributed import run_start
 
 
 @dataclass
@@ -81,7 +82,7 @@ class TrainConfig:
 
 # Recipe fields that define what one update is: a resumed run must agree on them. Everything else (max_steps,
 # intervals, eval size, clipping, seed...) may change between sessions.
-RESUME_MUST_MATCH = ("batch_size", "seq_len", "gradient_accumulation_steps", "overfit_batch")
+RESUME_MUST_MATCH = ("seq_len", "gradient_accumulation_steps", "overfit_batch")  # and the global batch (runner)
 
 # Model config fields that choose an implementation, not the function or the parameters: a run may continue
 # on other hardware with another one (chunk on a CPU, fla on a GPU).
@@ -109,6 +110,7 @@ class Config:
     schedule: Any = MISSING
     precision: Any = MISSING
     data: Any = MISSING
+    parallel: Any = MISSING
     callbacks: Any = field(default_factory=dict)  # name -> `_target_` node of a k3train.train.callbacks.Callback
     logger: Any = field(default_factory=dict)  # name -> `_target_` node of a metrics sink, besides metrics.jsonl
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -135,3 +137,5 @@ def check_known_keys(cfg, schema: type = Config, prefix: str = "") -> None:
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
+    # hydra.run.dir's timestamp: the same in every process of a multi-process run (k3train/train/distributed.py)
+    OmegaConf.register_new_resolver("run_start", run_start, replace=True)

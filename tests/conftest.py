@@ -55,3 +55,47 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def _gloo_rank(rank: int, fn, world_size: int, workdir: Path, args: tuple) -> None:
+    """One spawned rank: join the gloo group through a file in workdir, run fn, save its result for the parent."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # 2 ranks on 2 cores
+    # A collective that one rank never reaches raises after this long instead of blocking.
+    dist.init_process_group("gloo", init_method=f"file://{workdir / 'store'}", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=30))
+    try:
+        result = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, workdir / f"rank{rank}.pt")
+
+
+def run_on_gloo_ranks(fn, workdir: Path, *args, world_size: int = 2, timeout: float = 120) -> list:
+    """fn(rank, world_size, *args) in world_size spawned processes joined in a gloo group -> each rank's result.
+    fn must be importable (module level) and return what torch.load(weights_only=True) reads back. workdir: an
+    empty directory of this call's own (the group's FileStore lives there, so concurrent tests never collide).
+    A rank's exception fails the caller with its traceback; a run past `timeout` seconds is killed and fails."""
+    import time
+
+    import torch
+    import torch.multiprocessing as mp
+
+    context = mp.spawn(_gloo_rank, args=(fn, world_size, workdir, args), nprocs=world_size, join=False)
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=max(deadline - time.monotonic(), 0)):
+        if time.monotonic() >= deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{fn.__name__} on {world_size} gloo ranks did not finish within {timeout:.0f} s")
+    return [torch.load(workdir / f"rank{rank}.pt", weights_only=True) for rank in range(world_size)]
+
+
+@pytest.fixture(scope="session")
+def gloo_ranks():
+    """run_on_gloo_ranks: spawn a gloo process group and collect what each rank returns."""
+    return run_on_gloo_ranks

@@ -10,11 +10,14 @@ handshake files:
                    temporary file exists
   enospc:N         the N-th write of last.pt's temporary file meets a full disk half-way: torch.save's writes
                    fail with ENOSPC, and torch reacts as it does on a real full disk
+  die_step:N       after the train event of step N, SIGKILL this process if its RANK is K3TRAIN_FAULT_RANK (default
+                   1): one rank of a multi-process run dies
 """
 
 import errno
 import io
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -54,6 +57,17 @@ def install(faults: dict[str, int]) -> None:
             return record
 
         metrics.MetricsLogger.log = log_then_pause
+
+    if "die_step" in faults and os.environ.get("RANK") == os.environ.get("K3TRAIN_FAULT_RANK", "1"):
+        log_before_death = metrics.MetricsLogger.log
+
+        def log_then_die(self, event, **fields):
+            record = log_before_death(self, event, **fields)
+            if event == "train" and fields.get("step") == faults["die_step"]:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return record
+
+        metrics.MetricsLogger.log = log_then_die
 
     if "pause_replace" in faults:
         replace = os.replace

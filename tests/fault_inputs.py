@@ -107,7 +107,7 @@ BAD_INPUTS = [
     BadInput("checkpoint whose unpickling runs code", ["resume=auto"], 2, ["last.pt"], existing=True,
              damage=_malicious),
     BadInput("incompatible checkpoint (model and recipe)", ["resume=auto", "model.d_model=32", "train.batch_size=3"],
-             2, ["d_model was 64, now 32", "batch_size was 2, now 3"], existing=True),
+             2, ["d_model was 64, now 32", "global_batch_size was 2, now 3"], existing=True),
     BadInput("fresh run into an existing run's directory", [], 2, ["already holds a run", "resume=auto"],
              existing=True),
     BadInput("another run's checkpoint into an existing run's directory", ["resume={other}/last.pt"], 2,

@@ -48,7 +48,7 @@ def test_smoke_run_writes_ordered_events_manifest_and_checkpoint(run_cli, tmp_pa
     assert set(ckpt) == {"meta", "model", "optimizer", "scaler", "trainer", "plan", "train_loader", "val_loader", "rng"}
     assert ckpt["trainer"]["step"] == 6 and ckpt["trainer"]["tokens"] == 6 * 64
     assert ckpt["train_loader"]["cursor"] == 6 * 64 and ckpt["val_loader"]["cursor"] == 0
-    assert ckpt["meta"]["recipe"]["batch_size"] == 2
+    assert ckpt["meta"]["recipe"]["global_batch_size"] == 2
     assert ckpt["meta"]["data"]["fingerprint"] == manifest["data"]["fingerprint"]
 
 
@@ -124,7 +124,7 @@ def test_resume_refuses_an_incompatible_checkpoint_and_touches_nothing(run_cli, 
     proc = run_cli(*TINY, "train.max_steps=4", "model.d_model=32", "train.batch_size=3", "resume=auto",
                    f"hydra.run.dir={run_dir}")
     assert proc.returncode == 2
-    assert "d_model was 64, now 32" in proc.stderr and "batch_size was 2, now 3" in proc.stderr
+    assert "d_model was 64, now 32" in proc.stderr and "global_batch_size was 2, now 3" in proc.stderr
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
 
 

@@ -8,7 +8,8 @@ cannot be filled, next_batch raises EndOfData (call reset() to start another pas
 
 Data parallel: with world_size W the global batch is W*B rows; rank r returns rows r*B..(r+1)*B-1 of it, i.e.
 the B*T+1 tokens starting at cursor + r*B*T, and every rank's cursor advances by W*B*T. W ranks at batch B thus
-see exactly what one process at batch W*B sees, and the cursor (and state_dict) is the same on every rank.
+see exactly what one process at batch W*B sees, and the cursor (and state_dict) is the same on every rank; a state
+restores into any W' and B' with W'*B' = W*B (a resume on another number of processes with the same global batch).
 """
 
 from __future__ import annotations
@@ -98,16 +99,23 @@ class TokenDataLoader:
             raise ValueError(f"loader state lacks {missing}; it was not written by TokenDataLoader.state_dict()")
         problems = [
             f"{key}: saved {state[key]!r}, this loader has {expected[key]!r}"
-            for key in ("fingerprint", "split", "batch_size", "seq_len", "world_size")
+            for key in ("fingerprint", "split", "seq_len")
             if state[key] != expected[key]
         ]
+        # The cursor counts global batches, so any split of the same global batch over ranks continues it exactly.
+        saved_rows, rows = state["batch_size"] * state["world_size"], self.batch_size * self.world_size
+        if saved_rows != rows:
+            problems.append(f"global batch (batch_size x world_size): saved {state['batch_size']} x "
+                            f"{state['world_size']} = {saved_rows} rows, this loader has {self.batch_size} x "
+                            f"{self.world_size} = {rows}")
         cursor = state["cursor"]
         if not isinstance(cursor, int) or not 0 <= cursor <= self.dataset.num_tokens:
             problems.append(f"cursor: saved {cursor!r}, outside this split's 0..{self.dataset.num_tokens}")
         if problems:
             raise ValueError(
                 f"cannot restore the {self.dataset.split} loader of {self.dataset.path}: " + "; ".join(problems)
-                + " (resume with the dataset, batch_size, seq_len and world_size the checkpoint was written with)"
+                + " (resume with the dataset, seq_len and global batch the checkpoint was written with: train.batch_size x "
+                "the number of processes)"
             )
         self.cursor = cursor
 

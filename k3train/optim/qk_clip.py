@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Optional, Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from k3train.train.callbacks import Callback
@@ -61,6 +62,7 @@ def qk_clip_(model: nn.Module, tau: float) -> dict:
     {"max_logit": {module name: float (max over heads, before clipping)},
      "clipped_heads": {module name: [head indices clipped]}, "n_clipped": int}.
     MLA modules with no measurement (tracking off, or no training forward since the last call) are skipped.
+    Under data parallelism the measurement is the max over every rank's tokens, so every rank clips alike.
     """
     if not tau > 0:
         raise ValueError(f"QK-Clip threshold tau={tau} must be > 0")
@@ -69,6 +71,10 @@ def qk_clip_(model: nn.Module, tau: float) -> dict:
     for name, m in _mla_modules(model).items():
         if m.max_logit is None:
             continue
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # NaN as inf first: a max with NaN depends on the order of the operands, inf is non-finite on every rank.
+            m.max_logit = torch.nan_to_num(m.max_logit, nan=float("inf"))
+            dist.all_reduce(m.max_logit, op=dist.ReduceOp.MAX)
         s = m.max_logit
         m.max_logit = None  # consumed: the next update's forward passes start a fresh running max
         max_logit[name] = s.max().item()

@@ -73,7 +73,8 @@ def check_compatible(saved: dict, current: dict, path: Path) -> None:
     problems = []
     for key, what, fix in (
         ("model_config", "model config", "use the model config the checkpoint was trained with"),
-        ("recipe", "training recipe", "restore these train.* / precision settings"),
+        ("recipe", "training recipe", "restore these train.* / precision settings; global_batch_size is "
+                                      "train.batch_size x the number of processes"),
         ("optimizer_layout", "optimizer param groups", "use the same optim config"),
         ("data", "dataset identity", "point data at the dataset the checkpoint was trained on"),
     ):
@@ -111,8 +112,9 @@ class Checkpointer:
     checkpoint last.pt replaces stays as previous.pt (a hard link: free) until `update_went_on()` says an update
     went on from the new one, and `set_aside_diverged()` puts it back if the run diverges first."""
 
-    def __init__(self, run_dir: Path, meta: dict, keep_last_k: int = 0):
+    def __init__(self, run_dir: Path, meta: dict, keep_last_k: int = 0, writer: bool = True):
         self.run_dir = Path(run_dir)
+        self.writer = writer  # rank 0 writes; under DDP every rank holds the same state and only reads
         self.meta = {**meta, "format_version": FORMAT_VERSION}
         self.keep_last_k = keep_last_k
         self.parts: dict[str, Stateful] = {}
@@ -132,7 +134,11 @@ class Checkpointer:
         self.parts[name] = part
 
     def save(self, step: int) -> int:
-        """Write every part to last.pt (at an update boundary); returns the file's size in bytes."""
+        """Write every part to last.pt (at an update boundary); returns the file's size in bytes (0 where this
+        process is not the writer)."""
+        if not self.writer:
+            self.saved_step = step
+            return 0
         self.previous_path.unlink(missing_ok=True)
         self._previous_kept = False
         if self.saved_step is not None and self.path.exists():  # last.pt is this line's (not a later one left
@@ -167,7 +173,7 @@ class Checkpointer:
 
     def update_went_on(self) -> None:
         """An update went on from last.pt: it is a good checkpoint, and previous.pt is no longer needed."""
-        if self._previous_kept:
+        if self._previous_kept and self.writer:
             self.previous_path.unlink(missing_ok=True)
             self._previous_step, self._previous_kept = None, False
 
@@ -175,6 +181,8 @@ class Checkpointer:
         """The run diverged at `step`: leave in last.pt a checkpoint an update went on from, and say which one it
         is and what to do (`fix`)."""
         last = self.path
+        if not self.writer:
+            return f"rank 0 reports which checkpoint is good: {fix}"
         if not last.exists():
             return f"No checkpoint was written: {fix} and start again"
         if self.saved_step is None:

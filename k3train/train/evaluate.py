@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from k3train.data import EndOfData
+from k3train.train.distributed import mean_across_ranks
 from k3train.train.rng import capture_rng_state, restore_rng_state
 
 
@@ -34,5 +35,6 @@ def evaluate(model, val_loader, num_batches: int, precision, device: torch.devic
         val_loader.load_state_dict(cursor)
         restore_rng_state(rng)
         model.train(was_training)
-    loss = torch.stack(losses).mean().item()
-    return {"loss": loss, "batches": len(losses), "val_tokens": len(losses) * val_loader.tokens_per_batch}
+    # Every rank read its rows of the same global batches: their mean is the global batch's loss.
+    loss = mean_across_ranks(torch.stack(losses).mean().item(), device)
+    return {"loss": loss, "batches": len(losses), "val_tokens": len(losses) * val_loader.global_tokens_per_batch}

@@ -28,13 +28,14 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig, check_known_keys
+from k3train.files import remove_stale_temp_files
 from k3train.models.protocol import missing_members
 from k3train.optim.summary import format_param_groups, summarize_param_groups
 from k3train.train import rundir
 from k3train.train.callbacks import Callback
 from k3train.train.checkpoint import Checkpointer, CheckpointError
 from k3train.train.cpu import ThreadChoice, apply_threads, choose_threads, cpu_runtime
-from k3train.files import remove_stale_temp_files
+from k3train.train.distributed import World, current_world
 from k3train.train.manifest import RunManifest, environment
 from k3train.train.metrics import MetricsLogger, MetricsSink
 from k3train.train.rng import configure_determinism, seed_everything
@@ -54,16 +55,27 @@ class RunFinished(Exception):
     """A resumed run that has nothing left to do."""
 
 
-def check_single_process() -> None:
-    """torchrun sets WORLD_SIZE; each process would train its own copy of the same run until data parallelism lands."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        raise ValueError(f"WORLD_SIZE={world_size}: data-parallel training is not implemented yet, so {world_size} "
-                         "processes would train independent copies of one run; start one process "
-                         "(python -m k3train, or torchrun --nproc_per_node=1)")
+class NotOwner:
+    """The claim of a rank other than 0: rank 0 holds the run directory's lock and undoes a refused start."""
+
+    def undo(self) -> None:
+        pass
+
+    def release(self) -> None:
+        pass
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, world: World) -> torch.device:
+    """train.device; with several processes per node, CUDA means this process's local GPU."""
+    device = _parse_device(name)
+    if device.type == "cuda" and world.distributed:
+        if device.index is None:
+            device = torch.device("cuda", world.local_rank)
+        torch.cuda.set_device(device)
+    return device
+
+
+def _parse_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -109,10 +121,11 @@ class RunDirGuard(HydraCallback):
 
     def on_run_start(self, config: DictConfig, **kwargs) -> None:
         HydraConfig.instance().set_config(config)  # run.dir may use ${hydra:...}; run_job sets the same config
+        if not current_world().is_main:
+            return  # rank 0 owns the directory; the other ranks write nothing to it
         run_dir = Path(config.hydra.run.dir)
         claim = None
         try:
-            check_single_process()
             claim = rundir.claim(run_dir)
             resolve_resume(config.resume, run_dir)
         except USER_ERRORS as exc:
@@ -121,13 +134,14 @@ class RunDirGuard(HydraCallback):
             _fail(_describe(exc), 2, multirun=False)
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        try:
-            check_single_process()
-        except ValueError as exc:
-            _fail(_describe(exc), 2, multirun=False)
+        world = current_world()
+        if world.distributed:
+            _fail(f"a multirun (-m) started as {world.size} processes would run every job in each of them: start "
+                  "the sweep as one process (its jobs may each use several processes through the submitit launcher)",
+                  2, multirun=False)
 
 
-def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data) -> dict:
+def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data, world: World) -> dict:
     """The identities a checkpoint pins and a resume must match."""
     layout = {
         g.get("name", str(i)): f"{len(g['params'])} tensors, {sum(p.numel() for p in g['params'])} values"
@@ -137,7 +151,9 @@ def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data) -> dic
     return {
         "model_config": {k: v for k, v in dataclasses.asdict(model.config).items()
                          if k not in RESUME_MAY_CHANGE_MODEL},
-        "recipe": {**{f: getattr(train_cfg, f) for f in RESUME_MUST_MATCH}, "precision": precision.dtype,
+        # The global batch, not the per-process one: a resume may split it over another number of processes.
+        "recipe": {**{f: getattr(train_cfg, f) for f in RESUME_MUST_MATCH},
+                   "global_batch_size": train_cfg.batch_size * world.size, "precision": precision.dtype,
                    "optimizer": type(optimizer).__name__},
         "optimizer_layout": layout,
         "data": {"fingerprint": identity["fingerprint"], "val_fingerprint": identity.get("val_fingerprint"),
@@ -149,8 +165,7 @@ def run(cfg: DictConfig) -> Optional[str]:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     try:
-        check_single_process()
-        claim = rundir.claimed(run_dir) or rundir.claim(run_dir)
+        claim = (rundir.claimed(run_dir) or rundir.claim(run_dir)) if current_world().is_main else NotOwner()
     except USER_ERRORS as exc:
         return _fail(_describe(exc), 2, multirun)
     try:
@@ -167,14 +182,16 @@ def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bo
         if isinstance(exc, RunFinished):
             # A writer killed after the final checkpoint (writing run.json, say) may have left a temporary file;
             # the lock is ours, so it is dead: its temporary file is no user's data.
-            remove_stale_temp_files(run_dir)
+            if current_world().is_main:
+                remove_stale_temp_files(run_dir)
             print(f"k3train: {exc}", flush=True)
             return "finished"
         cause = exc.__cause__ if isinstance(exc, InstantiationException) else exc
         if not isinstance(cause, (*USER_ERRORS, MissingMandatoryValue)) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         return _fail(_describe(cause), 2, multirun)
-    removed = remove_stale_temp_files(run_dir)  # the lock is ours: their writers are dead
+    removed = remove_stale_temp_files(run_dir) if current_world().is_main else []  # the lock is ours: their
+    # writers are dead
     if removed:
         print(f"removed {len(removed)} temporary file(s) left by an interrupted writer: "
               + ", ".join(p.name for p in removed), flush=True)
@@ -209,10 +226,14 @@ def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bo
     return reason
 
 
-def _close(trainer: Trainer, metrics: MetricsLogger, manifest: RunManifest, reason: str) -> Optional[OSError]:
+def _close(trainer: Trainer, metrics: MetricsLogger, manifest: Optional[RunManifest],
+           reason: str) -> Optional[OSError]:
     """End the session's log and manifest entry; a write that fails is returned (the run is already over)."""
     error = None
-    for close in (metrics.close, lambda: manifest.end_session(reason, trainer.state.step, trainer.state.tokens)):
+    closes = [metrics.close]
+    if manifest is not None:
+        closes.append(lambda: manifest.end_session(reason, trainer.state.step, trainer.state.tokens))
+    for close in closes:
         try:
             close()
         except OSError as exc:
@@ -259,7 +280,8 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict:
     check_known_keys(cfg)
     train_cfg: TrainConfig = OmegaConf.to_object(cfg.train)
     profile_cfg = OmegaConf.to_object(cfg.profile)
-    device = resolve_device(train_cfg.device)
+    world = current_world()
+    device = resolve_device(train_cfg.device, world)
     precision = instantiate(cfg.precision)
     precision.check_device(device)
     resume_path = resolve_resume(cfg.resume, run_dir)
@@ -279,21 +301,21 @@ def _build(cfg: DictConfig, run_dir: Path) -> dict:
         raise TypeError(f"model {cfg.model._target_} built a {type(model).__name__}, which lacks {', '.join(missing)}: "
                         "a model implements k3train/models/protocol.py's LanguageModel")
     model.check_data(data.vocab_size, train_cfg.seq_len)
-    rank, world_size = 0, 1  # one process: check_single_process() refused more
-    train_loader, val_loader = data.loaders(train_cfg.batch_size, train_cfg.seq_len, rank=rank, world_size=world_size)
+    train_loader, val_loader = data.loaders(train_cfg.batch_size, train_cfg.seq_len, rank=world.rank,
+                                            world_size=world.size)
     model.to(device)
     optimizer = instantiate(cfg.optim)(model)
     callbacks = _build_named(cfg.callbacks, Callback, "callbacks")
     sinks = _build_named(cfg.logger, MetricsSink, "logger", run_dir=str(run_dir))
 
     # The log file is opened at its first event, after all checks.
-    metrics = MetricsLogger(run_dir / "metrics.jsonl", sinks=list(sinks.values()), enabled=rank == 0)
-    checkpointer = Checkpointer(run_dir, build_meta(model, optimizer, train_cfg, precision, data),
-                                train_cfg.keep_last_k)
+    metrics = MetricsLogger(run_dir / "metrics.jsonl", sinks=list(sinks.values()), enabled=world.is_main)
+    checkpointer = Checkpointer(run_dir, build_meta(model, optimizer, train_cfg, precision, data, world),
+                                train_cfg.keep_last_k, writer=world.is_main)
     trainer = Trainer(model=model, optimizer=optimizer, schedule_factory=instantiate(cfg.schedule),
                       precision=precision, train_loader=train_loader, val_loader=val_loader, config=train_cfg,
                       device=device, metrics=metrics, checkpointer=checkpointer, callbacks=callbacks,
-                      profile=profile_cfg)
+                      parallel=instantiate(cfg.parallel), profile=profile_cfg)
     if resume_path is not None:
         trainer.resume(resume_path)
         done = trainer.plan.done()
@@ -325,7 +347,9 @@ def _finished_message(resume_path: Path, reason: str, trainer: Trainer) -> str:
 
 
 def _open_session(cfg: DictConfig, run_dir: Path, *, trainer: Trainer, metrics: MetricsLogger, data,
-                  resume_path: Optional[Path], threads: ThreadChoice) -> tuple[RunManifest, MetricsLogger]:
+                  resume_path: Optional[Path], threads: ThreadChoice) -> tuple[Optional[RunManifest], MetricsLogger]:
+    if not current_world().is_main:
+        return None, metrics  # rank 0 writes run.json and shows the summary
     model, optimizer = trainer.model, trainer.optimizer
     manifest = RunManifest(run_dir)
     manifest.start_session(
@@ -354,6 +378,7 @@ def _print_summary(run_dir: Path, trainer: Trainer, threads: ThreadChoice) -> No
     if trainer.device.type == "cpu":
         lines.insert(2, f"  cpu: {threads.describe()}")
     lines += ["    " + row for row in format_param_groups(optimizer.param_groups).splitlines()]
+    lines.append(f"  parallel: {trainer.parallel.describe()}")
     lines.append(f"  schedule: {schedule.describe()}")
     lines += [f"  {callback.describe()}" for callback in trainer.callbacks.values()]
     lines.append(f"  token plan: {trainer.tokens_per_update:,} tokens per nominal update x {trainer.total_steps} "

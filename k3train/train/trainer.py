@@ -13,6 +13,7 @@ results: k micro-batches see k state changes where one big batch would see one.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from pathlib import Path
@@ -25,8 +26,10 @@ from k3train.data import EndOfData
 from k3train.models.protocol import LanguageModel
 from k3train.train.callbacks import Callback
 from k3train.train.checkpoint import Checkpointer
+from k3train.train.distributed import any_across_ranks, mean_across_ranks
 from k3train.train.evaluate import evaluate
 from k3train.train.metrics import MetricsLogger
+from k3train.train.parallel import DDP
 from k3train.train.plan import TrainingPlan
 from k3train.train.precision import Precision
 from k3train.train.profile import make_profiler
@@ -51,9 +54,10 @@ class Trainer:
     def __init__(self, *, model: LanguageModel, optimizer: torch.optim.Optimizer, schedule_factory: Callable,
                  precision: Precision, train_loader, val_loader, config: TrainConfig, device: torch.device,
                  metrics: MetricsLogger, checkpointer: Checkpointer, callbacks: Optional[dict[str, Callback]] = None,
-                 profile: Optional[ProfileConfig] = None):
-        self.model = model  # the uncompiled module: its state_dict keys stay stable
-        self.forward = torch.compile(model) if config.compile else model
+                 parallel: Optional[DDP] = None, profile: Optional[ProfileConfig] = None):
+        self.model = model  # the unwrapped, uncompiled module: its state_dict keys stay stable
+        self.parallel = parallel or DDP()
+        self.forward = self.parallel.wrap(torch.compile(model) if config.compile else model, device)
         self.optimizer = optimizer
         for i, group in enumerate(optimizer.param_groups):  # the schedule scales initial_lr; names label the log
             group.setdefault("initial_lr", group["lr"])
@@ -70,7 +74,8 @@ class Trainer:
         self.session_start_step = 0
         self.signals = StopSignals()  # the runner installs it around fit(); the loop only reads the flag
         self.label = model.log_label
-        self.tokens_per_update = train_loader.tokens_per_batch * config.gradient_accumulation_steps
+        # Global: every rank's rows of the batch (the loaders' data-parallel view), so plans and logs are per run.
+        self.tokens_per_update = train_loader.global_tokens_per_batch * config.gradient_accumulation_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
         self._fixed_batches: Optional[list] = None  # overfit_batch mode
         self.plan = TrainingPlan(config, self.state, train_loader, self.tokens_per_update, schedule_factory)
@@ -112,14 +117,18 @@ class Trainer:
         accum = self.config.gradient_accumulation_steps
         lr_factor = self.schedule.apply(self.optimizer, self.state.step)
         losses = []
-        for x, y in self._micro_batches():
+        batches = self._micro_batches()
+        for i, (x, y) in enumerate(batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            with self.precision.autocast(self.device):
-                _, loss = self.forward(x, targets=y)
-            self.scaler.scale(loss / accum).backward()
+            last = i == len(batches) - 1  # only its backward all-reduces the gradients across ranks
+            with self.parallel.no_sync(self.forward) if not last else contextlib.nullcontext():
+                with self.precision.autocast(self.device):
+                    _, loss = self.forward(x, targets=y)
+                self.scaler.scale(loss / accum).backward()
             losses.append(loss.detach().float())
         self.state.tokens += self.tokens_per_update
-        loss = torch.stack(losses).mean().item()
+        # The global batch's loss, so every rank takes the same skip-or-step decision (a NaN anywhere is NaN here).
+        loss = mean_across_ranks(torch.stack(losses).mean().item(), self.device)
 
         self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -173,8 +182,12 @@ class Trainer:
                     self.checkpointer.update_went_on()
                     progress.update(self.state.step, result["loss"], window.tokens_per_s())
                     self._after_update(window, progress)
+                # Every rank stops at the same boundary, whichever of them a signal reached.
                 received = self.signals.received
-                reason = f"signal:{received.name}" if received else self._stop_reason()
+                if any_across_ranks(received is not None, self.device):
+                    reason = f"signal:{received.name}" if received else "signal:another rank"
+                else:
+                    reason = self._stop_reason()
         self._finish(reason, progress)
         return reason
 
@@ -232,7 +245,7 @@ class Trainer:
 
     def _finish(self, reason: str, progress: Progress) -> None:
         progress.close()
-        if reason != "stop_after" and self.signals.received is None and self.state.step > 0:
+        if reason != "stop_after" and not reason.startswith("signal:") and self.state.step > 0:
             self.run_eval()  # not when time is short (a signal) or the run goes on (stop_after)
         if self.checkpointer.saved_step != self.state.step:  # an interval checkpoint may have just saved this step
             self.save()

@@ -43,11 +43,24 @@ The bias is a persistent buffer (it travels in state_dict) and changes only in t
 - "none": the bias stays zero.
 
 Choices to know about:
-- The quantile is over the tokens of ONE forward pass. Gradient-accumulated micro-batches therefore are not one
-  big batch for QB: each micro-batch sets the bias the next one routes with. Under DDP the module sees only its
-  rank's tokens; DDP's default broadcast_buffers=True then overwrites every rank's bias with rank 0's at the next
-  forward. A global-batch version would all-gather r before step 3.
-- Eval-mode passes (validation, generation) never touch the bias or the diagnostics.
+- Data-parallel training: when torch.distributed is initialised with more than one rank (or `moe.process_group`
+  names a group: the data-parallel one, when the world is split other ways too), a training-mode pass balances
+  over the GLOBAL batch. Every rank all-gathers its candidates for step 3 (its m+1 smallest r per expert, m from
+  the global token count: the global m+1 smallest are among them, so the quantile is exactly the one over all
+  ranks' r, for about min(1, W k / n) of the traffic of gathering r itself); every rank computes the same bias.
+  The load counts are summed over ranks, so aux_free_bias steps on the global load and the diagnostics describe
+  the global batch. Quantile Balancing needs the same number of tokens on every rank (k3train's loaders give every
+  rank B x T); a mismatch is refused on every rank, naming the counts. DDP's buffer sync before each forward
+  (broadcast_buffers; forward_sync_buffers from torch 2.13) now copies a bias every rank already has: turning it
+  off skips that broadcast. Every rank must run the same training-mode passes: each makes, per MoE layer, one
+  collective for the loads and, under Quantile Balancing, a second for r.
+- What still differs from one big batch: the quantile is over the tokens of ONE forward pass, so gradient-
+  accumulated micro-batches are separate quantiles (each sets the bias the next one routes with); and the router
+  matmul over a rank's N tokens may round differently from one over W*N, so scores, r and the bias can differ in
+  their last bits from a one-process run of the same global batch, which flips a token's choice only at a near
+  tie. Given the same scores, the 2-rank bias is bitwise the 1-rank one.
+- Eval-mode passes (validation, generation) never touch the bias or the diagnostics, and are collective-free:
+  they may run on one rank alone.
 """
 
 from __future__ import annotations
@@ -55,10 +68,13 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 BALANCING = ("quantile_balancing", "aux_free_bias", "none")
+# torch 2.13 renamed all_gather_into_tensor (and warns on the old name); k3train supports torch >= 2.9.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class SwiGLU(nn.Module):
@@ -127,6 +143,8 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(n_routed_experts))  # persistent: in state_dict
         # Diagnostics of the last training-mode pass: tokens per expert [n]. Not state: not in state_dict.
         self.last_load: torch.Tensor | None = None
+        # The ranks whose tokens are balanced together; None: the default group when torch.distributed is on.
+        self.process_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
@@ -163,17 +181,28 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _after_training_route(self, scores: torch.Tensor, experts: torch.Tensor) -> None:
+        group = self._balancing_group()
         load = torch.bincount(experts.reshape(-1), minlength=self.n_experts).float()
+        if group is not None:
+            load, tokens_per_rank = global_load(load, scores.shape[0], group)
         self.last_load = load
         if self.balancing == "quantile_balancing":
-            self.expert_bias.copy_(self._quantile_bias(scores))
+            required = required_bias(scores, self.expert_bias, self.k)
+            if group is None:
+                bias = quantile_bias(required, self.k)
+            else:
+                check_equal_tokens(tokens_per_rank)
+                bias = global_quantile_bias(required, self.k, group)
+            self.expert_bias.copy_(bias - bias.mean())
         elif self.balancing == "aux_free_bias":
             self.expert_bias.add_(self.aux_free_bias_rate * torch.sign(load.mean() - load))
 
-    def _quantile_bias(self, scores: torch.Tensor) -> torch.Tensor:
-        """scores [N, n] fp32 -> the new bias [n] (steps 1-4 of the module docstring)."""
-        bias = quantile_bias(required_bias(scores, self.expert_bias, self.k), self.k)
-        return bias - bias.mean()
+    def _balancing_group(self) -> dist.ProcessGroup | None:
+        """The group whose tokens are balanced together, or None to balance over this process's tokens alone."""
+        group = self.process_group
+        if group is None and dist.is_available() and dist.is_initialized():
+            group = dist.group.WORLD
+        return group if group is not None and dist.get_world_size(group) > 1 else None
 
     def diagnostics(self) -> dict[str, float]:
         """Router health of the last training-mode pass: max/min expert load over the mean, bias range, and the
@@ -201,9 +230,49 @@ def required_bias(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Ten
     return required.scatter_(1, runner_up, top.values[:, -2:-1] - scores.gather(1, runner_up))
 
 
-def quantile_bias(required: torch.Tensor, k: int) -> torch.Tensor:
-    """r [N, n] -> per expert the midpoint of the m-th and (m+1)-th smallest r, m = round(N k / n) (step 3)."""
+def quantile_rank(n_tokens: int, k: int, n_experts: int) -> int:
+    """m = round(N k / n), kept in [1, N - 1] so that the m-th and (m+1)-th smallest exist (step 3)."""
+    return min(max(round(n_tokens * k / n_experts), 1), n_tokens - 1)
+
+
+def quantile_bias(required: torch.Tensor, k: int, n_tokens: int | None = None) -> torch.Tensor:
+    """r [R, n] -> per expert the midpoint of the m-th and (m+1)-th smallest r, m = quantile_rank(N) (step 3).
+    N is R unless given: the rows may be only the candidates for the m+1 smallest of N tokens."""
     N, n = required.shape
-    m = min(max(round(N * k / n), 1), N - 1)
+    m = quantile_rank(N if n_tokens is None else n_tokens, k, n)
     lowest = torch.topk(required, m + 1, dim=0, largest=False).values  # [m+1, n], ascending
     return 0.5 * (lowest[m - 1] + lowest[m])
+
+
+# --- data-parallel balancing: every rank ends with the same bias, the one of all ranks' tokens together ----------
+
+def all_gather_rows(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[R, ...] from each of W ranks (the same R) -> [W*R, ...], rank 0's rows first, the same on every rank."""
+    out = local.new_empty(dist.get_world_size(group) * local.shape[0], *local.shape[1:])
+    _all_gather_single(out, local.contiguous(), group=group)
+    return out
+
+
+def global_load(load: torch.Tensor, n_tokens: int, group: dist.ProcessGroup) -> tuple[torch.Tensor, list[int]]:
+    """This rank's tokens per expert [n] and token count -> the sum of the loads over ranks [n] and every rank's
+    token count, in one collective (fp64: counts are exact integers there)."""
+    local = torch.cat([load.double(), load.new_tensor([n_tokens], dtype=torch.float64)])
+    per_rank = all_gather_rows(local[None], group)  # [W, n+1]
+    return per_rank[:, :-1].sum(0).to(load.dtype), [int(t) for t in per_rank[:, -1].tolist()]
+
+
+def check_equal_tokens(tokens_per_rank: list[int]) -> None:
+    if len(set(tokens_per_rank)) > 1:
+        raise ValueError(
+            f"Quantile Balancing over ranks needs the same number of tokens on every rank, got {tokens_per_rank} "
+            "(tokens per rank, in rank order): give every rank the same batch_size and seq_len")
+
+
+def global_quantile_bias(required: torch.Tensor, k: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """This rank's r [N, n] -> quantile_bias of every rank's r stacked, exactly. The global m+1 smallest of an
+    expert's r are among the union of each rank's m+1 smallest, so only those travel."""
+    N, n = required.shape
+    n_tokens = N * dist.get_world_size(group)
+    m = quantile_rank(n_tokens, k, n)
+    candidates = torch.topk(required, min(m + 1, N), dim=0, largest=False).values  # [min(m+1, N), n]
+    return quantile_bias(all_gather_rows(candidates, group), k, n_tokens)

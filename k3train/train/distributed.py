@@ -1,0 +1,131 @@
+"""Processes of one run: who they are (World), the process group, and the few collectives the loop needs.
+
+A run is one process unless a launcher says otherwise:
+- torchrun (torch.distributed.run) sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT;
+- srun with several tasks sets SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NTASKS_PER_NODE... and the
+  rendezvous address is the first host of the step's node list (MASTER_ADDR/MASTER_PORT win when set).
+`python -m k3train` starts the process group (gloo for CPU tensors, NCCL for CUDA ones) before Hydra composes the
+config, so that every rank resolves the same run directory: rank 0's start time is broadcast and the
+`${run_start:FORMAT}` resolver formats it (conf/config.yaml's hydra.run.dir uses it instead of `${now:...}`).
+Only rank 0 writes the run directory; the other ranks run with hydra.output_subdir=null.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    local_size: int = 1
+    master_addr: Optional[str] = None
+    master_port: Optional[int] = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+
+def world_from_env(env: Mapping[str, str] = os.environ) -> World:
+    """The World a launcher described in the environment (a single process when none did)."""
+    if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, or a launcher that sets the same variables
+        return World(rank=int(env["RANK"]), size=int(env["WORLD_SIZE"]), local_rank=int(env.get("LOCAL_RANK", 0)),
+                     local_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+                     master_addr=env.get("MASTER_ADDR"), master_port=_int_or_none(env.get("MASTER_PORT")))
+    if int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1"))) > 1 and "SLURM_PROCID" in env \
+            and "SLURM_STEP_ID" in env:  # tasks of one srun step (an sbatch script's own shell is not one)
+        size = int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS")))
+        local_size = int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or size)
+        job = int(env.get("SLURM_JOB_ID", "0"))
+        return World(rank=int(env["SLURM_PROCID"]), size=size, local_rank=int(env.get("SLURM_LOCALID", 0)),
+                     local_size=local_size,
+                     master_addr=env.get("MASTER_ADDR") or _first_host(env.get("SLURM_STEP_NODELIST")
+                                                                       or env.get("SLURM_JOB_NODELIST", "")),
+                     master_port=_int_or_none(env.get("MASTER_PORT")) or 20000 + job % 20000)
+    return World()
+
+
+def _int_or_none(value: Optional[str]) -> Optional[int]:
+    return int(value) if value else None
+
+
+def _first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list (`node[01-04]` style), as `scontrol show hostnames` expands it."""
+    if not nodelist:
+        return "127.0.0.1"
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                             timeout=30, check=True).stdout.split()
+        return out[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return nodelist.split(",")[0].split("[")[0]  # a plain host name, or the best guess without scontrol
+
+
+_WORLD = World()
+_START_TIME = time.time()
+
+
+def init_from_env(env: Mapping[str, str] = os.environ) -> World:
+    """Start the process group the launcher described, and agree on rank 0's start time. Idempotent."""
+    global _WORLD, _START_TIME
+    world = world_from_env(env)
+    if world.distributed and not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", world.master_addr or "127.0.0.1")
+        if world.master_port is not None:
+            os.environ.setdefault("MASTER_PORT", str(world.master_port))
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method="env://", rank=world.rank, world_size=world.size,
+                                timeout=datetime.timedelta(minutes=int(os.environ.get("K3TRAIN_DIST_TIMEOUT_MIN",
+                                                                                      "30"))))
+        start = [_START_TIME]
+        dist.broadcast_object_list(start, src=0)
+        _START_TIME = start[0]
+    _WORLD = world
+    return world
+
+
+def current_world() -> World:
+    return _WORLD
+
+
+def run_start(fmt: str) -> str:
+    """The `${run_start:FORMAT}` resolver: the run's start time (rank 0's), strftime-formatted."""
+    return time.strftime(fmt, time.localtime(_START_TIME))
+
+
+def mean_across_ranks(value: float, device: torch.device) -> float:
+    """The mean of a per-rank figure over all ranks (the figure itself in one process)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def any_across_ranks(flag: bool, device: torch.device) -> bool:
+    """Whether any rank's flag is set (the flag itself in one process)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def close() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

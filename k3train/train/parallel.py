@@ -1,0 +1,36 @@
+"""How the model is replicated across the ranks of a run (conf/parallel/): DDP.
+
+In one process `wrap` returns the model itself and `no_sync` does nothing, so the update loop has one code path.
+DDP (torch.nn.parallel.DistributedDataParallel) all-reduces (averages) gradients during backward; under gradient
+accumulation only the last micro-batch's backward does (`no_sync` for the others), so an update costs one
+all-reduce however many micro-batches it has. Buffers are not broadcast from rank 0 (broadcast_buffers=False): the
+ones k3train's models keep (the MoE balancing bias) are computed from the global batch on every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+
+class DDP:
+    def __init__(self, bucket_cap_mb: int = 25):
+        self.bucket_cap_mb = bucket_cap_mb
+
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return model
+        return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                       broadcast_buffers=False, bucket_cap_mb=self.bucket_cap_mb)
+
+    def no_sync(self, module: nn.Module):
+        """Backward without the gradient all-reduce (all but the last micro-batch of an update)."""
+        return module.no_sync() if isinstance(module, DistributedDataParallel) else contextlib.nullcontext()
+
+    def describe(self) -> str:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return f"DDP over {world} process(es)" if world > 1 else "one process"
