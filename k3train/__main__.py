@@ -25,7 +25,11 @@ def compose_and_run(cfg: DictConfig) -> None:
 
 def main() -> None:
     # Before Hydra: every rank must resolve the same run directory (rank 0's start time, see distributed.py).
-    world = distributed.init_from_env()
+    try:
+        world = distributed.init_from_env()
+    except distributed.LaunchError as exc:  # before Hydra: nothing is written yet
+        print(f"k3train: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if not world.is_main:
         sys.argv.append("hydra.output_subdir=null")  # rank 0 alone writes .hydra/ (and everything else)
         sys.stdout = open(os.devnull, "w")  # one summary and progress display per run; errors still reach stderr

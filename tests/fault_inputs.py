@@ -97,7 +97,7 @@ BAD_INPUTS = [
     BadInput("optim.lr<0", ["optim.lr=-0.001"], 2, ["optim.lr"], needs=I9),
     BadInput("seq_len over the model's max_seq_len", ["train.seq_len=8192"], 2, ["max_seq_len"]),
     BadInput("malformed kda_mla_ratio", ["model=k3_tiny", "model.kda_mla_ratio=abc"], 2, ["must look like '3:1'"]),
-    BadInput("WORLD_SIZE=2", [], 2, ["WORLD_SIZE"], env={"WORLD_SIZE": "2"}),
+    BadInput("WORLD_SIZE=2 without RANK", [], 2, ["WORLD_SIZE=2 is set but RANK is not"], env={"WORLD_SIZE": "2"}),
     BadInput("corrupt checkpoint", ["resume=auto"], 2, ["last.pt", "cannot be read"], existing=True,
              damage=_corrupt),
     BadInput("truncated checkpoint", ["resume=auto"], 2, ["last.pt", "cannot be read"], existing=True,

@@ -164,14 +164,15 @@ def test_a_refused_start_never_removes_a_directory_that_existed(run_cli, tmp_pat
     assert sorted(p.name for p in run_dir.iterdir()) == ["notes.txt"]  # no .hydra/, no .lock
 
 
-# ---- defect 17: one process until data-parallel training lands ------------------------------------------------------
-def test_a_world_size_above_one_is_refused_before_any_directory_is_written(run_cli, tmp_path, monkeypatch):
-    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun --nproc_per_node=2 sets in each process
+# ---- a launcher environment set by hand, half-way --------------------------------------------------------------------
+def test_a_half_set_launcher_environment_is_refused_before_any_directory_is_written(run_cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun --nproc_per_node=2 sets in each process, beside MASTER_PORT
     monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
     proc = run_cli(*TINY, "train.max_steps=2", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2
     lines = error_lines(proc)
-    assert len(lines) == 1 and "WORLD_SIZE=2: data-parallel training is not implemented yet" in lines[0]
+    assert len(lines) == 1 and "MASTER_PORT is not" in lines[0] and "torchrun" in lines[0]
     assert not (tmp_path / "run").exists()
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass
@@ -41,12 +42,25 @@ class World:
         return self.size > 1
 
 
+class LaunchError(ValueError):
+    """An environment that describes several processes incompletely (a launcher's variables set by hand, say)."""
+
+
 def world_from_env(env: Mapping[str, str] = os.environ) -> World:
     """The World a launcher described in the environment (a single process when none did)."""
+    if int(env.get("WORLD_SIZE", "1")) > 1 and "RANK" not in env:
+        raise LaunchError(f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: start the processes with torchrun "
+                          "(which sets both), or unset WORLD_SIZE to run one process")
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, or a launcher that sets the same variables
-        return World(rank=int(env["RANK"]), size=int(env["WORLD_SIZE"]), local_rank=int(env.get("LOCAL_RANK", 0)),
+        world = World(rank=int(env["RANK"]), size=int(env["WORLD_SIZE"]), local_rank=int(env.get("LOCAL_RANK", 0)),
                      local_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
                      master_addr=env.get("MASTER_ADDR"), master_port=_int_or_none(env.get("MASTER_PORT")))
+        if not 0 <= world.rank < world.size:
+            raise LaunchError(f"RANK={world.rank} is not one of the WORLD_SIZE={world.size} ranks 0..{world.size - 1}")
+        if world.distributed and world.master_port is None:
+            raise LaunchError(f"RANK={world.rank} and WORLD_SIZE={world.size} are set but MASTER_PORT is not: start the "
+                              "processes with torchrun (which sets it), or set MASTER_ADDR and MASTER_PORT")
+        return world
     if int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1"))) > 1 and "SLURM_PROCID" in env \
             and "SLURM_STEP_ID" in env:  # tasks of one srun step (an sbatch script's own shell is not one)
         size = int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS")))
@@ -72,8 +86,9 @@ def _first_host(nodelist: str) -> str:
         out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
                              timeout=30, check=True).stdout.split()
         return out[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return nodelist.split(",")[0].split("[")[0]  # a plain host name, or the best guess without scontrol
+    except (OSError, subprocess.SubprocessError, IndexError):  # no scontrol here: expand the first entry by hand
+        first = re.match(r"([^,\[]+)(?:\[([^\],-]+))?", nodelist)
+        return first.group(1) + (first.group(2) or "")
 
 
 _WORLD = World()
