@@ -32,7 +32,8 @@ from torch import Tensor
 
 from k3train.optim.checks import check_adamw_settings, check_muon_settings
 from k3train.optim.muon_distributed import (all_gather_outputs, assign_owners, data_parallel_group, full_matrix,
-                                            is_sharded, local_shard, newton_schulz_cost)
+                                            is_sharded, local_part, local_shard, newton_schulz_cost,
+                                            sum_over_shards)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 KINDS = ("muon", "adamw")
@@ -136,6 +137,7 @@ class MuonAdamW(torch.optim.Optimizer):
         # run reports it at the same steps as an uninterrupted one.
         self._update_sq: dict[str, tuple[Tensor, int]] = {}  # group name -> (sum of squared updates, numel)
         self._ortho_error: dict[str, float] = {}
+        self._sharded_weight_sq: dict[str, float] = {}  # FSDP2 groups: squared weight norm after the last step
         super().__init__(list(param_groups), dict(lr=lr, weight_decay=weight_decay))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -187,6 +189,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 self._muon_step(group)
             else:
                 self._adamw_step(group)
+            if any(is_sharded(p) for p in group["params"]):  # FSDP2: diagnostics() must not need a collective
+                local_sq = sum(local_part(p.detach()).float().square().sum() for p in group["params"])
+                self._sharded_weight_sq[group["name"]] = float(sum_over_shards(local_sq, group["params"]))
         return loss
 
     def _muon_step(self, group: dict[str, Any]) -> None:
@@ -211,23 +216,24 @@ class MuonAdamW(torch.optim.Optimizer):
         """One process: Newton-Schulz of every parameter's momentum, one at a time (a generator, so only one
         parameter's output is alive at once)."""
         for p, split in with_grad:
-            yield self._newton_schulz(group, self._momentum(group, p), split)
+            yield self._newton_schulz(group, full_matrix(self._momentum(group, p)), split)
 
     def _orthogonalise_spread(self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]],
                               ranks: dist.ProcessGroup) -> list[Tensor]:
         """Data-parallel ranks: every rank updates every momentum buffer (identical state everywhere), orthogonalises
         its own share and gets the others' from one all-gather (k3train/optim/muon_distributed.py)."""
+        if not with_grad:  # the same on every rank (they hold the same gradients): nothing to exchange
+            return []
         rank = dist.get_rank(ranks)
         shapes = [as_matrices(torch.empty(p.shape, device="meta"), split).shape for p, split in with_grad]
         owners = assign_owners([newton_schulz_cost(s) for s in shapes], dist.get_world_size(ranks))
         mine = {}
         for i, ((p, split), owner) in enumerate(zip(with_grad, owners)):
-            momentum = self._momentum(group, p, needed=owner == rank or is_sharded(p))
-            momentum = full_matrix(momentum) if is_sharded(p) else momentum  # FSDP2: every rank joins the gather
+            # FSDP2: every rank joins the gather of every sharded matrix (a collective), its owner orthogonalises it
+            momentum = full_matrix(self._momentum(group, p, needed=owner == rank or is_sharded(p)))
             if owner == rank:
                 mine[i] = self._newton_schulz(group, momentum, split)
-        device = with_grad[0][0].device if with_grad else torch.device("cpu")
-        return all_gather_outputs(mine, shapes, owners, NS_DTYPES[group["ns_dtype"]], device, ranks)
+        return all_gather_outputs(mine, shapes, owners, NS_DTYPES[group["ns_dtype"]], with_grad[0][0].device, ranks)
 
     def _momentum(self, group: dict[str, Any], p: Tensor, needed: bool = True) -> Tensor | None:
         """Advance p's momentum buffer with p.grad; return what Newton-Schulz orthogonalises (Nesterov or the
@@ -276,21 +282,25 @@ class MuonAdamW(torch.optim.Optimizer):
             denom = (exp_avg_sq.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)
             update = exp_avg / denom
             p.add_(update, alpha=-step_size)
-            update_sq = update_sq + update.square().sum() * step_size**2
+            update_sq = update_sq + local_part(update).square().sum() * step_size**2
             numel += p.numel()
         if numel:
-            self._update_sq[group["name"]] = (update_sq, numel)
+            self._update_sq[group["name"]] = (sum_over_shards(update_sq, group["params"]), numel)
 
     def diagnostics(self) -> dict[str, float]:
         """Flat {"<group>/<metric>": float}: lr, weight_norm, update_rms (the lr-scaled update of the last
         step, weight decay excluded), and for Muon groups ns_orthogonality_error (max |singular value - 1| of one
         Newton-Schulz output, measured every `orthogonality_check_interval` steps; expect ~0.3-0.5 with 5 steps).
-        Data-parallel, every rank measures the same gathered outputs, so every rank reports the same figures."""
+        Data-parallel, every rank measures the same gathered outputs, so every rank reports the same figures.
+        With FSDP2-sharded parameters the weight norm is measured at the end of step() (summing shards needs every
+        rank), so it does not see a change made to the weights after the step, such as QK-Clip's."""
         out: dict[str, float] = {}
         for group in self.param_groups:
             prefix = f"{group['name']}/"
             out[prefix + "lr"] = float(group["lr"])
-            weight_sq = sum(p.detach().float().square().sum() for p in group["params"])
+            weight_sq = self._sharded_weight_sq.get(group["name"])
+            if weight_sq is None:
+                weight_sq = sum(p.detach().float().square().sum() for p in group["params"])
             out[prefix + "weight_norm"] = float(weight_sq) ** 0.5
             if group["name"] in self._update_sq:
                 update_sq, numel = self._update_sq[group["name"]]

@@ -33,6 +33,9 @@ try:  # DTensor is what FSDP2 makes of a parameter; a torch build without distri
 except ImportError:  # pragma: no cover
     DTensor = None
 
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; older torch has only the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 def data_parallel_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """The group to spread Newton-Schulz over (the default group when None is given), or None when there is no
@@ -81,7 +84,7 @@ def all_gather_outputs(mine: dict[int, Tensor], shapes: Sequence[torch.Size], ow
         send[offset:offset + numels[i]] = mine[i].reshape(-1)
         offset += numels[i]
     received = torch.empty(world * width, dtype=dtype, device=device)
-    dist.all_gather_into_tensor(received.view(torch.uint8), send.view(torch.uint8), group=group)
+    _all_gather_single(received.view(torch.uint8), send.view(torch.uint8), group=group)
     outputs: list[Tensor] = []
     cursor = [r * width for r in range(world)]
     for n, shape, rank in zip(numels, shapes, owners):
@@ -100,14 +103,39 @@ def full_matrix(t: Tensor) -> Tensor:
     return t.full_tensor() if is_sharded(t) else t
 
 
+def check_fsdp_layout(t: Tensor) -> None:
+    """Only FSDP2's layout is supported: sharded on dim 0 of a 1-D mesh."""
+    if t.device_mesh.ndim != 1 or any(not isinstance(pl, Shard) or pl.dim != 0 for pl in t.placements):
+        raise NotImplementedError(f"MuonAdamW supports DTensor parameters sharded on dim 0 of a 1-D mesh (FSDP2's "
+                                  f"fully_shard); got placements {t.placements} on a {t.device_mesh.ndim}-D mesh")
+
+
 def local_shard(full: Tensor, like: Tensor) -> Tensor:
     """`full` laid out as the DTensor `like` (this rank's slice of it, no communication), or full itself when
-    `like` is a plain tensor. Only sharding on dim 0 of a 1-D mesh (FSDP2's) is supported."""
+    `like` is a plain tensor."""
     if not is_sharded(like):
         return full
-    if like.device_mesh.ndim != 1 or any(not isinstance(pl, Shard) or pl.dim != 0 for pl in like.placements):
-        raise NotImplementedError(f"Muon supports DTensor parameters sharded on dim 0 of a 1-D mesh (FSDP2's "
-                                  f"fully_shard); got placements {like.placements} on a {like.device_mesh.ndim}-D "
-                                  "mesh")
+    check_fsdp_layout(like)
     # src_data_rank=None: every rank already holds the full tensor, so each just keeps its own slice.
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def local_part(t: Tensor) -> Tensor:
+    """This rank's shard of a DTensor as a plain tensor, or t itself."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def sum_over_shards(local_sum: Tensor, params: Sequence[Tensor]) -> Tensor:
+    """A sum over the local shards of `params` made the sum over the whole parameters: all-reduced over their
+    mesh (a collective: called by every rank in step(), never in diagnostics(), which may run on rank 0 only).
+    Unchanged when no parameter is sharded."""
+    sharded = [p for p in params if is_sharded(p)]
+    if not sharded:
+        return local_sum
+    if len(sharded) != len(params):
+        raise NotImplementedError("a MuonAdamW param group mixes FSDP2-sharded (DTensor) and plain parameters; "
+                                  "shard the whole model with fully_shard or none of it")
+    check_fsdp_layout(sharded[0])
+    total = local_sum.clone()
+    dist.all_reduce(total, group=sharded[0].device_mesh.get_group())
+    return total
