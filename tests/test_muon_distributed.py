@@ -37,9 +37,13 @@ def test_newton_schulz_cost_is_symmetric_in_a_matrix_transpose() -> None:
     assert newton_schulz_cost((64, 8, 32)) == 64 * newton_schulz_cost((1, 8, 32))
 
 
-def test_single_process_does_not_spread() -> None:
-    assert not dist.is_initialized()
-    assert data_parallel_group(None) is None
+def test_spread_only_with_another_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert data_parallel_group(None) is None  # one process: Newton-Schulz as before, no collective
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2 if group == "pair" else 1)
+    assert data_parallel_group(None) is None  # a default world of one
+    assert data_parallel_group("pair") == "pair"  # the process_group given wins over the default one
 
 
 # ---- 2 processes ------------------------------------------------------------------------------------------------
