@@ -1,8 +1,8 @@
 """Muon's Newton-Schulz spread over data-parallel ranks (used by MuonAdamW in k3train/optim/muon.py).
 
 Under DDP every rank holds the same all-reduced gradients, so every rank would repeat the same Newton-Schulz on
-every matrix. Instead each rank orthogonalises a share of a group's parameters (its owner's share), and one
-all-gather per group hands every rank every result, so all ranks apply the identical update. This follows
+every matrix. Instead each parameter gets one owner rank that orthogonalises it, and one all-gather per param group
+hands every rank every result, so all ranks apply the identical update. This follows
 KellerJordan/Muon's distributed `Muon` and modded-nanogpt (rank r orthogonalises its share, then `all_gather`),
 with two changes:
 - Shares are balanced by Newton-Schulz cost (greedy: largest first, to the least-loaded rank), not round-robin, so
@@ -12,6 +12,9 @@ with two changes:
   identical to a 1-process run's: rank 0 can save it alone and any world size can resume it.
 The results travel in the Newton-Schulz dtype (bf16 or fp32) as raw bits, so the exchanged update is exactly the
 owner's: a 2-rank step equals a 1-process step bit for bit (tests/test_muon_distributed.py).
+Requirements and costs: every rank must hold gradients for the same parameters (DDP's all-reduce sees to it), or
+the ranks disagree on the plan and the all-gather fails; the gathered buffer holds a whole group's updates at once
+(for k3_small's expert group, ~0.8 GB in fp32), where a 1-process step holds one parameter's.
 
 FSDP2 (parameters that are DTensors sharded on dim 0, torch.distributed.fsdp.fully_shard): the momentum is kept
 on the local shard; `full_matrix` gathers the whole matrix before Newton-Schulz (the orthogonalisation of a shard
@@ -33,7 +36,7 @@ try:  # DTensor is what FSDP2 makes of a parameter; a torch build without distri
 except ImportError:  # pragma: no cover
     DTensor = None
 
-# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single; older torch has only the former.
+# Recent torch deprecates all_gather_into_tensor in favour of all_gather_single; older torch has only the former.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
