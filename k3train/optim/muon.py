@@ -12,6 +12,11 @@ Momentum follows torch.optim.Muon exactly (EMA form: buf.lerp_(g, 1 - mu); Neste
 buffer is (1 - mu) times a classic `mu * buf + g` buffer, so checkpoints of the two forms are not interchangeable.
 Which parameter goes to which group, and why, is decided in k3train/optim/param_groups.py.
 
+Data-parallel (torch.distributed initialised with more than one rank in `process_group`, the default group when
+None): each rank orthogonalises a share of every Muon group's parameters and the results are all-gathered, so every
+rank applies the same update as a 1-process run would, bit for bit (k3train/optim/muon_distributed.py). Every rank
+still keeps the whole optimizer state, so rank 0's state_dict is the checkpoint.
+
 Sources: KellerJordan/Muon (muon.py), torch/optim/_muon.py, MoonshotAI/Moonlight.
 """
 
@@ -22,9 +27,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from k3train.optim.checks import check_adamw_settings, check_muon_settings
+from k3train.optim.muon_distributed import (all_gather_outputs, assign_owners, data_parallel_group, full_matrix,
+                                            is_sharded, local_part, local_shard, newton_schulz_cost,
+                                            sum_over_shards)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 KINDS = ("muon", "adamw")
@@ -109,7 +118,8 @@ class MuonAdamW(torch.optim.Optimizer):
                  betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, momentum: float = 0.95,
                  nesterov: bool = True, ns_steps: int = 5,
                  ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_eps: float = 1e-7,
-                 rms_match: float = 0.2, orthogonality_check_interval: int = 50, ns_dtype: str = "bf16") -> None:
+                 rms_match: float = 0.2, orthogonality_check_interval: int = 50, ns_dtype: str = "bf16",
+                 process_group: dist.ProcessGroup | None = None) -> None:
         check_adamw_settings("", lr, weight_decay, betas, eps)
         check_muon_settings("", momentum, ns_steps, rms_match, orthogonality_check_interval)
         if ns_dtype not in NS_DTYPES:
@@ -121,11 +131,13 @@ class MuonAdamW(torch.optim.Optimizer):
             "adamw": dict(betas=tuple(betas), eps=eps),
         }
         self.orthogonality_check_interval = orthogonality_check_interval
+        self.process_group = process_group  # the data-parallel ranks to spread Newton-Schulz over (None: default)
         # Diagnostics: they never shape an update. The update RMS is the last step's; the orthogonality error is
         # the last measurement (every orthogonality_check_interval steps), so it travels in state_dict: a resumed
         # run reports it at the same steps as an uninterrupted one.
         self._update_sq: dict[str, tuple[Tensor, int]] = {}  # group name -> (sum of squared updates, numel)
         self._ortho_error: dict[str, float] = {}
+        self._sharded_weight_sq: dict[str, float] = {}  # FSDP2 groups: squared weight norm after the last step
         super().__init__(list(param_groups), dict(lr=lr, weight_decay=weight_decay))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -177,33 +189,70 @@ class MuonAdamW(torch.optim.Optimizer):
                 self._muon_step(group)
             else:
                 self._adamw_step(group)
+            if any(is_sharded(p) for p in group["params"]):  # FSDP2: diagnostics() must not need a collective
+                local_sq = sum(local_part(p.detach()).float().square().sum() for p in group["params"])
+                self._sharded_weight_sq[group["name"]] = float(sum_over_shards(local_sq, group["params"]))
         return loss
 
     def _muon_step(self, group: dict[str, Any]) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        lr, wd = group["lr"], group["weight_decay"]
         update_sq, numel = torch.zeros(()), 0
         with_grad = [(p, s) for p, s in zip(group["params"], group["head_splits"]) if p.grad is not None]
-        for i, (p, split) in enumerate(with_grad):
-            state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["momentum_buffer"] = torch.zeros_like(p)
-            state["step"] += 1
-            buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - mu)
-            momentum = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-            O = zeropower_via_newtonschulz5(as_matrices(momentum, split), group["ns_steps"],
-                                            group["ns_coefficients"], group["ns_eps"],
-                                            NS_DTYPES[group["ns_dtype"]])  # [N, A, B]
+        ranks = data_parallel_group(self.process_group)
+        orthogonalised = (self._orthogonalise_spread(group, with_grad, ranks) if ranks is not None
+                          else self._orthogonalise_each(group, with_grad))
+        for i, ((p, split), O) in enumerate(zip(with_grad, orthogonalised)):  # O: [N, A, B] of the whole matrix
             scaled_lr = lr * (group["rms_match"] * math.sqrt(max(O.shape[-2:])))
             p.mul_(1 - lr * wd)
-            p.add_(from_matrices(O, split, p.shape), alpha=-scaled_lr)
+            p.add_(local_shard(from_matrices(O, split, p.shape), p), alpha=-scaled_lr)
             update_sq = update_sq + O.float().square().sum() * scaled_lr**2
             numel += p.numel()
-            if self._orthogonality_due(state["step"], i, len(with_grad)):
+            if self._orthogonality_due(self.state[p]["step"], i, len(with_grad)):
                 self._ortho_error[group["name"]] = orthogonality_error(O[0])
         if numel:
             self._update_sq[group["name"]] = (update_sq, numel)
+
+    def _orthogonalise_each(self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]]):
+        """One process: Newton-Schulz of every parameter's momentum, one at a time (a generator, so only one
+        parameter's output is alive at once)."""
+        for p, split in with_grad:
+            yield self._newton_schulz(group, full_matrix(self._momentum(group, p)), split)
+
+    def _orthogonalise_spread(self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]],
+                              ranks: dist.ProcessGroup) -> list[Tensor]:
+        """Data-parallel ranks: every rank updates every momentum buffer (identical state everywhere), orthogonalises
+        its own share and gets the others' from one all-gather (k3train/optim/muon_distributed.py)."""
+        if not with_grad:  # the same on every rank (they hold the same gradients): nothing to exchange
+            return []
+        rank = dist.get_rank(ranks)
+        shapes = [as_matrices(torch.empty(p.shape, device="meta"), split).shape for p, split in with_grad]
+        owners = assign_owners([newton_schulz_cost(s) for s in shapes], dist.get_world_size(ranks))
+        mine = {}
+        for i, ((p, split), owner) in enumerate(zip(with_grad, owners)):
+            # FSDP2: every rank joins the gather of every sharded matrix (a collective), its owner orthogonalises it
+            momentum = full_matrix(self._momentum(group, p, needed=owner == rank or is_sharded(p)))
+            if owner == rank:
+                mine[i] = self._newton_schulz(group, momentum, split)
+        return all_gather_outputs(mine, shapes, owners, NS_DTYPES[group["ns_dtype"]], with_grad[0][0].device, ranks)
+
+    def _momentum(self, group: dict[str, Any], p: Tensor, needed: bool = True) -> Tensor | None:
+        """Advance p's momentum buffer with p.grad; return what Newton-Schulz orthogonalises (Nesterov or the
+        buffer), or None when not `needed` (another rank orthogonalises p)."""
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["momentum_buffer"] = torch.zeros_like(p)
+        state["step"] += 1
+        buf = state["momentum_buffer"]
+        buf.lerp_(p.grad, 1 - group["momentum"])
+        if not needed:
+            return None
+        return p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+    def _newton_schulz(self, group: dict[str, Any], momentum: Tensor, split: HeadSplit | None) -> Tensor:
+        """The momentum's matrix views orthogonalised, [N, A, B] in the group's ns_dtype."""
+        return zeropower_via_newtonschulz5(as_matrices(momentum, split), group["ns_steps"],
+                                           group["ns_coefficients"], group["ns_eps"], NS_DTYPES[group["ns_dtype"]])
 
     def _orthogonality_due(self, step: int, index: int, n_params: int) -> bool:
         """Every `orthogonality_check_interval` steps (from step 1), check one matrix, round-robin over params."""
@@ -233,20 +282,25 @@ class MuonAdamW(torch.optim.Optimizer):
             denom = (exp_avg_sq.sqrt() / (1 - beta2**t) ** 0.5).add_(eps)
             update = exp_avg / denom
             p.add_(update, alpha=-step_size)
-            update_sq = update_sq + update.square().sum() * step_size**2
+            update_sq = update_sq + local_part(update).square().sum() * step_size**2
             numel += p.numel()
         if numel:
-            self._update_sq[group["name"]] = (update_sq, numel)
+            self._update_sq[group["name"]] = (sum_over_shards(update_sq, group["params"]), numel)
 
     def diagnostics(self) -> dict[str, float]:
         """Flat {"<group>/<metric>": float}: lr, weight_norm, update_rms (the lr-scaled update of the last
         step, weight decay excluded), and for Muon groups ns_orthogonality_error (max |singular value - 1| of one
-        Newton-Schulz output, measured every `orthogonality_check_interval` steps; expect ~0.3-0.5 with 5 steps)."""
+        Newton-Schulz output, measured every `orthogonality_check_interval` steps; expect ~0.3-0.5 with 5 steps).
+        Data-parallel, every rank measures the same gathered outputs, so every rank reports the same figures.
+        With FSDP2-sharded parameters the weight norm is measured at the end of step() (summing shards needs every
+        rank), so it does not see a change made to the weights after the step, such as QK-Clip's."""
         out: dict[str, float] = {}
         for group in self.param_groups:
             prefix = f"{group['name']}/"
             out[prefix + "lr"] = float(group["lr"])
-            weight_sq = sum(p.detach().float().square().sum() for p in group["params"])
+            weight_sq = self._sharded_weight_sq.get(group["name"])
+            if weight_sq is None:
+                weight_sq = sum(p.detach().float().square().sum() for p in group["params"])
             out[prefix + "weight_norm"] = float(weight_sq) ** 0.5
             if group["name"] in self._update_sq:
                 update_sq, numel = self._update_sq[group["name"]]

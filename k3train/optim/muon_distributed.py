@@ -1,0 +1,144 @@
+"""Muon's Newton-Schulz spread over data-parallel ranks (used by MuonAdamW in k3train/optim/muon.py).
+
+Under DDP every rank holds the same all-reduced gradients, so every rank would repeat the same Newton-Schulz on
+every matrix. Instead each parameter gets one owner rank that orthogonalises it, and one all-gather per param group
+hands every rank every result, so all ranks apply the identical update. This follows
+KellerJordan/Muon's distributed `Muon` and modded-nanogpt (rank r orthogonalises its share, then `all_gather`),
+with two changes:
+- Shares are balanced by Newton-Schulz cost (greedy: largest first, to the least-loaded rank), not round-robin, so
+  one 64-expert stack and a few small attention heads do not land on the same rank by chance.
+- What is exchanged is the orthogonalised update, not the updated parameter, and every rank keeps the full
+  momentum buffers (updating them is element-wise and cheap). So every rank's optimizer state is the whole state,
+  identical to a 1-process run's: rank 0 can save it alone and any world size can resume it.
+The results travel in the Newton-Schulz dtype (bf16 or fp32) as raw bits, so the exchanged update is exactly the
+owner's: a 2-rank step equals a 1-process step bit for bit (tests/test_muon_distributed.py).
+Requirements and costs: every rank must hold gradients for the same parameters (DDP's all-reduce sees to it), or
+the ranks disagree on the plan and the all-gather fails; the gathered buffer holds a whole group's updates at once
+(for k3_small's expert group, ~0.8 GB in fp32), where a 1-process step holds one parameter's.
+
+FSDP2 (parameters that are DTensors sharded on dim 0, torch.distributed.fsdp.fully_shard): the momentum is kept
+on the local shard; `full_matrix` gathers the whole matrix before Newton-Schulz (the orthogonalisation of a shard
+is not the shard of the orthogonalisation), and `local_shard` slices the full update back to this rank's shard.
+Every rank gathers every matrix here (DTensor.full_tensor), which is simple but moves more than the all-to-all to
+owners of microsoft/dion and torchtitan's distributed Muon; the result is the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+try:  # DTensor is what FSDP2 makes of a parameter; a torch build without distributed has none.
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+except ImportError:  # pragma: no cover
+    DTensor = None
+
+# Recent torch deprecates all_gather_into_tensor in favour of all_gather_single; older torch has only the former.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def data_parallel_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The group to spread Newton-Schulz over (the default group when None is given), or None when there is no
+    other rank to share with: torch.distributed not initialised, or a world of one."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    group = process_group if process_group is not None else dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def newton_schulz_cost(matrices_shape: Sequence[int]) -> int:
+    """Matmul FLOPs of one Newton-Schulz iteration on a batch of matrices [N, A, B]: per matrix, with a <= b,
+    X X^T (2a^2 b), gram^2 (2a^3) and poly X (2a^2 b)."""
+    n, a, b = matrices_shape
+    a, b = min(a, b), max(a, b)
+    return n * (4 * a * a * b + 2 * a**3)
+
+
+def assign_owners(costs: Sequence[int], world_size: int) -> list[int]:
+    """The rank that orthogonalises each item: greedy longest-processing-time (largest cost first, ties by index;
+    each to the least-loaded rank, ties to the lowest rank). Deterministic, so every rank computes the same plan."""
+    load = [0] * world_size
+    owners = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += costs[i]
+    return owners
+
+
+def all_gather_outputs(mine: dict[int, Tensor], shapes: Sequence[torch.Size], owners: Sequence[int],
+                       dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup) -> list[Tensor]:
+    """Every rank's Newton-Schulz outputs, in item order, from one all-gather.
+
+    `mine` maps item index -> this rank's output of shapes[index]; each rank packs its outputs (in index order)
+    into one flat buffer padded to the largest share, and unpacks every rank's buffer with the same plan. The
+    bytes travel as uint8, so a bf16 result crosses a gloo group unchanged and arrives bit for bit.
+    """
+    world = dist.get_world_size(group)
+    numels = [torch.Size(s).numel() for s in shapes]
+    share = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(world)]
+    width = max(share)
+    send = torch.zeros(width, dtype=dtype, device=device)
+    offset = 0
+    for i in sorted(mine):
+        send[offset:offset + numels[i]] = mine[i].reshape(-1)
+        offset += numels[i]
+    received = torch.empty(world * width, dtype=dtype, device=device)
+    _all_gather_single(received.view(torch.uint8), send.view(torch.uint8), group=group)
+    outputs: list[Tensor] = []
+    cursor = [r * width for r in range(world)]
+    for n, shape, rank in zip(numels, shapes, owners):
+        outputs.append(received[cursor[rank]:cursor[rank] + n].view(shape))
+        cursor[rank] += n
+    return outputs
+
+
+def is_sharded(t: Tensor) -> bool:
+    """A DTensor (an FSDP2 parameter, its gradient or a state tensor made like it)."""
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def full_matrix(t: Tensor) -> Tensor:
+    """The whole tensor from a sharded DTensor (a collective: every rank of its mesh must call it), else t."""
+    return t.full_tensor() if is_sharded(t) else t
+
+
+def check_fsdp_layout(t: Tensor) -> None:
+    """Only FSDP2's layout is supported: sharded on dim 0 of a 1-D mesh."""
+    if t.device_mesh.ndim != 1 or any(not isinstance(pl, Shard) or pl.dim != 0 for pl in t.placements):
+        raise NotImplementedError(f"MuonAdamW supports DTensor parameters sharded on dim 0 of a 1-D mesh (FSDP2's "
+                                  f"fully_shard); got placements {t.placements} on a {t.device_mesh.ndim}-D mesh")
+
+
+def local_shard(full: Tensor, like: Tensor) -> Tensor:
+    """`full` laid out as the DTensor `like` (this rank's slice of it, no communication), or full itself when
+    `like` is a plain tensor."""
+    if not is_sharded(like):
+        return full
+    check_fsdp_layout(like)
+    # src_data_rank=None: every rank already holds the full tensor, so each just keeps its own slice.
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def local_part(t: Tensor) -> Tensor:
+    """This rank's shard of a DTensor as a plain tensor, or t itself."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def sum_over_shards(local_sum: Tensor, params: Sequence[Tensor]) -> Tensor:
+    """A sum over the local shards of `params` made the sum over the whole parameters: all-reduced over their
+    mesh (a collective: called by every rank in step(), never in diagnostics(), which may run on rank 0 only).
+    Unchanged when no parameter is sharded."""
+    sharded = [p for p in params if is_sharded(p)]
+    if not sharded:
+        return local_sum
+    if len(sharded) != len(params):
+        raise NotImplementedError("a MuonAdamW param group mixes FSDP2-sharded (DTensor) and plain parameters; "
+                                  "shard the whole model with fully_shard or none of it")
+    check_fsdp_layout(sharded[0])
+    total = local_sum.clone()
+    dist.all_reduce(total, group=sharded[0].device_mesh.get_group())
+    return total
