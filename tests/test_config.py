@@ -20,6 +20,7 @@ from k3train.config import ProfileConfig, TrainConfig, check_known_keys
 from k3train.train.precision import Precision
 
 GROUPS = ("model", "optim", "schedule", "precision", "data")
+NAMED_GROUPS = ("callbacks", "logger")  # groups whose options list any number of named `_target_` nodes
 
 
 def options(group: str) -> list[str]:
@@ -38,7 +39,7 @@ def with_option(group: str, option: str):
 
 
 def test_every_group_and_the_experiments_have_options():
-    for group in (*GROUPS, "experiment"):
+    for group in (*GROUPS, *NAMED_GROUPS, "parallel", "experiment"):
         assert options(group), group
 
 
@@ -257,3 +258,29 @@ def test_the_quickstart_experiment_is_the_default_run():
     quickstart = without_hydra(composed("+experiment=quickstart", return_hydra_config=True))
     default = without_hydra(composed(return_hydra_config=True))
     assert OmegaConf.to_container(quickstart) == OmegaConf.to_container(default)
+
+
+@pytest.mark.parametrize("option", options("parallel"))
+def test_every_parallel_option_leaves_one_process_as_it_is(option):
+    """In one process (no process group) a strategy runs the model itself: the single-process path is unchanged."""
+    strategy = instantiate(with_option("parallel", option).parallel)
+    model = torch.nn.Linear(2, 2)
+    assert strategy.wrap(model, torch.device("cpu")) is model
+    with strategy.no_sync(model):
+        pass
+    assert strategy.describe() == "one process"
+
+
+@pytest.mark.parametrize("group,option", [(g, o) for g in NAMED_GROUPS for o in options(g)])
+def test_every_callbacks_and_logger_option_builds_what_the_runner_checks(group, option, tmp_path):
+    from k3train.train.callbacks import Callback
+    from k3train.train.metrics import MetricsSink
+
+    kind, kwargs = (Callback, {}) if group == "callbacks" else (MetricsSink, {"run_dir": str(tmp_path)})
+    for name, node in with_option(group, option)[group].items():
+        part = instantiate(node, **kwargs)
+        assert isinstance(part, kind), f"{group}.{name}"
+        if group == "callbacks":
+            part.setup(tiny_model(with_option("model", "k3_tiny")), None)
+            assert part.describe()
+    assert list(tmp_path.iterdir()) == []  # nothing is written before the first event
