@@ -2,7 +2,7 @@
 components/checkpoint.py is the model).
 
 A checkpoint is `{"meta": {...}, "<part>": part.state_dict(), ...}`: `meta` holds the format version, the step
-and the identities a resume must match (model config, recipe, optimizer layout, data: see runner.build_meta).
+and the identities a resume must match (model config, recipe, optimizer layout, data: see build.build_meta).
 The parts are whatever the Trainer registers (model, optimizer, scaler, loaders, RNG, counters, step plan); adding
 one is one `add()` call, and `load()` restores them in the order they were added. Files are written to a temporary
 file in the same directory, fsynced and renamed over the old one (files.write_atomic), so a kill at any moment

@@ -1,4 +1,5 @@
-"""From a composed Hydra config to a finished run: build the parts, open the run directory, hand over to the Trainer.
+"""From a composed Hydra config to a finished run: claim the run directory, build the parts (build.py), open the
+session (run.json, the summary), hand over to the Trainer, and report how it ended.
 
 Setup errors (a bad config value, missing data, an incompatible checkpoint) stop here with a one-line message and
 exit status 2, and leave the run directory as they found it (.hydra/ included; a directory that did not exist is
@@ -18,27 +19,22 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.experimental.callback import Callback as HydraCallback
 from hydra.errors import InstantiationException
+from hydra.experimental.callback import Callback as HydraCallback
 from hydra.types import RunMode
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig, check_known_keys
 from k3train.files import remove_stale_temp_files
-from k3train.models.protocol import missing_members
 from k3train.optim.summary import format_param_groups, summarize_param_groups
 from k3train.train import rundir
-from k3train.train.callbacks import Callback
-from k3train.train.checkpoint import Checkpointer, CheckpointError
-from k3train.train.cpu import ThreadChoice, apply_threads, choose_threads, cpu_runtime
-from k3train.train.distributed import World, current_world
+from k3train.train.build import RunFinished, build_parts, resolve_resume
+from k3train.train.checkpoint import CheckpointError
+from k3train.train.cpu import ThreadChoice, cpu_runtime
+from k3train.train.distributed import current_world
 from k3train.train.manifest import RunManifest, environment
-from k3train.train.metrics import MetricsLogger, MetricsSink
-from k3train.train.rng import configure_determinism, seed_everything
+from k3train.train.metrics import MetricsLogger
 from k3train.train.rundir import RunDirError
 from k3train.train.trainer import Trainer, TrainingDiverged
 
@@ -51,10 +47,6 @@ class RunFailed(Exception):
     """A job that could not run or diverged; raised (not exited) in a multirun so the sweep goes on."""
 
 
-class RunFinished(Exception):
-    """A resumed run that has nothing left to do."""
-
-
 class NotOwner:
     """The claim of a rank other than 0: rank 0 holds the run directory's lock and undoes a refused start."""
 
@@ -63,55 +55,6 @@ class NotOwner:
 
     def release(self) -> None:
         pass
-
-
-def resolve_device(name: str, world: World) -> torch.device:
-    """train.device; with several processes per node, CUDA means this process's local GPU."""
-    device = _parse_device(name)
-    if device.type == "cuda" and world.distributed:
-        if device.index is None:
-            device = torch.device("cuda", world.local_rank)
-        torch.cuda.set_device(device)
-    return device
-
-
-def _parse_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise ValueError(f"train.device={name} is not a device: use auto, cpu, cuda or cuda:N") from exc
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"train.device={name} but CUDA is not available here: use train.device=cpu or auto")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"train.device={name} but this machine has {torch.cuda.device_count()} GPU(s)")
-    return device
-
-
-RUN_FILES = ("last.pt", "run.json", "metrics.jsonl")
-
-
-def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
-    """null: a fresh run; auto: run_dir/last.pt if present, else fresh; otherwise a checkpoint path.
-
-    A run never writes into a directory holding another run's files: a fresh run or a resume from elsewhere is
-    refused there, so nobody's checkpoint, metrics or manifest is overwritten or mixed with another run's.
-    """
-    own = run_dir / "last.pt"
-    if resume == "auto":
-        return own if own.exists() else None
-    path = Path(resume).expanduser() if resume is not None else None
-    if path is not None and not path.is_file():
-        raise CheckpointError(f"resume={resume}: no such checkpoint file")
-    if path is not None and path.resolve().parent == run_dir.resolve():
-        return path  # this run's own last.pt or an earlier step_*.pt of it: continuing the same run
-    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if existing:
-        raise ValueError(f"{run_dir} already holds a run ({', '.join(existing)}): pass resume=auto to continue "
-                         "that run, or choose another hydra.run.dir")
-    return path
 
 
 class RunDirGuard(HydraCallback):
@@ -141,26 +84,6 @@ class RunDirGuard(HydraCallback):
                   2, multirun=False)
 
 
-def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data, world: World) -> dict:
-    """The identities a checkpoint pins and a resume must match."""
-    layout = {
-        g.get("name", str(i)): f"{len(g['params'])} tensors, {sum(p.numel() for p in g['params'])} values"
-        for i, g in enumerate(optimizer.param_groups)
-    }
-    identity = data.identity()
-    return {
-        "model_config": {k: v for k, v in dataclasses.asdict(model.config).items()
-                         if k not in RESUME_MAY_CHANGE_MODEL},
-        # The global batch, not the per-process one: a resume may split it over another number of processes.
-        "recipe": {**{f: getattr(train_cfg, f) for f in RESUME_MUST_MATCH},
-                   "global_batch_size": train_cfg.batch_size * world.size, "precision": precision.dtype,
-                   "optimizer": type(optimizer).__name__},
-        "optimizer_layout": layout,
-        "data": {"fingerprint": identity["fingerprint"], "val_fingerprint": identity.get("val_fingerprint"),
-                 "vocab_size": data.vocab_size},
-    }
-
-
 def run(cfg: DictConfig) -> Optional[str]:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     run_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -176,7 +99,7 @@ def run(cfg: DictConfig) -> Optional[str]:
 
 def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bool) -> Optional[str]:
     try:
-        parts = _build(cfg, run_dir)
+        parts = build_parts(cfg, run_dir)
     except BaseException as exc:
         claim.undo()  # nothing of this start stays: .hydra/ back as it was, a new directory removed
         if isinstance(exc, RunFinished):
@@ -273,77 +196,6 @@ def _fail(message: str, status: int, multirun: bool) -> None:
     if multirun:
         raise RunFailed(message)
     sys.exit(status)
-
-
-def _build(cfg: DictConfig, run_dir: Path) -> dict:
-    """Every check and every part, writing nothing: a refusal here leaves no trace."""
-    check_known_keys(cfg)
-    train_cfg: TrainConfig = OmegaConf.to_object(cfg.train)
-    profile_cfg = OmegaConf.to_object(cfg.profile)
-    world = current_world()
-    device = resolve_device(train_cfg.device, world)
-    precision = instantiate(cfg.precision)
-    precision.check_device(device)
-    resume_path = resolve_resume(cfg.resume, run_dir)
-    hydra_cfg = HydraConfig.get()
-    threads = choose_threads(train_cfg.cpu_threads, hydra_cfg.launcher if hydra_cfg.mode == RunMode.MULTIRUN
-                             else None)
-    apply_threads(threads)
-
-    configure_determinism(train_cfg.deterministic)
-    seed_everything(train_cfg.seed)
-    data = instantiate(cfg.data)
-    # vocab_size: null in a model YAML means "the data's"; a value the user set is kept, and check_data refuses a
-    # mismatch.
-    model = instantiate(cfg.model, **({"vocab_size": data.vocab_size} if cfg.model.get("vocab_size") is None else {}))
-    missing = missing_members(model)
-    if missing:
-        raise TypeError(f"model {cfg.model._target_} built a {type(model).__name__}, which lacks {', '.join(missing)}: "
-                        "a model implements k3train/models/protocol.py's LanguageModel")
-    model.check_data(data.vocab_size, train_cfg.seq_len)
-    train_loader, val_loader = data.loaders(train_cfg.batch_size, train_cfg.seq_len, rank=world.rank,
-                                            world_size=world.size)
-    model.to(device)
-    optimizer = instantiate(cfg.optim)(model)
-    callbacks = _build_named(cfg.callbacks, Callback, "callbacks")
-    sinks = _build_named(cfg.logger, MetricsSink, "logger", run_dir=str(run_dir))
-
-    # The log file is opened at its first event, after all checks.
-    metrics = MetricsLogger(run_dir / "metrics.jsonl", sinks=list(sinks.values()), enabled=world.is_main)
-    checkpointer = Checkpointer(run_dir, build_meta(model, optimizer, train_cfg, precision, data, world),
-                                train_cfg.keep_last_k, writer=world.is_main)
-    trainer = Trainer(model=model, optimizer=optimizer, schedule_factory=instantiate(cfg.schedule),
-                      precision=precision, train_loader=train_loader, val_loader=val_loader, config=train_cfg,
-                      device=device, metrics=metrics, checkpointer=checkpointer, callbacks=callbacks,
-                      parallel=instantiate(cfg.parallel), profile=profile_cfg)
-    if resume_path is not None:
-        trainer.resume(resume_path)
-        done = trainer.plan.done()
-        if done is not None:
-            raise RunFinished(_finished_message(resume_path, done, trainer))
-    return {"trainer": trainer, "metrics": metrics, "data": data, "resume_path": resume_path, "threads": threads}
-
-
-def _build_named(nodes: DictConfig, kind: type, group: str, **kwargs) -> dict:
-    """Instantiate each `name: {_target_: ...}` entry of a config group that lists several (callbacks, logger)
-    and check it is a `kind`."""
-    built = {}
-    for name, node in nodes.items():
-        part = instantiate(node, **kwargs)
-        if not isinstance(part, kind):
-            raise TypeError(f"{group}.{name}: {node.get('_target_')} built a {type(part).__name__}, which is not a "
-                            f"{kind.__name__} ({kind.__module__})")
-        built[name] = part
-    return built
-
-
-def _finished_message(resume_path: Path, reason: str, trainer: Trainer) -> str:
-    step = trainer.state.step
-    if reason == "end_of_data":
-        return f"{resume_path} is a finished run (its train split is used up at step {step}); nothing to do"
-    limit = f"train.{reason}"
-    return (f"{resume_path} is a finished run (it reached {limit}={getattr(trainer.config, reason)} at step {step}); "
-            f"nothing to do. To train on, raise {limit} and resume=auto")
 
 
 def _open_session(cfg: DictConfig, run_dir: Path, *, trainer: Trainer, metrics: MetricsLogger, data,
