@@ -35,8 +35,10 @@ def main() -> None:
         sys.stdout = open(os.devnull, "w")  # one summary and progress display per run; errors still reach stderr
     try:
         compose_and_run()
-    finally:
-        distributed.close()
+    except BaseException:
+        distributed.close(wait_for_others=False)  # another rank may be inside a collective this one never joins
+        raise
+    distributed.close(wait_for_others=True)
 
 
 if __name__ == "__main__":

@@ -141,6 +141,11 @@ def any_across_ranks(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
-def close() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def close(wait_for_others: bool) -> None:
+    """End the process group. After a clean run every rank waits for the others first (rank 0 may still be writing
+    its final checkpoint): tearing gloo down while a peer is still connected can abort the process at exit."""
+    if not dist.is_initialized():
+        return
+    if wait_for_others:
+        dist.barrier()
+    dist.destroy_process_group()

@@ -57,7 +57,9 @@ class Trainer:
                  parallel: Optional[DDP] = None, profile: Optional[ProfileConfig] = None):
         self.model = model  # the unwrapped, uncompiled module: its state_dict keys stay stable
         self.parallel = parallel or DDP()
-        self.forward = self.parallel.wrap(torch.compile(model) if config.compile else model, device)
+        self.replicated = self.parallel.wrap(model, device)  # the model itself in one process
+        # Compile outside DDP, as torch recommends: its DDPOptimizer splits the graph at the gradient buckets.
+        self.forward = torch.compile(self.replicated) if config.compile else self.replicated
         self.optimizer = optimizer
         for i, group in enumerate(optimizer.param_groups):  # the schedule scales initial_lr; names label the log
             group.setdefault("initial_lr", group["lr"])
@@ -121,7 +123,7 @@ class Trainer:
         for i, (x, y) in enumerate(batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             last = i == len(batches) - 1  # only its backward all-reduces the gradients across ranks
-            with self.parallel.no_sync(self.forward) if not last else contextlib.nullcontext():
+            with self.parallel.no_sync(self.replicated) if not last else contextlib.nullcontext():
                 with self.precision.autocast(self.device):
                     _, loss = self.forward(x, targets=y)
                 self.scaler.scale(loss / accum).backward()
