@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.train.callbacks import Callback
+from k3train.train.distributed import several_ranks
 
 
 @runtime_checkable
@@ -71,7 +72,7 @@ def qk_clip_(model: nn.Module, tau: float) -> dict:
     for name, m in _mla_modules(model).items():
         if m.max_logit is None:
             continue
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if several_ranks():
             # NaN as inf first: a max with NaN depends on the order of the operands, inf is non-finite on every rank.
             m.max_logit = torch.nan_to_num(m.max_logit, nan=float("inf"))
             dist.all_reduce(m.max_logit, op=dist.ReduceOp.MAX)

@@ -17,12 +17,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from k3train.config import (
-    RESUME_MAY_CHANGE_MODEL,
-    RESUME_MUST_MATCH,
-    TrainConfig,
-    check_known_keys,
-)
+from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig, check_known_keys
 from k3train.models.protocol import missing_members
 from k3train.train.callbacks import Callback
 from k3train.train.checkpoint import Checkpointer, CheckpointError

@@ -123,9 +123,14 @@ def run_start(fmt: str) -> str:
     return time.strftime(fmt, time.localtime(_START_TIME))
 
 
+def several_ranks() -> bool:
+    """Whether this process is one of several in a process group (collectives would do something)."""
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def mean_across_ranks(value: float, device: torch.device) -> float:
     """The mean of a per-rank figure over all ranks (the figure itself in one process)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not several_ranks():
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.all_reduce(t)
@@ -134,7 +139,7 @@ def mean_across_ranks(value: float, device: torch.device) -> float:
 
 def any_across_ranks(flag: bool, device: torch.device) -> bool:
     """Whether any rank's flag is set (the flag itself in one process)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not several_ranks():
         return flag
     t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

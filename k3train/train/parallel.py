@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from k3train.train.distributed import several_ranks
+
 
 _DDP_OPTIONS = inspect.signature(DistributedDataParallel.__init__).parameters
 
@@ -27,7 +29,7 @@ class DDP:
         self.bucket_cap_mb = bucket_cap_mb
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if not several_ranks():
             return model
         # Buffers are synced from rank 0 once, at wrap time, not before every forward (torch 2.13 renamed the option).
         no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_OPTIONS
@@ -40,5 +42,4 @@ class DDP:
         return module.no_sync() if isinstance(module, DistributedDataParallel) else contextlib.nullcontext()
 
     def describe(self) -> str:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        return f"DDP over {world} process(es)" if world > 1 else "one process"
+        return f"DDP over {dist.get_world_size()} process(es)" if several_ranks() else "one process"
