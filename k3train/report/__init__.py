@@ -1,0 +1,1 @@
+"""Reading finished, running and crashed runs back: the sweep table (sweep_table.py)."""
