@@ -18,7 +18,6 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import yaml
 
@@ -34,11 +33,11 @@ class JobRow:
     run_dir: Path
     overrides: dict[str, str] = field(default_factory=dict)
     end: str = "not started"  # the last session's end reason, "running", or "stopped without an end" (killed)
-    final_val_loss: Optional[float] = None
-    best_val_loss: Optional[float] = None
+    final_val_loss: float | None = None
+    best_val_loss: float | None = None
     step: int = 0
     tokens: int = 0
-    tokens_per_s: Optional[float] = None
+    tokens_per_s: float | None = None
 
 
 def find_jobs(sweep_dir: Path) -> list[Path]:
@@ -90,7 +89,7 @@ COLUMNS = ["final val loss", "best val loss", "step", "tokens", "tokens/s", "end
 
 
 def _cells(row: JobRow, keys: list[str], sweep_dir: Path) -> list[str]:
-    def number(x: Optional[float], fmt: str) -> str:
+    def number(x: float | None, fmt: str) -> str:
         return "" if x is None else format(x, fmt)
 
     run_dir = row.run_dir.relative_to(sweep_dir) if row.run_dir.is_relative_to(sweep_dir) else row.run_dir
@@ -134,7 +133,7 @@ def _overrides(run_dir: Path) -> dict[str, str]:
     return {k.lstrip("+~"): v for k, v in pairs if not k.startswith("hydra.")}
 
 
-def _read_json(path: Path) -> Optional[dict]:
+def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -144,16 +143,15 @@ def _read_json(path: Path) -> Optional[dict]:
 def _is_running(run_dir: Path) -> bool:
     """A live k3train process holds the run directory's lock (train/rundir.py)."""
     try:
-        fd = open(run_dir / LOCK_NAME, "rb")
+        with open(run_dir / LOCK_NAME, "rb") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            return False
     except OSError:
-        return False
-    with fd:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
+        return False  # no lock file: k3train never started here
 
 
 def main(argv: list[str] | None = None) -> int:
