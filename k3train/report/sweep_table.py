@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import fcntl
+import html
 import io
 import json
 import math
@@ -46,12 +47,14 @@ def find_jobs(sweep_dir: Path) -> list[Path]:
     return sorted(jobs, key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else 0, d.name))
 
 
-def read_job(run_dir: Path) -> JobRow:
+def read_job(run_dir: Path, events: list[dict] | None = None) -> JobRow:
+    """The job's row; events: its metrics.jsonl as read_metrics(final_only=True) gives it, when already read."""
     row = JobRow(run_dir=run_dir, overrides=_overrides(run_dir))
     run = _read_json(run_dir / "run.json")
     sessions = (run or {}).get("sessions") or []
-    metrics = run_dir / "metrics.jsonl"
-    events = read_metrics(metrics, final_only=True) if metrics.exists() else []
+    if events is None:
+        metrics = run_dir / "metrics.jsonl"
+        events = read_metrics(metrics, final_only=True) if metrics.exists() else []
     evals = [e["loss"] for e in events if e.get("event") == "eval" and isinstance(e.get("loss"), (int, float))]
     if evals:
         row.final_val_loss, row.best_val_loss = evals[-1], min(evals)
@@ -88,7 +91,7 @@ def sweep_table(sweep_dir: Path) -> tuple[list[str], list[JobRow]]:
 COLUMNS = ["final val loss", "best val loss", "step", "tokens", "tokens/s", "end", "run dir"]
 
 
-def _cells(row: JobRow, keys: list[str], sweep_dir: Path) -> list[str]:
+def cells(row: JobRow, keys: list[str], sweep_dir: Path) -> list[str]:
     def number(x: float | None, fmt: str) -> str:
         return "" if x is None else format(x, fmt)
 
@@ -101,7 +104,7 @@ def _cells(row: JobRow, keys: list[str], sweep_dir: Path) -> list[str]:
 def to_markdown(keys: list[str], rows: list[JobRow], sweep_dir: Path) -> str:
     header = keys + COLUMNS
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in _cells(r, keys, sweep_dir)) + " |" for r in rows]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r, keys, sweep_dir)) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -109,8 +112,15 @@ def to_csv(keys: list[str], rows: list[JobRow], sweep_dir: Path) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(keys + COLUMNS)
-    writer.writerows(_cells(r, keys, sweep_dir) for r in rows)
+    writer.writerows(cells(r, keys, sweep_dir) for r in rows)
     return out.getvalue()
+
+
+def to_html(keys: list[str], rows: list[JobRow], sweep_dir: Path) -> str:
+    header = "".join(f"<th>{html.escape(h)}</th>" for h in keys + COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells(r, keys, sweep_dir)) + "</tr>\n"
+                   for r in rows)
+    return f"<table>\n<tr>{header}</tr>\n{body}</table>\n"
 
 
 def write_sweep_summary(sweep_dir: Path) -> str:

@@ -1,0 +1,221 @@
+"""The report's figures, one PNG per aspect of a run, drawn on matplotlib's Agg canvas (no pyplot, no display).
+
+matplotlib is imported here only, when a figure is drawn: training and the sweep table never need it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import re
+from dataclasses import dataclass
+
+from k3train.report.runs import Run, has_values, keys_of, number, series
+
+INSTALL_HINT = "pip install 'k3train[report]'"
+MOE_KEY = re.compile(r"moe/(?P<layer>[^/]+)/(?P<metric>.+)")
+
+
+class MissingMatplotlib(ImportError):
+    pass
+
+
+@dataclass
+class Chart:
+    name: str  # the PNG's file stem
+    title: str
+    png: bytes | None  # None: the run has nothing to draw here, and note says why
+    note: str = ""
+
+
+def _new_figure(rows: int, title: str):
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError as exc:
+        raise MissingMatplotlib(f"the report draws with matplotlib, which is not installed: {INSTALL_HINT}") from exc
+    fig = Figure(figsize=(9, 2.6 * rows + 0.6), layout="constrained")
+    FigureCanvasAgg(fig)  # Agg renders the PNG whatever backend the environment asks for
+    fig.suptitle(title)
+    return fig, list(fig.subplots(rows, 1, squeeze=False, sharex=True)[:, 0])
+
+
+def _png(fig) -> bytes:
+    out = io.BytesIO()
+    fig.savefig(out, format="png", dpi=90)
+    return out.getvalue()
+
+
+def _line(ax, xs, ys, label, **style) -> None:
+    # a single point has no line to show: mark it
+    ax.plot(xs, ys, label=label, marker=style.pop("marker", "o" if len(xs) == 1 else None), markersize=3, **style)
+
+
+def _finish(ax, ylabel: str, *, log: bool = False, legend: bool = True) -> None:
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    if log:
+        ax.set_yscale("log")
+    if legend and ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small", ncol=2 if len(ax.get_legend_handles_labels()[0]) > 6 else 1)
+
+
+def _all_positive(*ys_lists) -> bool:
+    values = [y for ys in ys_lists for y in ys if not math.isnan(y)]
+    return bool(values) and min(values) > 0
+
+
+def _per_key_panels(run: Run, name: str, title: str, keys: dict[str, dict[str, tuple]], note: str,
+                    baseline: dict[str, float] | None = None) -> Chart:
+    """One panel per metric, one line per key (a layer, a param group): keys[metric][key] = path into the event."""
+    if not keys:
+        return Chart(name, title, None, note)
+    fig, axes = _new_figure(len(keys), title)
+    for ax, (metric, lines) in zip(axes, keys.items()):
+        drawn = []
+        for key, path in lines.items():
+            xs, ys = series(run.events, "train", *path)
+            _line(ax, xs, ys, key)
+            drawn.append(ys)
+        if baseline and metric in baseline:
+            ax.axhline(baseline[metric], color="grey", ls=":", lw=1)
+        _finish(ax, metric, log=_all_positive(*drawn) and metric in ("update_rms", "weight_norm"))
+    axes[-1].set_xlabel("step")
+    return Chart(name, title, _png(fig))
+
+
+def loss_chart(run: Run) -> Chart:
+    title = "train and val loss"
+    train, val = series(run.events, "train", "loss", x="tokens"), series(run.events, "eval", "loss", x="tokens")
+    if not train[0] and not val[0]:
+        return Chart("loss", title, None, "no train or eval event yet")
+    fig, (ax,) = _new_figure(1, title)
+    _line(ax, *train, "train (mean since the last log line)")
+    _line(ax, *val, "val", marker="o")
+    _finish(ax, "loss")
+    ax.set_xlabel("tokens")
+    return Chart("loss", title, _png(fig))
+
+
+def lr_chart(run: Run) -> Chart:
+    title = "learning rate per param group"
+    groups = keys_of(run.events, "train", "lr")
+    if not groups:
+        return Chart("lr", title, None, "no train event with a learning rate yet")
+    fig, (ax,) = _new_figure(1, title)
+    styles = ["-", "--", ":", "-."]  # groups often share one schedule: dashes keep every one visible
+    for i, group in enumerate(groups):
+        _line(ax, *series(run.events, "train", "lr", group), group, ls=styles[i % len(styles)])
+    _finish(ax, "lr")
+    ax.set_xlabel("step")
+    return Chart("lr", title, _png(fig))
+
+
+def grad_norm_chart(run: Run) -> Chart:
+    title = "gradient norm before and after clipping"
+    mean, peak = series(run.events, "train", "grad_norm"), series(run.events, "train", "grad_norm_max")
+    if not mean[0]:
+        return Chart("grad_norm", title, None, "no train event yet")
+    clip = number(run.setting("train", "grad_clip"))
+    fig, (ax,) = _new_figure(1, title)
+    _line(ax, *mean, "before clipping: mean over the updates since the last log line")
+    _line(ax, *peak, "before clipping: max")
+    if clip:  # clip_grads_with_norm_ scales a gradient whose norm exceeds grad_clip down to it
+        _line(ax, peak[0], [min(y, clip) for y in peak[1]], "after clipping: max", ls="--")
+        ax.axhline(clip, color="grey", ls=":", lw=1, label=f"train.grad_clip {clip:g}")
+        note = ""
+    else:
+        note = "clipping is off (train.grad_clip 0 or null)" if run.config else "no run.json: clip threshold unknown"
+    skipped = [e["step"] for e in run.events if e.get("event") == "skip" and number(e.get("step")) is not None]
+    for i, step in enumerate(skipped):
+        ax.axvline(step, color="red", alpha=0.3, lw=1, label="skipped update (non-finite)" if i == 0 else None)
+    _finish(ax, "grad norm", log=_all_positive(mean[1], peak[1]))
+    ax.set_xlabel("step")
+    return Chart("grad_norm", title, _png(fig), note)
+
+
+def throughput_chart(run: Run) -> Chart:
+    title = "throughput and model FLOPs utilisation"
+    speed = series(run.events, "train", "tokens_per_s")
+    if not speed[0]:
+        return Chart("throughput", title, None, "no train event yet")
+    mfu = series(run.events, "train", "mfu")
+    fig, (top, bottom) = _new_figure(2, title)
+    _line(top, *speed, "tokens/s")
+    _finish(top, "tokens/s", legend=False)
+    if has_values(mfu[1]):
+        _line(bottom, mfu[0], [100 * y for y in mfu[1]], "MFU")
+        note = ""
+    else:
+        note = "no mfu: this run's train events carry none"
+        bottom.text(0.5, 0.5, "no mfu", ha="center", va="center", transform=bottom.transAxes)
+        bottom.set_yticks([])
+    _finish(bottom, "MFU (%)", legend=False)
+    bottom.set_xlabel("step")
+    return Chart("throughput", title, _png(fig), note)
+
+
+def moe_chart(run: Run) -> Chart:
+    panels: dict[str, dict[str, tuple]] = {}
+    for key in keys_of(run.events, "train", "model"):
+        if m := MOE_KEY.fullmatch(key):
+            panels.setdefault(m["metric"], {})[f"layer {m['layer']}"] = ("model", key)
+    # load_max / load_min are a layer's busiest and idlest expert over the mean load: 1 is perfect balance
+    return _per_key_panels(run, "moe", "MoE load balance per layer", panels,
+                           "no MoE diagnostics in this run (the model has no MoE layer)",
+                           baseline={"load_max": 1.0, "load_min": 1.0})
+
+
+def qk_clip_chart(run: Run) -> Chart:
+    title = "QK-Clip: max attention logit per MLA module, heads clipped"
+    modules = keys_of(run.events, "train", "qk_clip", "max_logit")
+    if not modules:
+        return Chart("qk_clip", title, None, "no QK-Clip figures in this run (callback off, or no MLA module)")
+    fig, (top, bottom) = _new_figure(2, title)
+    logits = [series(run.events, "train", "qk_clip", "max_logit", module) for module in modules]
+    for module, (xs, ys) in zip(modules, logits):
+        _line(top, xs, ys, module)
+    tau = number(run.setting("callbacks", "qk_clip", "tau"))
+    if tau:
+        top.axhline(tau, color="grey", ls=":", lw=1, label=f"tau {tau:g}")
+    # log: logits far below tau stay readable beside it
+    _finish(top, "max logit", log=_all_positive(*(ys for _, ys in logits), [tau or 1.0]))
+    clipped = series(run.events, "train", "qk_clip", "n_clipped")
+    _line(bottom, *clipped, "clipped heads", marker=".")
+    bottom.set_ylim(0, 1.1 * max([1.0, *clipped[1]]))  # a count: from 0, whole numbers
+    bottom.yaxis.get_major_locator().set_params(integer=True)
+    _finish(bottom, "heads clipped\nsince last log", legend=False)
+    bottom.set_xlabel("step")
+    return Chart("qk_clip", title, _png(fig))
+
+
+def optimizer_chart(run: Run) -> Chart:
+    panels: dict[str, dict[str, tuple]] = {}
+    for key in keys_of(run.events, "train", "optimizer"):
+        group, _, metric = key.rpartition("/")
+        if group and metric != "lr":  # the lr has its own figure
+            panels.setdefault(metric, {})[group] = ("optimizer", key)
+    panels = dict(sorted(panels.items(), key=lambda kv: kv[0] != "update_rms"))  # Muon's update RMS first
+    return _per_key_panels(run, "optimizer", "optimizer: update RMS and weight norm per param group", panels,
+                           "no optimizer diagnostics in this run (the optimizer reports none)")
+
+
+RUN_CHARTS = [loss_chart, lr_chart, grad_norm_chart, throughput_chart, moe_chart, qk_clip_chart, optimizer_chart]
+
+
+def run_charts(run: Run) -> list[Chart]:
+    return [chart(run) for chart in RUN_CHARTS]
+
+
+def overlay_chart(runs: list[Run]) -> Chart:
+    """Val and train loss of every run on one pair of axes, in the order given (a sweep's: best val loss first)."""
+    title = "val and train loss of every run"
+    fig, (top, bottom) = _new_figure(2, title)
+    for run in runs:
+        val, train = series(run.events, "eval", "loss", x="tokens"), series(run.events, "train", "loss", x="tokens")
+        _line(top, *val, run.label, marker="o")
+        _line(bottom, *train, run.label)
+    _finish(top, "val loss")
+    _finish(bottom, "train loss", legend=False)
+    bottom.set_xlabel("tokens")
+    return Chart("overlay", title, _png(fig))

@@ -1,0 +1,204 @@
+"""`python -m k3train.report`: figures and one page from what runs left on disk (finished, running, crashed, torn,
+resumed), a sweep's table and overlay, and one clear line for a path it cannot use."""
+
+import base64
+import fcntl
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from k3train.report.cli import main, write_report
+from k3train.report.figures import RUN_CHARTS
+from k3train.report.runs import load_run, series
+from k3train.train.metrics import read_metrics
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CHART_NAMES = ["loss", "lr", "grad_norm", "throughput", "moe", "qk_clip", "optimizer"]
+
+
+def _train(step, loss, **extra):
+    return {"event": "train", "step": step, "tokens": 64 * step, "loss": loss, "grad_norm": 2.0 + step,
+            "grad_norm_max": 3.0 + step, "tokens_per_s": 100.0 + step, "step_time_s": 0.5,
+            "lr": {"muon_hidden": 0.01, "adamw_embed": 0.003},
+            "model": {"moe/1/load_max": 1.5, "moe/1/load_min": 0.5, "moe/2/load_max": 1.2, "moe/2/load_min": 0.8},
+            "optimizer": {"muon_hidden/update_rms": 1e-3, "muon_hidden/weight_norm": 9.0, "muon_hidden/lr": 0.01},
+            "qk_clip": {"max_logit": {"layers.3.mixer": 30.0 + step}, "n_clipped": step % 2, "clipped_heads": {}},
+            **extra}
+
+
+def _run_dir(path, *, mfu=False, running=False):
+    """A run killed after step 4 and resumed from its step-2 checkpoint (steps 3-4 redone, with other losses),
+    then killed mid-write: the last line is torn."""
+    path.mkdir(parents=True)
+    extra = {"mfu": 0.25} if mfu else {}
+    events = [{"event": "session", "session": 0, "step": 0},
+              _train(1, 5.0, **extra), _train(2, 4.0, **extra), {"event": "eval", "step": 2, "tokens": 128, "loss": 4.5},
+              _train(3, 9.0, **extra), _train(4, 9.0, **extra),
+              {"event": "session", "session": 1, "step": 2},
+              _train(3, 3.5, **extra), {"event": "skip", "step": 3, "tokens": 192, "loss": "nan", "grad_norm": "inf"},
+              _train(4, "nan", **extra), {"event": "eval", "step": 4, "tokens": 256, "loss": 3.0}]
+    text = "".join(json.dumps(e) + "\n" for e in events) + '{"event": "train", "step": 5, "lo'
+    (path / "metrics.jsonl").write_text(text)
+    config = {"train": {"grad_clip": 1.0}, "callbacks": {"qk_clip": {"tau": 100.0}}}
+    session = {"session": 1, "overrides": []} if running else {"session": 1, "overrides": [], "end_reason": "max_steps"}
+    (path / "run.json").write_text(json.dumps({"config": config, "sessions": [session]}))
+    return path
+
+
+def _embedded_pngs(page: str) -> dict[str, bytes]:
+    """href -> the PNG embedded in the link to it."""
+    return {href: base64.b64decode(data)
+            for href, data in re.findall(r'<a href="([^"]+)"><img src="data:image/png;base64,([^"]+)"', page)}
+
+
+def test_a_resumed_torn_run_reads_one_event_per_step_from_the_later_session(tmp_path):
+    run = load_run(_run_dir(tmp_path / "run"))
+    assert run.torn == 1
+    xs, ys = series(run.events, "train", "loss")
+    assert xs == [1, 2, 3, 4] and ys[:3] == [5.0, 4.0, 3.5] and ys[3] != ys[3]  # "nan" read as NaN, not dropped
+    assert series(run.events, "train", "lr", "adamw_embed") == ([1, 2, 3, 4], [0.003] * 4)
+    assert series(run.events, "eval", "loss", x="tokens") == ([128, 256], [4.5, 3.0])
+
+
+def test_the_report_of_one_run_draws_every_figure_and_embeds_them_in_one_page(tmp_path, capsys):
+    run_dir = _run_dir(tmp_path / "run")
+    assert main([str(run_dir)]) == 0
+    out = run_dir / "report"
+    assert capsys.readouterr().out.strip() == f"report: {out / 'index.html'}"
+    page = (out / "index.html").read_text()
+    embedded = _embedded_pngs(page)
+    assert sorted(embedded) == sorted(f"{name}.png" for name in CHART_NAMES)
+    assert sorted(os.listdir(out)) == sorted([*embedded, "index.html"])
+    for href, png in embedded.items():
+        assert png.startswith(PNG_MAGIC) and len(png) > 5000 and png == (out / href).read_bytes()
+    assert "no mfu" in page and ">max_steps<" in page  # the run's end, from run.json
+    assert (run_dir / "metrics.jsonl").read_text().endswith('"lo')  # the report only reads the run
+
+
+def test_mfu_is_drawn_when_the_events_carry_it(tmp_path):
+    write_report([_run_dir(tmp_path / "run", mfu=True)], tmp_path / "out")
+    assert "no mfu" not in (tmp_path / "out" / "index.html").read_text()
+
+
+def test_a_running_run_is_reported_as_running(tmp_path):
+    run_dir = _run_dir(tmp_path / "run", running=True)
+    with open(run_dir / ".lock", "wb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as a live k3train process holds it
+        page = write_report([run_dir], tmp_path / "out").read_text()
+    assert ">running<" in page
+
+
+def test_several_runs_get_a_folder_each_and_an_overlay(tmp_path):
+    a, b = _run_dir(tmp_path / "a" / "run"), _run_dir(tmp_path / "b" / "run", mfu=True)
+    out = tmp_path / "out"
+    page = write_report([a, b], out).read_text()
+    embedded = _embedded_pngs(page)
+    assert sorted(embedded) == sorted(["overlay.png", *(f"{d}_run/{n}.png" for d in ("00", "01") for n in CHART_NAMES)])
+    assert all(png == (out / href).read_bytes() for href, png in embedded.items())
+
+
+def _with(name, text, path=""):
+    """A maker of a bad path: tmp_path with the file `name` in it; returns tmp_path / path."""
+    return lambda p: (p / name).write_text(text) * 0 or p / path
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: p / "nope", "does not exist"),
+    (lambda p: p, "is empty"),
+    (_with("notes.txt", "x"), "holds neither metrics.jsonl/run.json nor job directories"),
+    (_with("metrics.jsonl", "", "metrics.jsonl"), "is not a directory"),
+    (_with("run.json", "{}"), "has no events yet"),
+    (_with("metrics.jsonl", '{"event": "sess'), "has no events yet"),  # only a torn line
+])
+def test_a_path_it_cannot_use_is_one_clear_line_and_nothing_is_written(tmp_path, capsys, make, message):
+    path = make(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("k3train.report: error: ")
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+def test_several_paths_need_an_output_directory(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "a"), str(tmp_path / "b")])
+    assert exit_.value.code == 2 and "several paths need --out DIR" in capsys.readouterr().err
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+def test_without_matplotlib_the_report_says_how_to_install_it_and_training_never_needs_it(tmp_path):
+    run_dir = _run_dir(tmp_path / "run")
+    proc = _python("import sys; sys.modules['matplotlib'] = None\n"  # as if not installed
+                   f"from k3train.report.cli import main; sys.exit(main([{str(run_dir)!r}]))")
+    assert proc.returncode == 2 and not (run_dir / "report").exists()
+    assert proc.stderr == ("k3train.report: error: the report draws with matplotlib, which is not installed: "
+                           "pip install 'k3train[report]'\n")
+    proc = _python("import sys, k3train.__main__, k3train.train.runner, k3train.report.sweep_table\n"
+                   "assert 'matplotlib' not in sys.modules, 'training imported matplotlib'")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_every_chart_is_listed_once():
+    assert [chart.__name__.removesuffix("_chart") for chart in RUN_CHARTS] == CHART_NAMES
+
+
+# ---- in CI: the report on a real quickstart run and a real 4-job sweep ------------------------------------------
+SMALL = ["+experiment=quickstart", "train.max_steps=4", "train.batch_size=2", "train.seq_len=32",
+         "train.log_interval=2", "train.eval_interval=2", "train.eval_batches=1", "train.progress=lines"]
+
+
+def _report(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "k3train.report", *map(str, args)], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_report_on_a_quickstart_run(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = run_cli(*SMALL, f"hydra.run.dir={run_dir}")
+    assert proc.returncode == 0, proc.stderr
+    proc = _report(run_dir)
+    assert proc.returncode == 0, proc.stderr
+    out = run_dir / "report"
+    page = (out / "index.html").read_text()
+    for name in CHART_NAMES:  # a k3_tiny run has every figure: MoE layers, MLA with QK-Clip, Muon
+        png = (out / f"{name}.png").read_bytes()
+        assert png.startswith(PNG_MAGIC) and len(png) > 5000
+        assert _embedded_pngs(page)[f"{name}.png"] == png
+
+
+@pytest.mark.slow
+def test_report_on_a_four_job_sweep(run_cli, tmp_path, monkeypatch):
+    monkeypatch.setenv("K3TRAIN_OUTPUTS", str(tmp_path))
+    proc = run_cli("-m", *SMALL, "optim.lr=1e-3,3e-3,1e-2,3e-2")
+    assert proc.returncode == 0, proc.stderr
+    (sweep,) = tmp_path.glob("sweeps/*/*")
+    proc = _report(sweep)
+    assert proc.returncode == 0, proc.stderr
+
+    final = {}  # job -> its final val loss, read here from each job's own metrics.jsonl
+    for job in ("0", "1", "2", "3"):
+        evals = [e["loss"] for e in read_metrics(sweep / job / "metrics.jsonl", final_only=True)
+                 if e["event"] == "eval"]
+        final[job] = evals[-1]
+    in_order = sorted(final, key=final.get)
+    table = (sweep / "sweep_summary.md").read_text().splitlines()[2:]
+    assert [line.split(" | ")[-1].rstrip(" |") for line in table] == in_order
+    assert [float(line.split(" | ")[1]) for line in table] == pytest.approx(sorted(final.values()), abs=1e-4)
+
+    out = sweep / "report"
+    page = (out / "index.html").read_text()
+    embedded = _embedded_pngs(page)
+    assert sorted(embedded) == sorted(["overlay.png", *(f"{job}/{n}.png" for job in final for n in CHART_NAMES)])
+    for href, png in embedded.items():
+        assert png.startswith(PNG_MAGIC) and len(png) > 5000 and png == (out / href).read_bytes()
+    rows = re.findall(r"<tr>(?:<td>[^<]*</td>){6}<td>max_steps</td><td>(\d)</td></tr>", page)
+    assert rows == in_order  # the page's sweep table, best val loss first
