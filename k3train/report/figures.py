@@ -10,7 +10,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from k3train.report.runs import Run, has_values, keys_of, number, series
+from k3train.report.runs import Run, has_values, keys_of, series
+from k3train.train.sinks import scalar
 
 INSTALL_HINT = "pip install 'k3train[report]'"
 MOE_KEY = re.compile(r"moe/(?P<layer>[^/]+)/(?P<metric>.+)")
@@ -116,7 +117,7 @@ def grad_norm_chart(run: Run) -> Chart:
     mean, peak = series(run.events, "train", "grad_norm"), series(run.events, "train", "grad_norm_max")
     if not mean[0]:
         return Chart("grad_norm", title, None, "no train event yet")
-    clip = number(run.setting("train", "grad_clip"))
+    clip = scalar(run.setting("train", "grad_clip"))
     fig, (ax,) = _new_figure(1, title)
     _line(ax, *mean, "before clipping: mean over the updates since the last log line")
     _line(ax, *peak, "before clipping: max")
@@ -126,7 +127,7 @@ def grad_norm_chart(run: Run) -> Chart:
         note = ""
     else:
         note = "clipping is off (train.grad_clip 0 or null)" if run.config else "no run.json: clip threshold unknown"
-    skipped = [e["step"] for e in run.events if e.get("event") == "skip" and number(e.get("step")) is not None]
+    skipped = [e["step"] for e in run.events if e.get("event") == "skip" and scalar(e.get("step")) is not None]
     for i, step in enumerate(skipped):
         ax.axvline(step, color="red", alpha=0.3, lw=1, label="skipped update (non-finite)" if i == 0 else None)
     _finish(ax, "grad norm", log=_all_positive(mean[1], peak[1]))
@@ -175,7 +176,7 @@ def qk_clip_chart(run: Run) -> Chart:
     logits = [series(run.events, "train", "qk_clip", "max_logit", module) for module in modules]
     for module, (xs, ys) in zip(modules, logits):
         _line(top, xs, ys, module)
-    tau = number(run.setting("callbacks", "qk_clip", "tau"))
+    tau = scalar(run.setting("callbacks", "qk_clip", "tau"))
     if tau:
         top.axhline(tau, color="grey", ls=":", lw=1, label=f"tau {tau:g}")
     # log: logits far below tau stay readable beside it

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from k3train.report.sweep_table import JobRow, find_jobs, read_job, sweep_table
 from k3train.train.metrics import read_metrics
+from k3train.train.sinks import scalar
 
 
 class NotARunError(ValueError):
@@ -48,33 +49,19 @@ class Sweep:
     runs: list[Run]  # in the rows' order
 
 
-def number(value) -> float | None:
-    """A figure as a float: metrics.jsonl writes NaN and inf as strings ("nan", "inf"); anything else is None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        try:
-            return float(value)
-        except ValueError:
-            return None
-    return None
-
-
 def series(events: list[dict], event: str, *path: str, x: str = "step") -> tuple[list[float], list[float]]:
     """(xs, ys) of one figure over the events of one kind: path walks into nested dicts (e.g. "lr", "adamw_embed");
     events without the figure are left out, non-finite values kept (matplotlib leaves a gap)."""
     xs, ys = [], []
     for e in events:
-        if e.get("event") != event or number(e.get(x)) is None:
+        if e.get("event") != event or scalar(e.get(x)) is None:
             continue
         value = e
         for key in path:
             value = value.get(key) if isinstance(value, dict) else None
-        y = number(value)
+        y = scalar(value)
         if y is not None:
-            xs.append(number(e[x]))
+            xs.append(scalar(e[x]))
             ys.append(y)
     return xs, ys
 
