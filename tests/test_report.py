@@ -91,6 +91,27 @@ def test_a_running_run_is_reported_as_running(tmp_path):
         fcntl.flock(lock, fcntl.LOCK_EX)  # as a live k3train process holds it
         page = write_report([run_dir], tmp_path / "out").read_text()
     assert ">running<" in page
+    assert load_run(run_dir).row.end == "stopped without an end"  # the process died without an end event
+
+
+def test_a_sweep_with_a_crashed_and_a_not_yet_started_job(tmp_path):
+    for job, lr in enumerate(["1e-3", "3e-3"]):
+        (_run_dir(tmp_path / str(job), running=job == 1) / ".hydra").mkdir()  # job 1's session has no end...
+        (tmp_path / str(job) / ".hydra" / "overrides.yaml").write_text(f"- optim.lr={lr}\n- train.max_steps=4\n")
+    lines = (tmp_path / "1" / "metrics.jsonl").read_text().splitlines()
+    (tmp_path / "1" / "metrics.jsonl").write_text("\n".join(lines[:4]) + "\n")  # ...it was killed at step 2
+    (tmp_path / "2" / ".hydra").mkdir(parents=True)  # Hydra made the job; k3train has not started it
+    (tmp_path / "2" / ".hydra" / "overrides.yaml").write_text("- optim.lr=1e-2\n- train.max_steps=4\n")
+
+    out = tmp_path / "report"
+    page = write_report([tmp_path], out).read_text()
+    rows = re.findall(r"<tr><td>(\de-\d)</td><td>([\d.]*)</td>(?:<td>[^<]*</td>){4}<td>([^<]*)</td>", page)
+    assert rows == [("1e-3", "3.0000", "max_steps"), ("3e-3", "4.5000", "stopped without an end"),
+                    ("1e-2", "", "not started")]
+    assert (tmp_path / "sweep_summary.md").read_text().count("\n") == 5
+    embedded = _embedded_pngs(page)
+    assert sorted(embedded) == sorted(["overlay.png", *(f"{job}/{n}.png" for job in "01" for n in CHART_NAMES)])
+    assert "no events yet" in page  # job 2
 
 
 def test_several_runs_get_a_folder_each_and_an_overlay(tmp_path):
