@@ -72,11 +72,15 @@ def _per_key_panels(run: Run, name: str, title: str, keys: dict[str, dict[str, t
     if not keys:
         return Chart(name, title, None, note)
     fig, axes = _new_figure(len(keys), title)
+    from matplotlib import colormaps  # there: _new_figure imported matplotlib
+
     for ax, (metric, lines) in zip(axes, keys.items()):
         drawn = []
-        for key, path in lines.items():
+        # past the default cycle's 10 colours (a deep model's layers), one colour per line along a colour map
+        colours = [colormaps["viridis"](i / (len(lines) - 1)) for i in range(len(lines))] if len(lines) > 10 else []
+        for i, (key, path) in enumerate(lines.items()):
             xs, ys = series(run.events, "train", *path)
-            _line(ax, xs, ys, key)
+            _line(ax, xs, ys, key, **({"color": colours[i]} if colours else {}))
             drawn.append(ys)
         if baseline and metric in baseline:
             ax.axhline(baseline[metric], color="grey", ls=":", lw=1)
