@@ -38,6 +38,7 @@ class Loaded:
     data: dict | None  # the data config node it trained on (None if unknown), for evaluate
     seq_len: int | None  # the sequence length it trained at (None if unknown)
     path: Path  # the checkpoint file or the export directory: results are written beside it
+    step: int | None  # the training step its weights are from
 
 
 def load(source: str | Path, device: torch.device | str = "cpu") -> Loaded:
@@ -80,7 +81,7 @@ def _load_checkpoint(path: Path) -> Loaded:
     data = (hydra_config or {}).get("data")
     tokenizer_identity = (manifest or {}).get("data", {}).get("tokenizer")
     return Loaded(model, _run_tokenizer(tokenizer_identity, data, path), target, data,
-                  (hydra_config or {}).get("train", {}).get("seq_len"), path)
+                  (hydra_config or {}).get("train", {}).get("seq_len"), path, payload["meta"].get("step"))
 
 
 def _load_export(path: Path) -> Loaded:
@@ -99,7 +100,7 @@ def _load_export(path: Path) -> Loaded:
         tok = HFTokenizer(path / EXPORT_TOKENIZER, tokenizer["eod_token"])
         if tok.identity() != tokenizer:
             raise SourceError(f"{path / EXPORT_TOKENIZER} is not the tokenizer {EXPORT_CONFIG} names: export again")
-    return Loaded(model, tok, config["_target_"], config.get("data"), config.get("seq_len"), path)
+    return Loaded(model, tok, config["_target_"], config.get("data"), config.get("seq_len"), path, config.get("step"))
 
 
 def build_model(target: str, fields: dict) -> nn.Module:
