@@ -48,6 +48,11 @@ class Sampler:
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
+# Prompt positions per prefill forward: an MLA layer's scores for a piece are [B, H, piece, context so far], so a
+# 16k-token prompt takes 16 forwards of [B, H, 1024, <=16k] scores rather than one [B, H, 16k, 16k] (4 GB).
+PREFILL_CHUNK = 1024
+
+
 def supports_cache(model: nn.Module) -> bool:
     return hasattr(model, "empty_cache") and hasattr(model, "forward_cached")
 
@@ -60,7 +65,7 @@ def generate(model: nn.Module, prompt: Tensor, max_new_tokens: int, sampler: Sam
         raise ValueError("the prompt is empty: give at least one token")
     if use_cache and supports_cache(model):
         cache = model.empty_cache(prompt.shape[0], prompt.shape[1] + max_new_tokens)
-        logits = model.forward_cached(prompt, cache)
+        logits = prefill(model, prompt, cache)
         for i in range(max_new_tokens):
             token = sampler(logits[:, -1], generator)
             yield token
@@ -72,3 +77,10 @@ def generate(model: nn.Module, prompt: Tensor, max_new_tokens: int, sampler: Sam
             token = sampler(model(tokens)[0][:, -1], generator)
             yield token
             tokens = torch.cat((tokens, token[:, None]), dim=1)
+
+
+def prefill(model: nn.Module, prompt: Tensor, cache: list) -> Tensor:
+    """Feed prompt [B, T] into an empty cache, PREFILL_CHUNK positions per forward; returns the last logits."""
+    for start in range(0, prompt.shape[1], PREFILL_CHUNK):
+        logits = model.forward_cached(prompt[:, start:start + PREFILL_CHUNK], cache)
+    return logits
