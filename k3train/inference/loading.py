@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
+from k3train.models.kda.fla import require_fla
 from k3train.train.checkpoint import load_checkpoint
 
 EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
@@ -43,11 +44,11 @@ class Loaded:
 
 def load(source: str | Path, device: torch.device | str = "cpu") -> Loaded:
     """A run directory (its last.pt), a checkpoint file, or an export directory -> the model in eval mode."""
-    path = Path(source).expanduser()
+    path, device = Path(source).expanduser(), torch.device(device)
     if (path / EXPORT_CONFIG).is_file():
-        loaded = _load_export(path)
+        loaded = _load_export(path, device)
     else:
-        loaded = _load_checkpoint(_checkpoint_file(path))
+        loaded = _load_checkpoint(_checkpoint_file(path), device)
     loaded.model.to(device).eval()
     return loaded
 
@@ -66,7 +67,7 @@ def _checkpoint_file(path: Path) -> Path:
                       "or a directory written by python -m k3train.export")
 
 
-def _load_checkpoint(path: Path) -> Loaded:
+def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
     payload = load_checkpoint(path)  # weights_only; refuses other formats with a message
     fields = dict(payload["meta"]["model_config"])
     run_dir = path.parent
@@ -75,7 +76,7 @@ def _load_checkpoint(path: Path) -> Loaded:
     if target is None:
         raise SourceError(f"{path}: its run directory has no .hydra/config.yaml naming the model class, and "
                           f"model_type={fields.get('model_type')!r} is not one of {sorted(MODEL_TARGETS)}")
-    model = build_model(target, fields)
+    model = build_model(target, fields, device)
     model.load_state_dict(payload["model"])
     manifest = _read_json(run_dir / "run.json")
     data = (hydra_config or {}).get("data")
@@ -84,14 +85,14 @@ def _load_checkpoint(path: Path) -> Loaded:
                   (hydra_config or {}).get("train", {}).get("seq_len"), path, payload["meta"].get("step"))
 
 
-def _load_export(path: Path) -> Loaded:
+def _load_export(path: Path, device: torch.device) -> Loaded:
     from safetensors.torch import load_model
 
     config = _read_json(path / EXPORT_CONFIG)
     weights = path / EXPORT_WEIGHTS
     if not weights.is_file():
         raise SourceError(f"{path} has {EXPORT_CONFIG} but no {EXPORT_WEIGHTS}: export the run again")
-    model = build_model(config["_target_"], config["model"])
+    model = build_model(config["_target_"], config["model"], device)
     load_model(model, weights)  # strict; a tied lm_head, stored once, is tied again
     tokenizer = config["tokenizer"]
     if tokenizer["name"] == "byte":
@@ -103,9 +104,21 @@ def _load_export(path: Path) -> Loaded:
     return Loaded(model, tok, config["_target_"], config.get("data"), config.get("seq_len"), path, config.get("step"))
 
 
-def build_model(target: str, fields: dict) -> nn.Module:
-    """The model the Hydra `target` builds from its config's fields (weights not yet loaded)."""
+def build_model(target: str, fields: dict, device: torch.device) -> nn.Module:
+    """The model the Hydra `target` builds from its config's fields (weights not yet loaded). KDA layers run on
+    FLA's kernels where they can (CUDA with flash-linear-attention installed), else on the pure-PyTorch chunk path:
+    the weights are the same either way."""
+    if fields.get("model_type") == "kimi_k3":
+        fields = {**fields, "kda_implementation": "fla" if device.type == "cuda" and _fla_installed() else "chunk"}
     return instantiate({"_target_": target, **fields})
+
+
+def _fla_installed() -> bool:
+    try:
+        require_fla()
+    except ImportError:
+        return False
+    return True
 
 
 def _run_tokenizer(identity: dict | None, data: dict | None, where: Path) -> Tokenizer:

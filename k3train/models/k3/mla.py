@@ -128,6 +128,9 @@ class MultiHeadLatentAttention(nn.Module):
         B, T, _ = x.shape
         H, dn, dr, dv, r = self.n_heads, self.dn, self.dr, self.dv, self.kv_lora_rank
         start = cache.length
+        if self.rotary is not None and start + T > self.rotary.cos.shape[0]:
+            raise ValueError(f"position {start + T - 1} is past the rotary table's {self.rotary.cos.shape[0]} "
+                             "positions (max_seq_len): decode a shorter context")
         q_nope, q_rope = self._query(x).view(B, T, H, dn + dr).split([dn, dr], dim=-1)
         c_kv, k_rope = self.kv_a_proj(x).split([r, dr], dim=-1)
         if self.rotary is not None:
