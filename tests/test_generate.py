@@ -138,3 +138,14 @@ def test_sampler_filters():
 def test_sampler_refuses_bad_settings(settings, message):
     with pytest.raises(ValueError, match=message):
         Sampler(**settings)
+
+
+def test_rotary_positions_past_the_table_are_refused():
+    model = KimiK3(KimiK3Config(vocab_size=61, d_model=32, n_layers=1, kda_mla_ratio="0:1", max_seq_len=8,
+                                mla_n_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                                mla_rope=True, dense_ffn_dim=32)).eval()
+    cache = model.empty_cache(1, 20)
+    with torch.no_grad():
+        model.forward_cached(torch.zeros(1, 8, dtype=torch.long), cache)  # positions 0..7: the whole table
+        with pytest.raises(ValueError, match="position 8 is past the rotary table's 8 positions"):
+            model.forward_cached(torch.zeros(1, 1, dtype=torch.long), cache)
