@@ -72,25 +72,22 @@ def continue_prompt(loaded: Loaded, prompt: str, args: argparse.Namespace, sampl
     if stream:
         print(prompt, end="", flush=True)
     use_cache = not args.no_cache
-    new_tokens, start = [], time.perf_counter()
-    first = None
+    new_tokens, start, stamps = [], time.perf_counter(), []
     for token in generate(model, batch, args.max_new_tokens, sampler, generator, use_cache=use_cache):
-        first = first or time.perf_counter()
+        stamps.append(time.perf_counter())  # the first one comes after the prefill
         new_tokens.append(token)
         if stream:
             stream.add(int(token[0]))
-    elapsed = time.perf_counter() - start
-    samples = torch.stack(new_tokens, dim=1).tolist()
     if stream:
         stream.finish()
     else:
-        for j, sample in enumerate(samples):
-            print(f"--- sample {j + 1}/{len(samples)}\n{prompt}{tokenizer.decode(sample)}", flush=True)
-    decode_time = elapsed - (first - start)
-    per_s = args.num_samples * (args.max_new_tokens - 1) / decode_time if args.max_new_tokens > 1 else float("nan")
+        for j, sample in enumerate(torch.stack(new_tokens, dim=1).tolist()):
+            print(f"--- sample {j + 1}/{args.num_samples}\n{prompt}{tokenizer.decode(sample)}", flush=True)
+    decoded = args.num_samples * (len(stamps) - 1)
+    rate = f"{decoded / (stamps[-1] - stamps[0]):,.1f}" if decoded else "-"
     way = "incremental (KDA state + MLA latent cache)" if use_cache and supports_cache(model) else "full recompute"
-    print(f"[{len(ids)} prompt tokens in {first - start:.2f} s; {args.num_samples} x {args.max_new_tokens} new "
-          f"tokens, {per_s:,.1f} tok/s decoding, {way}, {device}]", file=sys.stderr, flush=True)
+    print(f"[{len(ids)} prompt tokens in {stamps[0] - start:.2f} s; {args.num_samples} x {args.max_new_tokens} new "
+          f"tokens, {rate} tok/s decoding, {way}, {device}]", file=sys.stderr, flush=True)
 
 
 class StreamPrinter:
