@@ -78,6 +78,9 @@ def data_config(loaded: Loaded, overrides: list[str]) -> dict:
 
 def evaluate_split(loaded: Loaded, data, args: argparse.Namespace) -> dict:
     model, tokenizer = loaded.model, loaded.tokenizer
+    for option in ("batch_size", "seq_len", "max_batches"):
+        if getattr(args, option) is not None and getattr(args, option) < 1:
+            raise ValueError(f"--{option.replace('_', '-')}={getattr(args, option)} must be >= 1")
     if data.identity()["tokenizer"] != tokenizer.identity():
         raise ValueError(f"{data.path} was prepared with tokenizer {data.identity()['tokenizer']}, the model with "
                          f"{tokenizer.identity()}: prepare it with the model's tokenizer")

@@ -110,7 +110,9 @@ def test_bad_sources_and_targets_fail_with_one_line(run_dir, tmp_path, capsys):
     assert generate.main([str(dcp), "--prompt", "x"]) == 2
     assert evaluate.main([str(run_dir), "optim.lr=1"]) == 2
     assert generate.main([str(tmp_path / "missing"), "--prompt", "x"]) == 2
+    assert evaluate.main([str(run_dir), "--max-batches", "0"]) == 2
     errors = capsys.readouterr().err.splitlines()
-    assert len(errors) == 4
+    assert len(errors) == 5
     assert "already exists" in errors[0] and "sharded (DCP) checkpoint" in errors[1]
     assert "only data overrides" in errors[2] and "does not exist" in errors[3]
+    assert "--max-batches=0 must be >= 1" in errors[4]
