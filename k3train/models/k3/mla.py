@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3train.models.k3.cache import MLACache
+
 
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding on the last dim (half-split pairing: channel i rotates with i + dr/2)."""
@@ -30,11 +32,11 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)
         self.register_buffer("sin", angles.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, H, dr] -> same shape, position t rotated by t * inv_freq."""
+    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """x [B, T, H, dr] -> same shape, x[:, t] rotated as position start + t."""
         T = x.shape[1]
-        cos = self.cos[:T, None, :].to(x.dtype)  # [T, 1, dr/2]
-        sin = self.sin[:T, None, :].to(x.dtype)
+        cos = self.cos[start:start + T, None, :].to(x.dtype)  # [T, 1, dr/2]
+        sin = self.sin[start:start + T, None, :].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -89,11 +91,7 @@ class MultiHeadLatentAttention(nn.Module):
         """x [B, T, d] -> [B, T, d], causal."""
         B, T, _ = x.shape
         H, dn, dr, dv = self.n_heads, self.dn, self.dr, self.dv
-        if hasattr(self, "q_proj"):
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
-        q = q.view(B, T, H, dn + dr)
+        q = self._query(x).view(B, T, H, dn + dr)
         c_kv, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, dr], dim=-1)  # [B, T, r], [B, T, dr]
         kv = self.kv_b_proj(self.kv_a_norm(c_kv)).view(B, T, H, dn + dv)
         k_nope, v = kv.split([dn, dv], dim=-1)
@@ -111,6 +109,46 @@ class MultiHeadLatentAttention(nn.Module):
             self.max_logit = step_max if self.max_logit is None else torch.maximum(self.max_logit, step_max)
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, H, T, dv]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * dv))
+
+    def _query(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "q_proj"):
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+
+    def empty_cache(self, batch: int, capacity: int, device: torch.device, dtype: torch.dtype) -> MLACache:
+        return MLACache.empty(batch, capacity, self.kv_lora_rank, self.dr, device, dtype)
+
+    def forward_cached(self, x: torch.Tensor, cache: MLACache) -> torch.Tensor:
+        """forward() continued from `cache` (appended in place): x [B, T, d] are the next T positions.
+
+        Attention runs in the latent space: kv_b_proj's key half is absorbed into the query and its value half
+        applied after the weighted sum (DeepSeek-V2 section 2.1.3; DeepSeek-V3 inference/model.py, "absorb"), so
+        per-head keys and values are never built for the cached positions.
+        """
+        B, T, _ = x.shape
+        H, dn, dr, dv, r = self.n_heads, self.dn, self.dr, self.dv, self.kv_lora_rank
+        start = cache.length
+        if self.rotary is not None and start + T > self.rotary.cos.shape[0]:
+            raise ValueError(f"position {start + T - 1} is past the rotary table's {self.rotary.cos.shape[0]} "
+                             "positions (max_seq_len): decode a shorter context")
+        q_nope, q_rope = self._query(x).view(B, T, H, dn + dr).split([dn, dr], dim=-1)
+        c_kv, k_rope = self.kv_a_proj(x).split([r, dr], dim=-1)
+        if self.rotary is not None:
+            q_rope = self.rotary(q_rope, start)
+            k_rope = self.rotary(k_rope.unsqueeze(2), start).squeeze(2)
+        latent, k_rope = cache.append(self.kv_a_norm(c_kv), k_rope)  # every position so far: [B, S, r], [B, S, dr]
+
+        w_kv = self.kv_b_proj.weight.view(H, dn + dv, r)
+        # q_nope . (W_uk c) == (W_uk^T q_nope) . c: the query moves into the latent space once per new token.
+        q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_kv[:, :dn])
+        scores = (torch.einsum("bthr,bsr->bhts", q_latent, latent)
+                  + torch.einsum("bthd,bsd->bhts", q_rope, k_rope)) * self.scale  # [B, H, T, S]
+        # New token t sits at position start + t and sees positions 0..start + t.
+        visible = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        weights = scores.masked_fill(~visible, -math.inf).softmax(dim=-1, dtype=torch.float32).to(latent.dtype)
+        o_latent = torch.einsum("bhts,bsr->bthr", weights, latent)
+        o = torch.einsum("bthr,hdr->bthd", o_latent, w_kv[:, dn:])  # the value half of kv_b_proj, applied once
+        return self.o_proj(o.reshape(B, T, H * dv))
 
     @torch.no_grad()
     def scale_qk_heads_(self, gamma: torch.Tensor) -> None:

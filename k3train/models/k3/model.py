@@ -17,10 +17,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3train.models.k3.cache import MLACache
 from k3train.models.k3.config import KimiK3Config
 from k3train.models.k3.mla import MultiHeadLatentAttention
 from k3train.models.k3.moe import MoE, RoutedExperts, SwiGLU
 from k3train.models.kda.layer import KimiDeltaAttention
+from k3train.models.kda.state import KDAState
 
 
 class Block(nn.Module):
@@ -54,6 +56,15 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.mixer(self.mixer_norm(x))
         return x + self.ffn(self.ffn_norm(x))
+
+    def forward_cached(self, x: torch.Tensor, cache: KDAState | MLACache) -> torch.Tensor:
+        x = x + self.mixer.forward_cached(self.mixer_norm(x), cache)
+        return x + self.ffn(self.ffn_norm(x))
+
+    def empty_cache(self, batch: int, capacity: int, device: torch.device, dtype: torch.dtype) -> KDAState | MLACache:
+        if self.mixer_type == "kda":
+            return self.mixer.empty_state(batch, device, dtype)
+        return self.mixer.empty_cache(batch, capacity, device, dtype)
 
 
 class KimiK3(nn.Module):
@@ -109,6 +120,21 @@ class KimiK3(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return logits, loss
+
+    def empty_cache(self, batch: int, capacity: int) -> list[KDAState | MLACache]:
+        """One decoding cache per layer for `batch` sequences of up to `capacity` positions (prompt + new tokens):
+        a fixed-size KDAState for a KDA layer, an MLACache of the latent for an MLA layer (k3train/models/k3/cache.py)."""
+        weight = self.embed_tokens.weight
+        return [layer.empty_cache(batch, capacity, weight.device, weight.dtype) for layer in self.layers]
+
+    def forward_cached(self, x: torch.Tensor, cache: list[KDAState | MLACache]) -> torch.Tensor:
+        """x [B, T] the next T tokens after those `cache` has seen (updated in place) -> logits [B, T, V].
+
+        Equal to forward()'s logits at those positions: a prompt goes in at once, then one token at a time."""
+        h = self.embed_tokens(x)
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            h = layer.forward_cached(h, layer_cache)
+        return self.lm_head(self.norm(h))
 
     def check_data(self, vocab_size: int, seq_len: int) -> None:
         """Raise ValueError if data with this vocabulary and sequence length cannot train this model.

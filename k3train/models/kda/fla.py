@@ -47,3 +47,23 @@ def fla_chunk_kda(
     return chunk_kda(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state
     )
+
+
+def fla_fused_recurrent_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """FLA's fused_recurrent_kda (forward only: decoding one token at a time), same layout as fla_chunk_kda."""
+    check_kda_inputs(q, k, v, g, beta, initial_state)
+    require_fla()
+    from fla.ops.kda import fused_recurrent_kda
+
+    return fused_recurrent_kda(
+        q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state
+    )

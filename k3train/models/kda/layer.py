@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3train.models.kda.chunk import chunk_kda
-from k3train.models.kda.fla import fla_chunk_kda, require_fla
+from k3train.models.kda.fla import fla_chunk_kda, fla_fused_recurrent_kda, require_fla
 from k3train.models.kda.naive import naive_recurrent_kda
+from k3train.models.kda.state import KDAState
 
 IMPLEMENTATIONS = ("chunk", "recurrent", "fla")
 GATES = ("softplus", "sigmoid")
@@ -96,9 +98,52 @@ class KimiDeltaAttention(nn.Module):
         v = self._short_conv(self.v_conv, self.v_proj(x)).view(B, T, HV, K)
         beta = self.b_proj(x).sigmoid()  # [B, T, HV]
         o = self._recurrence(q, k, v, self._forget_gate(x), beta)  # [B, T, HV, K] in v's dtype
+        return self._gated_output(x, o)
+
+    def empty_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> KDAState:
+        key_dim = self.n_heads * self.head_dim
+        return KDAState.empty(batch, self.conv_size, key_dim, self.n_value_heads * self.head_dim,
+                              self.n_value_heads, self.head_dim, device, dtype)
+
+    def forward_cached(self, x: Tensor, state: KDAState) -> Tensor:
+        """forward() continued from `state`, which is updated in place: a prompt (T > 1) or one new token."""
+        B, T, _ = x.shape
+        H, HV, K = self.n_heads, self.n_value_heads, self.head_dim
+        q, state.conv_q = self._short_conv_continued(self.q_conv, self.q_proj(x), state.conv_q)
+        k, state.conv_k = self._short_conv_continued(self.k_conv, self.k_proj(x), state.conv_k)
+        v, state.conv_v = self._short_conv_continued(self.v_conv, self.v_proj(x), state.conv_v)
+        q, k = F.normalize(q.view(B, T, H, K), dim=-1), F.normalize(k.view(B, T, H, K), dim=-1)
+        beta = self.b_proj(x).sigmoid()
+        recurrence = self._continued_recurrence(T)
+        o, state.recurrent = recurrence(q, k, v.view(B, T, HV, K), self._forget_gate(x), beta,
+                                        initial_state=state.recurrent, output_final_state=True)
+        return self._gated_output(x, o)
+
+    def _gated_output(self, x: Tensor, o: Tensor) -> Tensor:
+        """o [B, T, HV, K] -> per-head RMSNorm times the output gate, then o_proj: [B, T, d_model]."""
+        B, T, HV, K = o.shape
         out_gate = self.g_b_proj(self.g_a_proj(x)).view(B, T, HV, K).sigmoid()
         o = self.o_norm(o.to(self.o_norm.weight.dtype)) * out_gate  # RMSNorm in the weight's precision
         return self.o_proj(o.reshape(B, T, HV * K))
+
+    def _short_conv_continued(self, conv: nn.Conv1d, x: Tensor, tail: Tensor) -> tuple[Tensor, Tensor]:
+        """_short_conv over `tail` (the previous conv_size - 1 inputs) then x: SiLU(conv) [B, T, D] and the new tail.
+
+        Zeros as the first tail reproduce forward()'s causal padding exactly."""
+        window = torch.cat((tail.to(x.dtype), x), dim=1)  # [B, conv_size - 1 + T, D]
+        # The depthwise conv as a weighted sum over each position's window: for one token, far cheaper on CPU
+        # than a convolution call.
+        out = (window.unfold(1, self.conv_size, 1) * conv.weight[:, 0]).sum(-1)  # [B, T, D, conv_size] -> [B, T, D]
+        return F.silu(out), window[:, window.shape[1] - tail.shape[1]:]
+
+    def _continued_recurrence(self, T: int):
+        """The kernel that continues a state: chunked for a prompt, the per-step recurrence for one token
+        (FLA's fused_recurrent_kda when this layer runs on FLA, the fp32 reference otherwise)."""
+        if self.implementation == "fla":
+            return fla_fused_recurrent_kda if T == 1 else fla_chunk_kda
+        if self.implementation == "chunk" and T > 1:
+            return partial(chunk_kda, chunk_size=self.chunk_size)
+        return naive_recurrent_kda
 
     def _short_conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
         """Depthwise causal conv over time, then SiLU: [B, T, D] -> [B, T, D]."""

@@ -1,0 +1,124 @@
+"""`python -m k3train.evaluate RUN_DIR_OR_CHECKPOINT [data=prepared data.path=...]`: loss, perplexity and bits
+per byte of a trained model on a dataset's val split (by default the data it trained on), written as JSON beside
+the checkpoint. The loss is k3train/train/evaluate.py's, the one training reports.
+"""
+
+from __future__ import annotations
+
+from k3train.train.cpu import configure_openmp
+
+configure_openmp()  # before torch loads OpenMP: idle threads sleep rather than spin (README, CPU speed)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+from hydra import compose, initialize_config_module  # noqa: E402
+from hydra.errors import HydraException  # noqa: E402
+from hydra.utils import instantiate  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+
+from k3train.config import register_configs  # noqa: E402
+from k3train.data.tokenizers import ByteTokenizer  # noqa: E402
+from k3train.files import write_atomic  # noqa: E402
+from k3train.generate import pick_device  # noqa: E402
+from k3train.inference.loading import Loaded, load  # noqa: E402
+from k3train.train.evaluate import evaluate  # noqa: E402
+from k3train.train.precision import Precision  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m k3train.evaluate", description=__doc__.split("\n")[0])
+    p.add_argument("source", help="a run directory (its last.pt), a checkpoint .pt, or an export directory")
+    p.add_argument("overrides", nargs="*", help="data overrides as in training: data=prepared data.path=DIR")
+    p.add_argument("--split", choices=("val", "train"), default="val", help="which split of the dataset")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, help="default: the run's train.seq_len, else the model's max_seq_len")
+    p.add_argument("--max-batches", type=int, help="default: the whole split")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        loaded = load(args.source, pick_device(args.device))
+        data = instantiate(data_config(loaded, args.overrides))
+        result = evaluate_split(loaded, data, args)
+    except (ValueError, OSError, HydraException, OmegaConfBaseException) as exc:
+        cause = exc.__cause__ if isinstance(exc, HydraException) and exc.__cause__ else exc  # the data's own error
+        print(f"k3train.evaluate: error: {cause}", file=sys.stderr)
+        return 2
+    out = loaded.path.with_name(f"{loaded.path.stem}.eval.{args.split}.{result['data']['fingerprint'][:12]}.json")
+    if loaded.path.is_dir():  # an export: the result goes inside it
+        out = loaded.path / f"eval.{args.split}.{result['data']['fingerprint'][:12]}.json"
+    write_atomic(out, lambda f: f.write(json.dumps(result, indent=2).encode() + b"\n"))
+    print(f"{args.split}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
+          f"bits/byte {result['bits_per_byte']:.4f} | {result['tokens']:,} tokens -> {out}")
+    return 0
+
+
+def data_config(loaded: Loaded, overrides: list[str]) -> dict:
+    """The data node the model trained on, or the one these overrides compose (as `python -m k3train` would)."""
+    if not overrides:
+        if loaded.data is None:
+            raise ValueError(f"{loaded.path} does not say which data it trained on: name a dataset, e.g. "
+                             "data=prepared data.path=DIR")
+        return loaded.data
+    foreign = [o for o in overrides if not o.lstrip("+~").startswith("data")]
+    if foreign:
+        raise ValueError(f"evaluate takes only data overrides (data=..., data.path=...); got {foreign}")
+    register_configs()
+    with initialize_config_module("k3train.conf", version_base="1.3"):
+        return OmegaConf.to_container(compose("config", overrides=overrides).data, resolve=True)
+
+
+def evaluate_split(loaded: Loaded, data, args: argparse.Namespace) -> dict:
+    model, tokenizer = loaded.model, loaded.tokenizer
+    for option in ("batch_size", "seq_len", "max_batches"):
+        if getattr(args, option) is not None and getattr(args, option) < 1:
+            raise ValueError(f"--{option.replace('_', '-')}={getattr(args, option)} must be >= 1")
+    if data.identity()["tokenizer"] != tokenizer.identity():
+        raise ValueError(f"{data.path} was prepared with tokenizer {data.identity()['tokenizer']}, the model with "
+                         f"{tokenizer.identity()}: prepare it with the model's tokenizer")
+    seq_len = args.seq_len or loaded.seq_len or model.config.max_seq_len
+    model.check_data(data.vocab_size, seq_len)
+    loader = dict(zip(("train", "val"), data.loaders(args.batch_size, seq_len)))[args.split]
+    batches = loader.batches_remaining()
+    if args.max_batches is not None:
+        batches = min(batches, args.max_batches)
+    if batches < 1:
+        raise ValueError(f"the {args.split} split of {data.path} holds fewer than {args.batch_size} x {seq_len} "
+                         "tokens: lower --batch-size or --seq-len")
+    device = next(model.parameters()).device
+    result = evaluate(model, loader, batches, Precision("fp32"), device)
+    tokens, text_bytes = result["val_tokens"], count_text_bytes(loader, batches, tokenizer)
+    return {
+        "source": str(loaded.path), "step": loaded.step, "split": args.split,
+        "data": {k: v for k, v in data.identity().items() if k in ("fingerprint", "val_fingerprint", "tokenizer")},
+        "batch_size": args.batch_size, "seq_len": seq_len, "batches": result["batches"], "tokens": tokens,
+        "bytes": text_bytes, "loss": result["loss"], "perplexity": math.exp(result["loss"]),
+        # Nats per token times tokens per byte, in bits: comparable across tokenizers.
+        "bits_per_byte": result["loss"] * tokens / (math.log(2) * text_bytes),
+    }
+
+
+def count_text_bytes(loader, batches: int, tokenizer) -> int:
+    """UTF-8 bytes of the target tokens of the first `batches` batches (end-of-document ids count none)."""
+    loader.reset()
+    total = 0
+    for _ in range(batches):
+        targets = loader.next_batch()[1].numpy()
+        if isinstance(tokenizer, ByteTokenizer):
+            total += int((targets != tokenizer.eod_id).sum())
+        else:
+            total += sum(len(tokenizer.decode(row[row != tokenizer.eod_id]).encode()) for row in targets)
+    loader.reset()
+    return total
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,144 @@
+"""Open what training or export left behind: a run directory, a checkpoint file or an exported model directory.
+
+A checkpoint carries its model config (meta.model_config) and weights; the run directory around it says which
+model class built it (.hydra/config.yaml) and which data and tokenizer it trained on (.hydra/config.yaml and
+run.json). An export (k3train/export.py) keeps the same facts in config.json beside model.safetensors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from torch import nn
+
+from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
+from k3train.models.kda.fla import require_fla
+from k3train.train.checkpoint import load_checkpoint
+
+EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
+# The class of a model whose run directory is gone, by its config's model_type.
+MODEL_TARGETS = {"kimi_k3": "k3train.models.k3.KimiK3.from_fields",
+                 "smoke_test_lm": "k3train.models.smoke.SmokeTestLM.from_fields"}
+
+
+class SourceError(ValueError):
+    """A path that is not a usable run directory, checkpoint or export."""
+
+
+@dataclass
+class Loaded:
+    model: nn.Module  # in eval mode
+    tokenizer: Tokenizer
+    model_target: str  # the Hydra _target_ that builds the model from its config's fields
+    data: dict | None  # the data config node it trained on (None if unknown), for evaluate
+    seq_len: int | None  # the sequence length it trained at (None if unknown)
+    path: Path  # the checkpoint file or the export directory: results are written beside it
+    step: int | None  # the training step its weights are from
+
+
+def load(source: str | Path, device: torch.device | str = "cpu") -> Loaded:
+    """A run directory (its last.pt), a checkpoint file, or an export directory -> the model in eval mode."""
+    path, device = Path(source).expanduser(), torch.device(device)
+    if (path / EXPORT_CONFIG).is_file():
+        loaded = _load_export(path, device)
+    else:
+        loaded = _load_checkpoint(_checkpoint_file(path), device)
+    loaded.model.to(device).eval()
+    return loaded
+
+
+def _checkpoint_file(path: Path) -> Path:
+    if path.is_file():
+        return path
+    if not path.is_dir():
+        raise SourceError(f"{path} does not exist: give a run directory, a checkpoint (.pt) or an export directory")
+    if (path / ".metadata").is_file() or (path / "last" / ".metadata").is_file():
+        raise SourceError(f"{path} is a sharded (DCP) checkpoint, which cannot be read here yet: consolidate it "
+                          "into one .pt file first (torch.distributed.checkpoint.format_utils.dcp_to_torch_save)")
+    if (path / "last.pt").is_file():
+        return path / "last.pt"
+    raise SourceError(f"{path} holds no last.pt and no {EXPORT_CONFIG}: give a run directory, a checkpoint (.pt) "
+                      "or a directory written by python -m k3train.export")
+
+
+def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
+    payload = load_checkpoint(path)  # weights_only; refuses other formats with a message
+    fields = dict(payload["meta"]["model_config"])
+    run_dir = path.parent
+    hydra_config = _read_yaml(run_dir / ".hydra" / "config.yaml")
+    target = (hydra_config or {}).get("model", {}).get("_target_") or MODEL_TARGETS.get(fields.get("model_type"))
+    if target is None:
+        raise SourceError(f"{path}: its run directory has no .hydra/config.yaml naming the model class, and "
+                          f"model_type={fields.get('model_type')!r} is not one of {sorted(MODEL_TARGETS)}")
+    model = build_model(target, fields, device)
+    model.load_state_dict(payload["model"])
+    manifest = _read_json(run_dir / "run.json")
+    data = (hydra_config or {}).get("data")
+    tokenizer_identity = (manifest or {}).get("data", {}).get("tokenizer")
+    return Loaded(model, _run_tokenizer(tokenizer_identity, data, path), target, data,
+                  (hydra_config or {}).get("train", {}).get("seq_len"), path, payload["meta"].get("step"))
+
+
+def _load_export(path: Path, device: torch.device) -> Loaded:
+    from safetensors.torch import load_model
+
+    config = _read_json(path / EXPORT_CONFIG)
+    weights = path / EXPORT_WEIGHTS
+    if not weights.is_file():
+        raise SourceError(f"{path} has {EXPORT_CONFIG} but no {EXPORT_WEIGHTS}: export the run again")
+    model = build_model(config["_target_"], config["model"], device)
+    load_model(model, weights)  # strict; a tied lm_head, stored once, is tied again
+    tokenizer = config["tokenizer"]
+    if tokenizer["name"] == "byte":
+        tok: Tokenizer = ByteTokenizer()
+    else:
+        tok = HFTokenizer(path / EXPORT_TOKENIZER, tokenizer["eod_token"])
+        if tok.identity() != tokenizer:
+            raise SourceError(f"{path / EXPORT_TOKENIZER} is not the tokenizer {EXPORT_CONFIG} names: export again")
+    return Loaded(model, tok, config["_target_"], config.get("data"), config.get("seq_len"), path, config.get("step"))
+
+
+def build_model(target: str, fields: dict, device: torch.device) -> nn.Module:
+    """The model the Hydra `target` builds from its config's fields (weights not yet loaded). KDA layers run on
+    FLA's kernels where they can (CUDA with flash-linear-attention installed), else on the pure-PyTorch chunk path:
+    the weights are the same either way."""
+    if fields.get("model_type") == "kimi_k3":
+        fields = {**fields, "kda_implementation": "fla" if device.type == "cuda" and _fla_installed() else "chunk"}
+    return instantiate({"_target_": target, **fields})
+
+
+def _fla_installed() -> bool:
+    try:
+        require_fla()
+    except ImportError:
+        return False
+    return True
+
+
+def _run_tokenizer(identity: dict | None, data: dict | None, where: Path) -> Tokenizer:
+    """The tokenizer the run's data was prepared with; the byte tokenizer needs no files."""
+    if identity is not None and identity.get("name") == "byte":
+        return ByteTokenizer()
+    if data is None:
+        raise SourceError(f"{where}: no .hydra/config.yaml beside it says which data (and tokenizer) it trained on; "
+                          "pass the run directory the checkpoint came from")
+    tok = instantiate(data).tokenizer()
+    if identity is not None and tok.identity() != identity:
+        raise SourceError(f"{where}: the run's data now has tokenizer {tok.identity()}, but the run trained with "
+                          f"{identity}")
+    return tok
+
+
+def _read_yaml(path: Path) -> dict[str, Any] | None:
+    return OmegaConf.to_container(OmegaConf.load(path)) if path.is_file() else None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
