@@ -130,6 +130,8 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     train_loader, val_loader = data.loaders(train_cfg.batch_size, train_cfg.seq_len, rank=world.rank,
                                             world_size=world.size)
     model.to(device)
+    parallel = instantiate(cfg.parallel)
+    model = parallel.shard(model, device)  # before the optimizer: FSDP2 replaces the parameters
     optimizer = instantiate(cfg.optim)(model)
     callbacks = _build_named(cfg.callbacks, Callback, "callbacks")
     sinks = _build_named(cfg.logger, MetricsSink, "logger", run_dir=str(run_dir))
@@ -141,7 +143,7 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     trainer = Trainer(model=model, optimizer=optimizer, schedule_factory=instantiate(cfg.schedule),
                       precision=precision, train_loader=train_loader, val_loader=val_loader, config=train_cfg,
                       device=device, metrics=metrics, checkpointer=checkpointer, callbacks=callbacks,
-                      parallel=instantiate(cfg.parallel), profile=profile_cfg)
+                      parallel=parallel, profile=profile_cfg)
     if resume_path is not None:
         trainer.resume(resume_path)
         done = trainer.plan.done()
