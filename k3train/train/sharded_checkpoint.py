@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.tensor import DTensor
 
@@ -117,10 +118,15 @@ def read_sharded(directory: Path, make_shard: MakeShard) -> Any:
         if not isinstance(dtype, torch.dtype) or not all(isinstance(n, int) for n in p["shape"]):
             raise ValueError(f"{directory / EXTRA} has a malformed tensor entry {p!r}")
         wanted[p[PLACEHOLDER]] = make_shard(torch.Size(p["shape"]), dtype)
+    reader = SafeFileSystemReader(directory)
+    reader.read_metadata()  # refused here, in one clear line, rather than inside dcp.load's collectives
     if wanted:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(wanted, storage_reader=SafeFileSystemReader(directory), no_dist=not dist.is_initialized())
+            try:
+                dcp.load(wanted, storage_reader=reader, no_dist=not dist.is_initialized())
+            except CheckpointException as exc:  # a BaseException: its last line says what failed
+                raise ValueError(str(exc).strip().splitlines()[-1]) from exc
     return _fill(skeleton, wanted)
 
 
