@@ -11,7 +11,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from k3train.consolidate import consolidate
-from k3train.train.checkpoint import FORMAT_VERSION, CheckpointError, load_checkpoint
+from k3train.train.checkpoint import FORMAT_VERSION, CheckpointError, ShardedCheckpointer, load_checkpoint
 from k3train.train.metrics import read_metrics
 from k3train.train.sharded_checkpoint import EXTRA, PLACEHOLDER, read_sharded, whole_tensor
 from test_distributed import K3, SMOKE, kill_a_rank_then_resume, launch, steps
@@ -34,20 +34,18 @@ def assert_same_weights(got: dict, want: dict, atol: float) -> None:
 @pytest.mark.slow
 def test_fsdp_k3_tiny_equals_one_process_and_resumes_sharded_or_consolidated(k3_cache, tmp_path):
     """Muon (whole matrices gathered from shards), Quantile Balancing, QK-Clip on row-sharded weights, gradient
-    accumulation without a reduce-scatter per micro-batch; a 2-rank session that stops at step 2 and a 2-rank resume
-    from last.dcp; a 1-process resume from its consolidated step-2 checkpoint."""
+    accumulation without a reduce-scatter per micro-batch; then 1 process resumes its consolidated step-2
+    checkpoint (a 2-rank resume from last.dcp: the killed-rank test below)."""
     args = [*K3, "train.max_steps=4", "train.gradient_accumulation_steps=2", "train.checkpoint_interval=2",
             "train.keep_last_k=2"]
     one, two, single = tmp_path / "one", tmp_path / "two", tmp_path / "single"
     proc = launch(k3_cache, *args, "train.batch_size=2", f"hydra.run.dir={one}", ranks=None)
     assert proc.returncode == 0, proc.stderr
-    proc = launch(k3_cache, *args, *FSDP, "train.batch_size=1", "train.stop_after=2", f"hydra.run.dir={two}")
+    proc = launch(k3_cache, *args, *FSDP, "train.batch_size=1", f"hydra.run.dir={two}")
     assert proc.returncode == 0, proc.stderr
     assert "FSDP2 over 2 process(es)" in proc.stdout
     assert "head_splits=(4, 0) x" in proc.stdout  # fully_shard's new parameters kept Muon's per-head annotation
     assert (two / "last.dcp").is_symlink() and not (two / "last.pt").exists()
-    proc = launch(k3_cache, *args, *FSDP, "train.batch_size=1", f"hydra.run.dir={two}", "resume=auto")
-    assert proc.returncode == 0, proc.stderr
     for event in ("train", "eval"):
         assert_same_steps(steps(two, event), steps(one, event))
     clipped = [e["qk_clip"]["n_clipped"] for e in read_metrics(two / "metrics.jsonl") if e["event"] == "train"]
@@ -67,7 +65,7 @@ def test_fsdp_k3_tiny_equals_one_process_and_resumes_sharded_or_consolidated(k3_
 @pytest.mark.slow
 def test_fsdp_smoke_equals_one_process_and_a_killed_rank_resumes_exactly(k3_cache, tmp_path):
     straight, killed, one = tmp_path / "straight", tmp_path / "killed", tmp_path / "one"
-    args = [*SMOKE, *FSDP, "train.max_steps=8", "train.batch_size=2"]
+    args = [*SMOKE, *FSDP, "train.max_steps=8", "train.batch_size=2", "train.keep_last_k=3"]
     assert launch(k3_cache, *args, f"hydra.run.dir={straight}").returncode == 0
     proc = launch(k3_cache, *SMOKE, "train.max_steps=8", "train.batch_size=4", f"hydra.run.dir={one}", ranks=None)
     assert proc.returncode == 0, proc.stderr
@@ -76,7 +74,11 @@ def test_fsdp_smoke_equals_one_process_and_a_killed_rank_resumes_exactly(k3_cach
                         atol=1e-6)
 
     kill_a_rank_then_resume(k3_cache, args, straight, killed, "last.dcp")
-    assert sorted(p.name for p in (killed / "dcp").iterdir()) == [os.readlink(killed / "last.dcp").split("/")[-1]]
+    proc = launch(k3_cache, *SMOKE, "train.max_steps=8", "train.batch_size=2", f"hydra.run.dir={tmp_path / 'half'}",
+                  f"resume={straight / 'step_0000004.dcp'}", ranks=None)  # 1 x 2 rows: not the checkpoint's 2 x 2
+    assert proc.returncode == 2 and "global_batch_size was 4, now 2" in proc.stderr
+    named = {os.readlink(link).split("/")[-1] for link in killed.glob("*.dcp")}  # last, step_4, step_6, step_8
+    assert sorted(p.name for p in (killed / "dcp").iterdir()) == sorted(named) and len(named) == 3
 
 
 # ---- opening a sharded checkpoint --------------------------------------------------------------------------------
@@ -131,3 +133,24 @@ def test_consolidate_refuses_to_overwrite_and_names_what_it_needs(tmp_path):
     assert out.read_bytes() == b"the user's file"
     with pytest.raises(CheckpointError, match="neither a sharded checkpoint"):
         consolidate(tmp_path)
+
+
+def test_an_fsdp_run_refuses_a_single_file_checkpoint_saying_what_to_do(tmp_path):
+    class OneRankMesh:
+        def get_rank(self):
+            return 0
+
+    checkpointer = ShardedCheckpointer(tmp_path, {}, keep_last_k=0, mesh=OneRankMesh())
+    (tmp_path / "consolidated.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match="resume it with parallel=ddp, or in one process"):
+        checkpointer.load(tmp_path / "consolidated.pt")
+
+
+def test_a_failed_sharded_write_is_the_failing_ranks_own_error():
+    """DCP raises a BaseException holding each rank's error; the runner reports an OSError (a full disk) itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from k3train.train.sharded_checkpoint import rank_error
+
+    full = OSError(28, "No space left on device", "/run/dcp/x/__1_0.distcp")
+    assert rank_error(CheckpointException("save", {1: (full, None)})) is full

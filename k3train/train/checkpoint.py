@@ -11,7 +11,7 @@ torch.load(weights_only=True): opening a checkpoint never runs code from it.
 
 Files in the run directory: last.pt; step_<7 digits>.pt (keep_last_k hard links); previous.pt (the checkpoint
 last.pt replaced, until an update goes on from the new one); diverged_step_<7 digits>.pt (set aside by
-`set_aside_diverged`).
+`set_aside_diverged`). Under FSDP2 (ShardedCheckpointer) the same names end .dcp and name sharded directories.
 """
 
 from __future__ import annotations

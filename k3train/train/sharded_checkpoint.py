@@ -92,15 +92,27 @@ def write_sharded(directory: Path, tree: Any, writer: bool) -> int:
     it; `writer` (rank 0) writes extra.pt and renames the complete directory into place. Returns the bytes on disk
     (0 on other ranks)."""
     skeleton, shards = split_shards(tree)
-    if not writer:
-        (tmp,) = _broadcast([None])
-        dcp.save(shards, checkpoint_id=tmp)
-        return 0
-    with atomic_directory(directory) as tmp:
-        _broadcast([str(tmp)])
-        dcp.save(shards, checkpoint_id=tmp)  # every rank its shards; rank 0 also .metadata, once all are written
-        torch.save(skeleton, tmp / EXTRA)
+    try:
+        if not writer:
+            (tmp,) = _broadcast([None])
+            dcp.save(shards, checkpoint_id=tmp)
+            return 0
+        with atomic_directory(directory) as tmp:
+            _broadcast([str(tmp)])
+            dcp.save(shards, checkpoint_id=tmp)  # every rank its shards; rank 0 also .metadata, once all are written
+            torch.save(skeleton, tmp / EXTRA)
+    except CheckpointException as exc:
+        raise rank_error(exc) from exc
     return sum(f.stat().st_size for f in directory.iterdir())
+
+
+def rank_error(exc: CheckpointException) -> Exception:
+    """DCP's CheckpointException (a BaseException that holds every failing rank's error) as the first of those
+    errors, which the runner reports like any other (an OSError: a full disk, a read-only directory)."""
+    errors = [error for error, _ in exc.failures.values()]
+    if errors and isinstance(errors[0], Exception):
+        return errors[0]
+    return RuntimeError(str(exc).strip().splitlines()[-1])
 
 
 def _broadcast(objects: list) -> list:
@@ -125,8 +137,8 @@ def read_sharded(directory: Path, make_shard: MakeShard) -> Any:
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             try:
                 dcp.load(wanted, storage_reader=reader, no_dist=not dist.is_initialized())
-            except CheckpointException as exc:  # a BaseException: its last line says what failed
-                raise ValueError(str(exc).strip().splitlines()[-1]) from exc
+            except CheckpointException as exc:
+                raise ValueError(str(rank_error(exc))) from exc
     return _fill(skeleton, wanted)
 
 
