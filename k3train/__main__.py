@@ -20,7 +20,13 @@ register_configs()
 def compose_and_run(cfg: DictConfig) -> None:
     from k3train.train.runner import run
 
-    run(cfg)
+    try:
+        run(cfg)
+    except Exception as exc:  # Hydra prints it; first say which rank this is (every rank's stderr is the job's)
+        line = distributed.failure_line(exc, distributed.current_world())
+        if line:
+            print(line, file=sys.stderr, flush=True)
+        raise
 
 
 def main() -> None:

@@ -89,15 +89,21 @@ def test_a_dead_rank_ends_the_job_and_resume_continues_exactly(k3_cache, tmp_pat
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     args = [*SMOKE, "train.max_steps=8", "train.batch_size=2"]
     assert launch(k3_cache, *args, f"hydra.run.dir={straight}").returncode == 0
+    kill_a_rank_then_resume(k3_cache, args, straight, killed, "last.pt")
+
+
+def kill_a_rank_then_resume(k3_cache, args, straight, killed, last):
+    """In `killed`, SIGKILL rank 1 after step 5: the job ends, leaving a complete checkpoint `last`; resume=auto
+    then takes the steps of the uninterrupted run in `straight` and ends with its weights, bit for bit."""
     fault = {"K3TRAIN_FAULT": "die_step:5", "K3TRAIN_FAULT_RANK": "1"}
     proc = launch(k3_cache, *args, f"hydra.run.dir={killed}", entry=("tests/fault_entry.py",), env=fault,
                   timeout=180)  # a hang would fail here, not block CI
     assert proc.returncode != 0
-    assert load_checkpoint(killed / "last.pt")["trainer"]["step"] in (2, 4)  # a complete checkpoint, never torn
+    assert load_checkpoint(killed / last)["trainer"]["step"] in (2, 4)  # a complete checkpoint, never torn
     proc = launch(k3_cache, *args, f"hydra.run.dir={killed}", "resume=auto")
     assert proc.returncode == 0, proc.stderr
     assert steps(killed) == steps(straight) and steps(killed, "eval") == steps(straight, "eval")
-    a, b = load_checkpoint(straight / "last.pt"), load_checkpoint(killed / "last.pt")
+    a, b = load_checkpoint(straight / last), load_checkpoint(killed / last)
     for name, value in a["model"].items():
         assert torch.equal(b["model"][name], value), name
 

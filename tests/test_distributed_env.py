@@ -3,7 +3,7 @@
 import pytest
 
 from k3train.train import distributed
-from k3train.train.distributed import LaunchError, World, world_from_env
+from k3train.train.distributed import LaunchError, World, failure_line, world_from_env
 
 
 def test_no_launcher_is_one_process():
@@ -42,3 +42,11 @@ def test_a_half_set_environment_says_what_is_missing(env, message):
 
 def _no_scontrol(*args, **kwargs):
     raise FileNotFoundError("scontrol")
+
+
+def test_a_failing_rank_names_itself_and_one_that_lost_its_peer_says_so():
+    gloo = RuntimeError("[pair.cc:537] Read error [127.0.0.1]:21731: Connection reset by peer. This is typically ...")
+    assert failure_line(gloo, World(rank=0, size=2)).startswith("k3train: rank 0 of 2 lost contact with another rank")
+    line = failure_line(ValueError("bad value\nmore"), World(rank=1, size=2))
+    assert line == "k3train: rank 1 of 2 failed: ValueError: bad value"
+    assert failure_line(ValueError("bad"), World()) is None  # one process: its error says it all

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig, check_known_keys
 from k3train.models.protocol import missing_members
 from k3train.train.callbacks import Callback
-from k3train.train.checkpoint import Checkpointer, CheckpointError
+from k3train.train.checkpoint import Checkpointer, CheckpointError, ShardedCheckpointer
 from k3train.train.cpu import apply_threads, choose_threads
 from k3train.train.distributed import World, current_world
 from k3train.train.metrics import MetricsLogger, MetricsSink
@@ -57,21 +57,22 @@ def _parse_device(name: str) -> torch.device:
     return device
 
 
-RUN_FILES = ("last.pt", "run.json", "metrics.jsonl")
+RUN_FILES = ("last.pt", "last.dcp", "run.json", "metrics.jsonl")
 
 
 def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
-    """null: a fresh run; auto: run_dir/last.pt if present, else fresh; otherwise a checkpoint path.
+    """null: a fresh run; auto: run_dir/last.pt (last.dcp for a sharded one; the newer if both) if present, else
+    fresh; otherwise a checkpoint path (a file, or a sharded checkpoint's directory).
 
     A run never writes into a directory holding another run's files: a fresh run or a resume from elsewhere is
     refused there, so nobody's checkpoint, metrics or manifest is overwritten or mixed with another run's.
     """
-    own = run_dir / "last.pt"
     if resume == "auto":
-        return own if own.exists() else None
+        own = [p for p in (run_dir / "last.pt", run_dir / "last.dcp") if p.exists()]
+        return max(own, key=lambda p: p.stat().st_mtime) if own else None
     path = Path(resume).expanduser() if resume is not None else None
-    if path is not None and not path.is_file():
-        raise CheckpointError(f"resume={resume}: no such checkpoint file")
+    if path is not None and not path.exists():
+        raise CheckpointError(f"resume={resume}: no such checkpoint")
     if path is not None and path.resolve().parent == run_dir.resolve():
         return path  # this run's own last.pt or an earlier step_*.pt of it: continuing the same run
     existing = [name for name in RUN_FILES if (run_dir / name).exists()]
@@ -130,18 +131,22 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     train_loader, val_loader = data.loaders(train_cfg.batch_size, train_cfg.seq_len, rank=world.rank,
                                             world_size=world.size)
     model.to(device)
+    parallel = instantiate(cfg.parallel)
+    model = parallel.shard(model, device)  # before the optimizer: FSDP2 replaces the parameters
     optimizer = instantiate(cfg.optim)(model)
     callbacks = _build_named(cfg.callbacks, Callback, "callbacks")
     sinks = _build_named(cfg.logger, MetricsSink, "logger", run_dir=str(run_dir))
 
     # The log file is opened at its first event, after all checks.
     metrics = MetricsLogger(run_dir / "metrics.jsonl", sinks=list(sinks.values()), enabled=world.is_main)
-    checkpointer = Checkpointer(run_dir, build_meta(model, optimizer, train_cfg, precision, data, world),
-                                train_cfg.keep_last_k, writer=world.is_main)
+    meta = build_meta(model, optimizer, train_cfg, precision, data, world)
+    mesh = getattr(parallel, "mesh", None)  # FSDP2's, when it sharded the model: every rank writes its shards
+    checkpointer = (ShardedCheckpointer(run_dir, meta, train_cfg.keep_last_k, mesh) if mesh is not None
+                    else Checkpointer(run_dir, meta, train_cfg.keep_last_k, writer=world.is_main))
     trainer = Trainer(model=model, optimizer=optimizer, schedule_factory=instantiate(cfg.schedule),
                       precision=precision, train_loader=train_loader, val_loader=val_loader, config=train_cfg,
                       device=device, metrics=metrics, checkpointer=checkpointer, callbacks=callbacks,
-                      parallel=instantiate(cfg.parallel), profile=profile_cfg)
+                      parallel=parallel, profile=profile_cfg)
     if resume_path is not None:
         trainer.resume(resume_path)
         done = trainer.plan.done()

@@ -11,19 +11,23 @@ torch.load(weights_only=True): opening a checkpoint never runs code from it.
 
 Files in the run directory: last.pt; step_<7 digits>.pt (keep_last_k hard links); previous.pt (the checkpoint
 last.pt replaced, until an update goes on from the new one); diverged_step_<7 digits>.pt (set aside by
-`set_aside_diverged`).
+`set_aside_diverged`). Under FSDP2 (ShardedCheckpointer) the same names end .dcp and name sharded directories.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 from pathlib import Path
 from typing import Optional, Protocol, runtime_checkable
 
 import torch
+import torch.distributed.tensor as distributed_tensor
+from torch.distributed.tensor import Shard
 
 from k3train.files import write_atomic
+from k3train.train.sharded_checkpoint import MakeShard, point_to, read_sharded, whole_tensor, write_sharded
 
 FORMAT_VERSION = 2  # 2: named Stateful parts (train_loader, val_loader, rng, trainer, plan); 1 had fixed entries
 
@@ -44,12 +48,15 @@ def save_checkpoint(path: Path, payload: dict) -> int:
     return write_atomic(path, lambda f: torch.save(payload, f))
 
 
-def load_checkpoint(path: Path) -> dict:
+def load_checkpoint(path: Path, make_shard: Optional[MakeShard] = None) -> dict:
+    """A checkpoint file, or a sharded checkpoint directory (FSDP2's, sharded_checkpoint.py) whose sharded tensors
+    `make_shard(shape, dtype)` allocates (whole plain tensors by default: any number of processes can read it)."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist: check the resume= path")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = (read_sharded(path, make_shard or whole_tensor) if path.is_dir()
+                   else torch.load(path, map_location="cpu", weights_only=True))
     except Exception as exc:  # torch raises several types for truncated or foreign files
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}). It is truncated, corrupt or not a "
@@ -87,21 +94,25 @@ def check_compatible(saved: dict, current: dict, path: Path) -> None:
 
 
 def link_or_copy(checkpoint: Path, copy: Path) -> None:
-    """A second name for a checkpoint: a hard link is free, since last.pt is replaced by rename, never rewritten."""
+    """A second name for a checkpoint: a hard link is free, since last.pt is replaced by rename, never rewritten.
+    A sharded checkpoint's names are symbolic links to its directory: the copy points where the original does."""
+    if checkpoint.is_symlink():
+        point_to(copy, Path(os.readlink(checkpoint)))
+        return
     try:
         os.link(checkpoint, copy)
     except OSError:  # a filesystem without hard links
         shutil.copy2(checkpoint, copy)
 
 
-def keep_last(run_dir: Path, checkpoint: Path, step: int, k: int) -> None:
+def keep_last(run_dir: Path, checkpoint: Path, step: int, k: int, suffix: str = ".pt") -> None:
     """Besides last.pt, keep hard-linked step_XXXXXXX.pt copies of the last k checkpoints."""
     if k <= 0:
         return
-    copy = run_dir / f"step_{step:07d}.pt"
+    copy = run_dir / f"step_{step:07d}{suffix}"
     if not copy.exists():
         link_or_copy(checkpoint, copy)
-    for old in sorted(run_dir.glob("step_*.pt"))[:-k]:
+    for old in sorted(run_dir.glob(f"step_*{suffix}"))[:-k]:
         old.unlink()
 
 
@@ -112,14 +123,16 @@ class Checkpointer:
     checkpoint last.pt replaces stays as previous.pt (a hard link: free) until `update_went_on()` says an update
     went on from the new one, and `set_aside_diverged()` puts it back if the run diverges first."""
 
+    suffix = ".pt"  # of every checkpoint name: last, previous, step_N, diverged_step_N
+
     def __init__(self, run_dir: Path, meta: dict, keep_last_k: int = 0, writer: bool = True):
         self.run_dir = Path(run_dir)
         self.writer = writer  # rank 0 writes; under DDP every rank holds the same state and only reads
         self.meta = {**meta, "format_version": FORMAT_VERSION}
         self.keep_last_k = keep_last_k
         self.parts: dict[str, Stateful] = {}
-        self.path = self.run_dir / "last.pt"
-        self.previous_path = self.run_dir / "previous.pt"
+        self.path = self.run_dir / f"last{self.suffix}"
+        self.previous_path = self.run_dir / f"previous{self.suffix}"
         self.saved_step: Optional[int] = None  # the step in last.pt, when this line of training wrote or read it
         self._previous_step: Optional[int] = None
         # Whether previous.pt is on disk (a killed session's counts too), so the loop checks a flag, not the disk.
@@ -136,26 +149,38 @@ class Checkpointer:
     def save(self, step: int) -> int:
         """Write every part to last.pt (at an update boundary); returns the file's size in bytes (0 where this
         process is not the writer)."""
+        if self.writer:
+            self.previous_path.unlink(missing_ok=True)
+            self._previous_kept = False
+            if self.saved_step is not None and self.path.exists():  # last.pt is this line's (not a later one left
+                # behind by a resume from an earlier step_*.pt)
+                link_or_copy(self.path, self.previous_path)
+                self._previous_step, self._previous_kept = self.saved_step, True
+        size = self._write(step)
+        self.saved_step = step
+        if self.writer:
+            keep_last(self.run_dir, self.path, step, self.keep_last_k, self.suffix)
+            self._forget_unnamed()
+        return size
+
+    def _write(self, step: int) -> int:
+        """Every part into self.path, atomically; the size written (rank 0 alone writes: DDP ranks hold the same)."""
         if not self.writer:
-            self.saved_step = step
             return 0
-        self.previous_path.unlink(missing_ok=True)
-        self._previous_kept = False
-        if self.saved_step is not None and self.path.exists():  # last.pt is this line's (not a later one left
-            # behind by a resume from an earlier step_*.pt)
-            link_or_copy(self.path, self.previous_path)
-            self._previous_step, self._previous_kept = self.saved_step, True
         payload = {"meta": {**self.meta, "step": step}}
         payload.update((name, part.state_dict()) for name, part in self.parts.items())
-        size = save_checkpoint(self.path, payload)
-        self.saved_step = step
-        keep_last(self.run_dir, self.path, step, self.keep_last_k)
-        return size
+        return save_checkpoint(self.path, payload)
+
+    def _read(self, path: Path) -> dict:
+        return load_checkpoint(path)
+
+    def _forget_unnamed(self) -> None:
+        """Delete stored checkpoints that no name refers to any more (hard links need no help)."""
 
     def load(self, path: Path) -> int:
         """Check the checkpoint against this run, then restore every part; returns its step."""
         path = Path(path)
-        payload = load_checkpoint(path)
+        payload = self._read(path)
         check_compatible(payload["meta"], self.meta, path)
         missing = [name for name in self.parts if name not in payload]
         if missing:
@@ -176,6 +201,7 @@ class Checkpointer:
         if self._previous_kept and self.writer:
             self.previous_path.unlink(missing_ok=True)
             self._previous_step, self._previous_kept = None, False
+            self._forget_unnamed()
 
     def set_aside_diverged(self, step: int, fix: str) -> str:
         """The run diverged at `step`: leave in last.pt a checkpoint an update went on from, and say which one it
@@ -193,10 +219,50 @@ class Checkpointer:
         if not self.previous_path.exists():
             return (f"{last} (step {step}) holds the weights that failed and no earlier checkpoint is kept: {fix} "
                     "and start again")
-        failed = self.run_dir / f"diverged_step_{step:07d}.pt"
+        failed = self.run_dir / f"diverged_step_{step:07d}{self.suffix}"
         os.replace(last, failed)
         os.replace(self.previous_path, last)
         self.saved_step, self._previous_kept = self._previous_step, False
         at = f" (step {self._previous_step})" if self._previous_step is not None else ""
         return (f"{last} is back to the checkpoint before it{at}, which updates went on from (the step-{step} one "
                 f"holds the weights that failed: kept as {failed.name}): {fix} and resume=auto")
+
+
+class ShardedCheckpointer(Checkpointer):
+    """The Checkpointer of an FSDP2 run: every rank writes its shards (sharded_checkpoint.py) of each checkpoint into
+    a new directory `dcp/step_<7 digits>-<random>/`, and the names a run uses (last.dcp, previous.dcp,
+    step_<N>.dcp, diverged_step_<N>.dcp) are symbolic links to those directories, each replaced atomically. So a
+    kill at any moment leaves last.dcp naming a complete checkpoint, and the keep/previous/diverged rules are the
+    single-file ones; a directory no name refers to any more is deleted. Loading allocates each sharded tensor on
+    this run's mesh (FSDP2's layout: dim 0 over the ranks), so a checkpoint of N ranks resumes on M."""
+
+    suffix = ".dcp"
+
+    def __init__(self, run_dir: Path, meta: dict, keep_last_k: int, mesh):
+        super().__init__(run_dir, meta, keep_last_k, writer=mesh.get_rank() == 0)
+        self.mesh = mesh
+        self.store = self.run_dir / "dcp"
+
+    def _write(self, step: int) -> int:
+        payload = {"meta": {**self.meta, "step": step}}
+        payload.update((name, part.state_dict()) for name, part in self.parts.items())
+        directory = self.store / f"step_{step:07d}-{secrets.token_hex(4)}"  # rank 0's name is the one used
+        size = write_sharded(directory, payload, self.writer)
+        if self.writer:
+            point_to(self.path, directory.relative_to(self.run_dir))
+        return size
+
+    def _read(self, path: Path) -> dict:
+        if not path.is_dir():
+            raise CheckpointError(f"{path} is a single-file checkpoint and parallel=fsdp resumes from a sharded one "
+                                  "(a .dcp directory): resume it with parallel=ddp, or in one process")
+        return load_checkpoint(path, self._make_shard)
+
+    def _make_shard(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return distributed_tensor.empty(shape, dtype=dtype, device_mesh=self.mesh, placements=[Shard(0)])
+
+    def _forget_unnamed(self) -> None:
+        named = {link.resolve() for link in self.run_dir.glob(f"*{self.suffix}") if link.is_symlink()}
+        for directory in self.store.iterdir() if self.store.is_dir() else ():
+            if directory.resolve() not in named:
+                shutil.rmtree(directory, ignore_errors=True)

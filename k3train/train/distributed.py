@@ -154,3 +154,20 @@ def close(wait_for_others: bool) -> None:
     if wait_for_others:
         dist.barrier()
     dist.destroy_process_group()
+
+
+# What gloo and NCCL say when the peer of a collective is gone (killed, or failed and exited).
+_LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def failure_line(exc: BaseException, world: World) -> Optional[str]:
+    """The line a failing rank prints about itself (None in one process, where the error says it all): its rank, and
+    whether it only lost a peer that ended first (the launcher's summary names that one)."""
+    if not world.distributed:
+        return None
+    first = (str(exc).strip().splitlines() or [""])[0]
+    who = f"k3train: rank {world.rank} of {world.size}"
+    if any(marker in str(exc) for marker in _LOST_PEER):
+        return (f"{who} lost contact with another rank in a collective ({type(exc).__name__}): that rank ended "
+                "first; its own error, or the launcher's summary (torchrun's Root Cause, srun's task N), names it")
+    return f"{who} failed: {type(exc).__name__}: {first}"

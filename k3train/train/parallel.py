@@ -1,6 +1,8 @@
-"""How the model is replicated across the ranks of a run (conf/parallel/): DDP.
+"""How the model is spread over the ranks of a run (conf/parallel/): DDP replicates it, FSDP2 shards it.
 
-In one process `wrap` returns the model itself and `no_sync` does nothing, so the update loop has one code path.
+Each strategy has `shard(model, device)` (called before the optimizer is built: FSDP2 replaces the parameters),
+`wrap(model, device)` (the module the Trainer runs forward through), `no_sync(module)` and `describe()`. In one
+process `shard` and `wrap` return the model itself and `no_sync` does nothing, so the update loop has one code path.
 DDP (torch.nn.parallel.DistributedDataParallel) all-reduces (averages) gradients during backward; under gradient
 accumulation only the last micro-batch's backward does (`no_sync` for the others), so an update costs one
 all-reduce however many micro-batches it has. Buffers are not broadcast from rank 0 before each forward: the
@@ -16,9 +18,18 @@ import inspect
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from k3train.train.distributed import several_ranks
+
+
+def full_value(t: torch.Tensor) -> torch.Tensor:
+    """A figure computed from FSDP2-sharded tensors (a DTensor, e.g. a gradient norm with a pending sum over
+    shards) as a plain tensor; a plain tensor as it is. A collective for a DTensor: every rank must call it."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 _DDP_OPTIONS = inspect.signature(DistributedDataParallel.__init__).parameters
@@ -27,6 +38,10 @@ _DDP_OPTIONS = inspect.signature(DistributedDataParallel.__init__).parameters
 class DDP:
     def __init__(self, bucket_cap_mb: int = 25):
         self.bucket_cap_mb = bucket_cap_mb
+
+    def shard(self, model: nn.Module, device: torch.device) -> nn.Module:
+        """DDP keeps every parameter whole on every rank."""
+        return model
 
     def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
         if not several_ranks():
@@ -43,3 +58,52 @@ class DDP:
 
     def describe(self) -> str:
         return f"DDP over {dist.get_world_size()} process(es)" if several_ranks() else "one process"
+
+
+class FSDP:
+    """FSDP2 (torch.distributed.fsdp.fully_shard): each rank holds a 1/N slice (dim 0) of every parameter, of its
+    gradient and of the optimizer state. Every module of an nn.ModuleList (the transformer blocks) is one unit,
+    the root holds the rest (embeddings, head, final norm): a block's parameters are all-gathered just before its
+    forward and backward and freed after; gradients are reduce-scattered (averaged) at the end of backward.
+
+    fully_shard replaces each parameter by a new DTensor parameter, which loses Python attributes such as
+    `head_split` (docs/contracts.md): they are read before and set again on the new parameters, so the optimizer
+    built afterwards sees them. Buffers (the MoE balancing bias) stay whole on every rank.
+    """
+
+    def __init__(self, reshard_after_forward: bool = True):
+        self.reshard_after_forward = reshard_after_forward
+        self.mesh: DeviceMesh | None = None
+
+    def shard(self, model: nn.Module, device: torch.device) -> nn.Module:
+        if not several_ranks():
+            return model
+        self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        annotations = {name: {"head_split": p.head_split} for name, p in model.named_parameters()
+                       if hasattr(p, "head_split")}
+        blocks = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
+        for block in blocks:
+            fully_shard(block, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(model, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward)
+        for name, p in model.named_parameters():
+            for key, value in annotations.get(name, {}).items():
+                setattr(p, key, value)
+        return model
+
+    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+        return model  # fully_shard changed the model in place
+
+    @contextlib.contextmanager
+    def no_sync(self, module: nn.Module):
+        """Backward without the gradient reduce-scatter: gradients accumulate unsharded until the last micro-batch."""
+        if not isinstance(module, FSDPModule):
+            yield
+            return
+        module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+
+    def describe(self) -> str:
+        return f"FSDP2 over {dist.get_world_size()} process(es)" if several_ranks() else "one process"

@@ -29,7 +29,7 @@ from k3train.train.checkpoint import Checkpointer
 from k3train.train.distributed import any_across_ranks, mean_across_ranks
 from k3train.train.evaluate import evaluate
 from k3train.train.metrics import MetricsLogger
-from k3train.train.parallel import DDP
+from k3train.train.parallel import DDP, full_value
 from k3train.train.plan import TrainingPlan
 from k3train.train.precision import Precision
 from k3train.train.profile import make_profiler
@@ -134,7 +134,7 @@ class Trainer:
 
         self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self.params if p.grad is not None]
-        grad_norm = torch.nn.utils.get_total_norm(grads).item() if grads else 0.0
+        grad_norm = full_value(torch.nn.utils.get_total_norm(grads)).item() if grads else 0.0
         result = {"loss": loss, "grad_norm": grad_norm, "lr_factor": lr_factor}
         if math.isfinite(loss) and math.isfinite(grad_norm):
             if self.config.clip_norm is not None:

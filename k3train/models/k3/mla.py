@@ -17,6 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from k3train.models.k3.cache import MLACache
 
@@ -161,11 +162,21 @@ class MultiHeadLatentAttention(nn.Module):
         H, dn, dr, dv = self.n_heads, self.dn, self.dr, self.dv
         gamma = gamma.to(device=self.kv_b_proj.weight.device, dtype=torch.float32)
         root = gamma.sqrt()
-        w_q = self.q_out_proj.weight.view(H, dn + dr, -1)  # views share storage: edits land in the weight
-        w_q[:, :dn].mul_(root[:, None, None].to(w_q.dtype))
-        w_q[:, dn:].mul_(gamma[:, None, None].to(w_q.dtype))
-        w_kv = self.kv_b_proj.weight.view(H, dn + dv, -1)
-        w_kv[:, :dn].mul_(root[:, None, None].to(w_kv.dtype))
+        # One factor per row ([H*(dn+dr)] and [H*(dn+dv)]), so that a weight sharded by rows (FSDP2) scales the
+        # rows it holds.
+        q_rows = torch.cat([root[:, None].expand(H, dn), gamma[:, None].expand(H, dr)], dim=1).reshape(-1)
+        kv_rows = torch.cat([root[:, None].expand(H, dn), torch.ones(H, dv, device=gamma.device)], dim=1).reshape(-1)
+        scale_rows_(self.q_out_proj.weight, q_rows)
+        scale_rows_(self.kv_b_proj.weight, kv_rows)
+
+
+@torch.no_grad()
+def scale_rows_(weight: torch.Tensor, row_scale: torch.Tensor) -> None:
+    """weight [R, C] *= row_scale [R, 1], in place; an FSDP2 weight (a DTensor sharded by rows) scales its own rows."""
+    scale = row_scale.to(weight.dtype)[:, None]
+    if isinstance(weight, DTensor):
+        scale = distribute_tensor(scale, weight.device_mesh, weight.placements, src_data_rank=None)
+    weight.mul_(scale)
 
 
 @torch.no_grad()

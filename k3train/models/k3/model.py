@@ -167,6 +167,8 @@ class KimiK3(nn.Module):
         total = sum(p.numel() for p in self.parameters())
         idle = 0
         for moe in self.moe_layers().values():
-            per_expert = sum(w[0].numel() for w in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down))
+            # numel / E, not w[0].numel(): indexing an FSDP2-sharded stack is a collective (rank 0 calls this)
+            per_expert = sum(w.numel() // w.shape[0]
+                             for w in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down))
             idle += (moe.n_experts - moe.k) * per_expert
         return {"total": total, "active": total - idle, "embedding": self.embed_tokens.weight.numel()}

@@ -1,0 +1,59 @@
+"""`python -m k3train.consolidate RUN_DIR_OR_CHECKPOINT [OUT]`: a sharded (FSDP2) checkpoint as one file.
+
+The sharded checkpoint (a `.dcp` directory, or a run directory's last.dcp) is read in this one process, every
+shard gathered into whole tensors, and written as the single-file checkpoint a 1-process run, a DDP run or the
+generation tool loads (`torch.load(weights_only=True)`): the same parts, meta and format version. OUT defaults to
+`consolidated_step_<N>.pt` beside the checkpoint; an existing file is never overwritten. Other tools call
+`consolidate(path) -> Path`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional
+
+from k3train.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+
+def sharded_checkpoint(path: Path) -> Path:
+    """The sharded checkpoint `path` names: itself, or a run directory's last.dcp."""
+    path = Path(path)
+    if (path / "last.dcp").exists():
+        return path / "last.dcp"
+    if path.is_dir() and (path / "extra.pt").is_file():
+        return path
+    raise CheckpointError(f"{path} is neither a sharded checkpoint (a .dcp directory) nor a run directory holding "
+                          "last.dcp: pass one of those")
+
+
+def consolidate(path: Path, out: Optional[Path] = None) -> Path:
+    """Write the sharded checkpoint at `path` (or a run directory's last.dcp) as one file; returns its path."""
+    checkpoint = sharded_checkpoint(path)
+    payload = load_checkpoint(checkpoint)  # whole tensors, read in this process
+    step = payload["meta"]["step"]
+    out = Path(out) if out is not None else checkpoint.parent / f"consolidated_step_{step:07d}.pt"
+    if out.exists():
+        raise FileExistsError(f"{out} already exists: pass another OUT path, or remove it first")
+    save_checkpoint(out, payload)
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m k3train.consolidate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", type=Path, help="a .dcp checkpoint directory, or a run directory")
+    parser.add_argument("out", type=Path, nargs="?", help="the file to write (default: consolidated_step_<N>.pt "
+                                                          "beside the checkpoint)")
+    args = parser.parse_args(argv)
+    try:
+        out = consolidate(args.checkpoint, args.out)
+    except (CheckpointError, OSError) as exc:
+        print(f"k3train.consolidate: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}: resume from it with resume={out} (one process or parallel=ddp)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

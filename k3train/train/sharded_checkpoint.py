@@ -1,0 +1,199 @@
+"""Sharded checkpoints (FSDP2): a directory that torch.distributed.checkpoint (DCP) fills with every rank's shards.
+
+A checkpoint is the same tree of parts as a single-file one (checkpoint.py). Its sharded tensors (DTensors: FSDP2
+parameters and the optimizer state made like them) are replaced by placeholders `{"__dcp__": key, "shape",
+"dtype"}` and saved with `dcp.save`, each rank writing its own shards; the rest of the tree (meta, counters,
+loader cursors, RNG, buffers: the same on every rank) is rank 0's `extra.pt`. Reading allocates each placeholder
+with `make_shard(shape, dtype)` (a DTensor on this run's mesh, or a whole plain tensor) and lets `dcp.load` fill
+it, so a checkpoint saved by N ranks loads on M ranks, or in one process (consolidate.py).
+
+Opening a checkpoint never runs code from it. DCP itself reads `.metadata` with a plain `pickle.load` and
+non-tensor entries with `torch.load(weights_only=False)` (torch/distributed/checkpoint/filesystem.py,
+default_planner.py, torch 2.13). So here `.metadata` is read by an unpickler that only builds DCP's own metadata
+classes (anything else is refused), its entries must all be tensors (tensor data is read with weights_only=True),
+and extra.pt is read with torch.load(weights_only=True).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.tensor import DTensor
+
+from k3train.files import atomic_directory
+
+MakeShard = Callable[[torch.Size, torch.dtype], torch.Tensor]
+EXTRA = "extra.pt"  # rank 0's part: the tree with placeholders where the sharded tensors go
+PLACEHOLDER = "__dcp__"
+
+
+def whole_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A placeholder read whole, as a plain CPU tensor (one process, DDP, consolidation)."""
+    return torch.empty(shape, dtype=dtype)
+
+
+def split_shards(tree: Any, prefix: str = "") -> tuple[Any, dict[str, DTensor]]:
+    """(the tree with each DTensor replaced by a placeholder, {key: DTensor}); keys are the '/'-joined path."""
+    if isinstance(tree, DTensor):
+        return {PLACEHOLDER: prefix, "shape": list(tree.shape), "dtype": str(tree.dtype).removeprefix("torch.")}, \
+            {prefix: tree}
+    shards: dict[str, DTensor] = {}
+    if isinstance(tree, dict):
+        out = type(tree)() if type(tree) is not dict else {}
+        for k, v in tree.items():
+            out[k], found = split_shards(v, f"{prefix}/{k}" if prefix else str(k))
+            shards.update(found)
+        return out, shards
+    if isinstance(tree, list):
+        out = []
+        for i, v in enumerate(tree):
+            item, found = split_shards(v, f"{prefix}/{i}")
+            out.append(item)
+            shards.update(found)
+        return out, shards
+    return tree, shards
+
+
+def _placeholders(tree: Any):
+    if isinstance(tree, dict) and PLACEHOLDER in tree:
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _placeholders(v)
+    elif isinstance(tree, list):
+        for v in tree:
+            yield from _placeholders(v)
+
+
+def _fill(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(tree, dict) and PLACEHOLDER in tree:
+        return tensors[tree[PLACEHOLDER]]
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            tree[k] = _fill(v, tensors)
+    elif isinstance(tree, list):
+        tree[:] = [_fill(v, tensors) for v in tree]
+    return tree
+
+
+def write_sharded(directory: Path, tree: Any, writer: bool) -> int:
+    """Save `tree` as a sharded checkpoint at `directory` (a new name), atomically: a collective, every rank calls
+    it; `writer` (rank 0) writes extra.pt and renames the complete directory into place. Returns the bytes on disk
+    (0 on other ranks)."""
+    skeleton, shards = split_shards(tree)
+    try:
+        if not writer:
+            (tmp,) = _broadcast([None])
+            dcp.save(shards, checkpoint_id=tmp)
+            return 0
+        with atomic_directory(directory) as tmp:
+            _broadcast([str(tmp)])
+            dcp.save(shards, checkpoint_id=tmp)  # every rank its shards; rank 0 also .metadata, once all are written
+            torch.save(skeleton, tmp / EXTRA)
+    except CheckpointException as exc:
+        raise rank_error(exc) from exc
+    return sum(f.stat().st_size for f in directory.iterdir())
+
+
+def rank_error(exc: CheckpointException) -> Exception:
+    """DCP's CheckpointException (a BaseException that holds every failing rank's error) as the first of those
+    errors, which the runner reports like any other (an OSError: a full disk, a read-only directory)."""
+    errors = [error for error, _ in exc.failures.values()]
+    if errors and isinstance(errors[0], Exception):
+        return errors[0]
+    return RuntimeError(str(exc).strip().splitlines()[-1])
+
+
+def _broadcast(objects: list) -> list:
+    dist.broadcast_object_list(objects, src=0)  # between this job's own ranks
+    return objects
+
+
+def read_sharded(directory: Path, make_shard: MakeShard) -> Any:
+    """The tree saved by write_sharded, its sharded tensors allocated by make_shard and filled by dcp.load (a
+    collective when a process group is up: every rank calls it; in one process it needs none)."""
+    skeleton = torch.load(Path(directory) / EXTRA, map_location="cpu", weights_only=True)
+    wanted = {}
+    for p in _placeholders(skeleton):
+        dtype = getattr(torch, str(p["dtype"]), None)
+        if not isinstance(dtype, torch.dtype) or not all(isinstance(n, int) for n in p["shape"]):
+            raise ValueError(f"{directory / EXTRA} has a malformed tensor entry {p!r}")
+        wanted[p[PLACEHOLDER]] = make_shard(torch.Size(p["shape"]), dtype)
+    reader = SafeFileSystemReader(directory)
+    reader.read_metadata()  # refused here, in one clear line, rather than inside dcp.load's collectives
+    if wanted:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            try:
+                dcp.load(wanted, storage_reader=reader, no_dist=not dist.is_initialized())
+            except CheckpointException as exc:
+                raise ValueError(str(rank_error(exc))) from exc
+    return _fill(skeleton, wanted)
+
+
+# What DCP's .metadata may hold: its own dataclasses, torch.Size, dtypes, layouts (by name, through
+# torch.serialization._get_layout, a table lookup), memory formats and the saved path; nothing that runs code.
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("collections", "OrderedDict"),
+     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Python's "restricting globals" recipe (pickle docs): only the classes DCP's metadata is made of."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                          torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's FileSystemReader, reading `.metadata` without running code from it and refusing non-tensor entries
+    (DCP would torch.load those with weights_only=False)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+            except (pickle.UnpicklingError, AttributeError, EOFError, TypeError, ValueError) as exc:
+                raise ValueError(f"{path} is not a checkpoint's metadata ({exc})") from exc
+        if not isinstance(metadata, dcp_metadata.Metadata) or not all(
+                isinstance(md, dcp_metadata.TensorStorageMetadata) for md in metadata.state_dict_metadata.values()) \
+                or not all(isinstance(info, _StorageInfo) for info in (metadata.storage_data or {}).values()):
+            raise ValueError(f"{path} holds entries other than tensors; k3train's sharded checkpoints hold only "
+                             "tensors there")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_metadata.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def point_to(link: Path, target: Path) -> None:
+    """Make `link` a symbolic link to `target`, atomically (a new link renamed over the old name)."""
+    tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    os.symlink(target, tmp)
+    os.replace(tmp, link)
+    fd = os.open(link.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
