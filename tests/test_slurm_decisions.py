@@ -69,25 +69,30 @@ def test_only_a_requeued_job_resumes_by_itself(job_env):
 
 def test_sbatch_job_requeues_itself_after_its_time_limit_warning(job_env, fake_scontrol):
     job_env(**JOB)
-    fake_scontrol("Requeue=1 EndTime=2099-01-01T00:00:00")
+    fake_scontrol("JobState=RUNNING Requeue=1 EndTime=2099-01-01T00:00:00")
     message = slurm.requeue(slurm.current_job(), signal.SIGUSR1)
     assert fake_scontrol.calls()[-1] == "requeue 42" and "requeued job 42" in message
 
 
 def test_sbatch_job_requeues_itself_at_its_time_limit_but_not_when_cancelled(job_env, fake_scontrol):
+    """SLURM shows JobState=COMPLETING and an EndTime of now both for scancel and at the time limit (measured):
+    only the run time tells them apart."""
     job_env(**JOB)
-    fake_scontrol("Requeue=1 EndTime=2099-01-01T00:00:00")  # SIGTERM long before the limit: scancel
+    for run_time in ("00:00:59", "59:59"):  # scancel or scontrol requeue within the hour: no requeue by k3train
+        fake_scontrol(f"JobState=COMPLETING Requeue=1 RunTime={run_time} TimeLimit=01:00:00")
+        assert "not requeued" in slurm.requeue(slurm.current_job(), signal.SIGTERM)
+        assert not any(c.startswith("requeue") for c in fake_scontrol.calls())
+    fake_scontrol("JobState=COMPLETING Requeue=1 RunTime=00:00:10 TimeLimit=UNLIMITED")
     assert "not requeued" in slurm.requeue(slurm.current_job(), signal.SIGTERM)
-    assert not any(c.startswith("requeue") for c in fake_scontrol.calls())
-    past = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(time.time() - 5))
-    fake_scontrol(f"Requeue=1 EndTime={past}")  # SIGTERM at the limit
-    assert "requeued job 42" in slurm.requeue(slurm.current_job(), signal.SIGTERM)
-    assert fake_scontrol.calls()[-1] == "requeue 42"
+    for run_time, limit in (("00:01:21", "00:01:00"), ("1-00:00:05", "1-00:00:00")):  # the time limit
+        fake_scontrol(f"JobState=COMPLETING Requeue=1 RunTime={run_time} TimeLimit={limit}")
+        assert "requeued job 42" in slurm.requeue(slurm.current_job(), signal.SIGTERM)
+        assert fake_scontrol.calls()[-1] == "requeue 42"
 
 
 def test_sbatch_job_without_requeue_permission_is_not_requeued(job_env, fake_scontrol):
     job_env(**JOB)
-    fake_scontrol("Requeue=0 EndTime=2099-01-01T00:00:00")
+    fake_scontrol("JobState=RUNNING Requeue=0 EndTime=2099-01-01T00:00:00")
     assert "does not allow requeue" in slurm.requeue(slurm.current_job(), signal.SIGUSR1)
     assert not any(c.startswith("requeue") for c in fake_scontrol.calls())
 

@@ -12,9 +12,10 @@ After a signal has stopped the run at an update boundary with a checkpoint, the 
   half-done run as a success. It exits without one, and SLURM decides (requeued: it runs again; cancelled: the
   launcher reports it unfinished);
 - under plain sbatch, the job requeues itself with `scontrol requeue`, as Lightning's SLURM connector does, when
-  the job allows it (`--requeue`) and the signal was the time-limit warning (SIGUSR1, SIGUSR2) or the time limit
-  itself (SIGTERM at or past the job's end time). A SIGTERM before the end time is `scancel` or `scontrol requeue`:
-  the first must stay cancelled, the second requeues by itself.
+  the job allows it (`--requeue`) and the signal was the time-limit warning (SIGUSR1, SIGUSR2), the time limit
+  itself (SIGTERM once the job's run time reaches its limit). Any other SIGTERM is `scancel`, which must stay
+  cancelled, `scontrol requeue`, which requeues by itself, or a preemption, which SLURM requeues or cancels as the
+  cluster is set up to.
 """
 
 from __future__ import annotations
@@ -118,9 +119,11 @@ def requeue(job: SlurmJob, received: signal.Signals) -> str:
         return f"job {job.name}: cannot read it with scontrol, not requeued; resubmit it to continue"
     if info.get("Requeue") != "1":
         return f"job {job.name} does not allow requeue (sbatch --requeue): not requeued; resubmit it to continue"
-    if received == signal.SIGTERM and not _past_end(info):
-        return (f"job {job.name} got SIGTERM before its time limit (scancel, scontrol requeue or preemption): "
-                "SLURM decides; not requeued by k3train")
+    # A SIGTERM is the time limit only once the job has run that long (JobState says COMPLETING for scancel and the
+    # time limit alike); otherwise it is scancel, which must stay cancelled, or scontrol requeue, which needs nothing.
+    if received == signal.SIGTERM and not _past_time_limit(info):
+        return (f"job {job.name} got SIGTERM before its time limit (scancel, scontrol requeue, preemption): not "
+                "requeued by k3train")
     result = subprocess.run(["scontrol", "requeue", job.name], capture_output=True, text=True, timeout=60)
     if result.returncode != 0:
         return f"`scontrol requeue {job.name}` failed: {result.stderr.strip()}; resubmit the job to continue"
@@ -136,12 +139,21 @@ def _job_info(job: SlurmJob) -> dict[str, str] | None:
     return dict(re.findall(r"(\w+)=(\S*)", out))
 
 
-def _past_end(info: dict[str, str]) -> bool:
-    try:
-        end = time.mktime(time.strptime(info.get("EndTime", ""), "%Y-%m-%dT%H:%M:%S"))
-    except ValueError:  # Unknown (no time limit)
-        return False
-    return time.time() >= end - 1
+def _past_time_limit(info: dict[str, str]) -> bool:
+    limit, run_time = _seconds(info.get("TimeLimit", "")), _seconds(info.get("RunTime", ""))
+    return limit is not None and run_time is not None and run_time >= limit
+
+
+def _seconds(duration: str) -> int | None:
+    """SLURM's [days-]hours:minutes:seconds (or minutes:seconds); None for UNLIMITED and the like."""
+    days, _, clock = duration.rpartition("-")
+    parts = clock.split(":")
+    if not all(p.isdigit() for p in parts) or not 2 <= len(parts) <= 3 or (days and not days.isdigit()):
+        return None
+    seconds = 0
+    for part in parts:
+        seconds = seconds * 60 + int(part)
+    return seconds + int(days or 0) * 86400
 
 
 def say(message: str) -> None:
