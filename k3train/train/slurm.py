@@ -31,7 +31,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 from k3train.train.distributed import current_world, run_start
 from k3train.train.signals import StopSignals
