@@ -157,3 +157,26 @@ def test_launcher_presets_and_profiles_requeue_and_leave_time_to_checkpoint(laun
             assert key in settings
     else:
         assert settings._target_.endswith("LocalLauncher")
+
+
+def test_a_warning_during_start_up_stops_the_run_after_its_first_update(k3_cache, tmp_path):
+    """SLURM may send the time-limit warning up to a minute early: while `python -m k3train` is still starting, it
+    must not kill the process (a job that dies of it is FAILED, not requeued) but stop the run with a checkpoint."""
+    import subprocess
+    import sys
+
+    from k3train.train.metrics import read_metrics
+
+    pytest.importorskip("torch")
+    code = ("import os, signal, sys; sys.argv = ['k3train'] + sys.argv[1:]\n"
+            "import k3train.__main__ as entry\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"  # after the imports, before Hydra, the data and the model
+            "entry.main()\n")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-c", code, f"hydra.run.dir={run_dir}", "model=smoke_test_lm",
+                           "train.batch_size=2", "train.seq_len=32", "train.max_steps=5"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "K3TRAIN_CACHE": str(k3_cache)})
+    assert proc.returncode == -signal.SIGUSR1, proc.stderr  # then it ends by the signal, as the sender expects
+    end = [e for e in read_metrics(run_dir / "metrics.jsonl") if e["event"] == "end"]
+    assert [(e["reason"], e["step"]) for e in end] == [("signal:SIGUSR1", 1)]
+    assert (run_dir / "last.pt").exists()

@@ -33,8 +33,15 @@ class StopSignals:
         os.kill(os.getpid(), signum)
 
     def __enter__(self) -> "StopSignals":
+        global _early
         if threading.current_thread() is threading.main_thread():  # Python only delivers signals there
-            self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+            if _early is not None:  # take over what arrived while the process started, and the handlers before it
+                self.received, self.received_all = _early.received, list(_early.received_all)
+                self._previous, _early = _early._previous, None
+                for sig in self.SIGNALS:
+                    signal.signal(sig, self._handle)
+            else:
+                self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
         return self
 
     def _restore(self) -> None:
@@ -50,3 +57,15 @@ class StopSignals:
         if self.received is not None:
             self._restore()
             os.kill(os.getpid(), sig or self.received)
+
+
+_early: Optional[StopSignals] = None
+
+
+def catch_early() -> None:
+    """From the start of `python -m k3train` until the run's StopSignals takes over: note a stop signal instead of
+    dying of it. SLURM may send a time-limit warning up to a minute early, while the job is still importing or
+    building; the run then stops with a checkpoint after its first update and the job is requeued."""
+    global _early
+    if _early is None and threading.current_thread() is threading.main_thread():
+        _early = StopSignals().__enter__()
