@@ -4,6 +4,10 @@ from k3train.train.cpu import configure_openmp
 
 configure_openmp()  # before anything imports torch: OpenMP reads its wait policy once, when it loads
 
+from k3train.train.signals import catch_early  # noqa: E402
+
+catch_early()  # a stop signal during start-up (imports, data, model) stops the run after its first update
+
 import os  # noqa: E402
 import sys  # noqa: E402
 

@@ -21,6 +21,7 @@ from omegaconf import MISSING, OmegaConf
 
 from k3train.train.cpu import parse_threads
 from k3train.train.distributed import run_start
+from k3train.train.slurm import run_name
 
 
 @dataclass
@@ -139,3 +140,5 @@ def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
     # hydra.run.dir's timestamp: the same in every process of a multi-process run (k3train/train/distributed.py)
     OmegaConf.register_new_resolver("run_start", run_start, replace=True)
+    # hydra.run.dir's name: the job id in a SLURM job (a requeued job finds its run), else the start time
+    OmegaConf.register_new_resolver("run_name", run_name, replace=True)

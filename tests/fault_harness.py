@@ -325,7 +325,7 @@ def finish_and_compare(args: list[str], baseline: Baseline, run_dir: Path, log: 
     return result
 
 
-# ---- SIGTERM / SIGUSR1 trials -------------------------------------------------------------------------------
+# ---- SIGTERM / SIGUSR1 / SIGUSR2 trials ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class SignalTrial:
     sig: signal.Signals
@@ -347,6 +347,7 @@ SIGNAL_TRIALS = [
     SignalTrial(signal.SIGUSR1, False, "k3_tiny", 1, 4),
     SignalTrial(signal.SIGTERM, True, "k3_tiny", 5, 6),  # the second signal in the stop's own checkpoint write
     SignalTrial(signal.SIGUSR1, True, "smoke_test_lm", 1, 3),  # ... in the interval checkpoint of that step
+    SignalTrial(signal.SIGUSR2, False, "smoke_test_lm", 5, 4),  # submitit's time-limit / preemption warning
 ]
 
 

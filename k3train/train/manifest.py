@@ -62,7 +62,8 @@ class RunManifest:
         self.session: dict = {}
 
     def start_session(self, *, config: dict, overrides: list, model: dict, data: dict, optimizer: dict,
-                      env: dict, resume_from: str | None, resume_step: int | None) -> None:
+                      env: dict, resume_from: str | None, resume_step: int | None,
+                      slurm: dict | None = None) -> None:
         if self.path.exists():
             self.data = json.loads(self.path.read_text(encoding="utf-8"))
         else:
@@ -76,6 +77,7 @@ class RunManifest:
             "overrides": overrides,
             "resume_from": resume_from,
             "resume_step": resume_step,
+            "slurm": slurm,  # job id, array task, node list, restart count (k3train/train/slurm.py)
             "end": None,
             "end_reason": None,
         }

@@ -28,7 +28,8 @@ from omegaconf.errors import MissingMandatoryValue
 
 from k3train.files import remove_stale_temp_files
 from k3train.optim.summary import format_param_groups, summarize_param_groups
-from k3train.train import rundir
+from k3train.report.sweep_table import write_sweep_summary
+from k3train.train import distributed, rundir, slurm
 from k3train.train.build import RunFinished, build_parts, resolve_resume
 from k3train.train.checkpoint import CheckpointError
 from k3train.train.cpu import ThreadChoice, cpu_runtime
@@ -70,7 +71,7 @@ class RunDirGuard(HydraCallback):
         claim = None
         try:
             claim = rundir.claim(run_dir)
-            resolve_resume(config.resume, run_dir)
+            resolve_resume(slurm.resume_setting(config.resume), run_dir)
         except USER_ERRORS as exc:
             if claim is not None:
                 claim.undo()
@@ -84,20 +85,49 @@ class RunDirGuard(HydraCallback):
                   2, multirun=False)
 
 
+class SweepSummary(HydraCallback):
+    """Writes the sweep's table (k3train/report/sweep_table.py) as each job ends, so it is there even when a job
+    fails or the sweep is stopped, and prints it when the multirun ends (for every launcher: basic, submitit)."""
+
+    def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
+        sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
+        if HydraConfig.get().mode == RunMode.MULTIRUN and current_world().is_main and Path(sweep_dir).is_dir():
+            write_sweep_summary(Path(sweep_dir))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if sweep_dir.is_dir():
+            print(f"sweep {sweep_dir} (also in {sweep_dir / 'sweep_summary.md'} and .csv):\n"
+                  + write_sweep_summary(sweep_dir), end="", flush=True)
+
+
 def run(cfg: DictConfig) -> Optional[str]:
+    # A submitit job's tasks run this function directly (not __main__.main): start their process group here.
+    own_group = not distributed.several_ranks() and distributed.init_from_env().distributed
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    clean = False
     try:
-        claim = (rundir.claimed(run_dir) or rundir.claim(run_dir)) if current_world().is_main else NotOwner()
-    except USER_ERRORS as exc:
-        return _fail(_describe(exc), 2, multirun)
-    try:
-        return _run(cfg, run_dir, claim, multirun)
+        try:
+            claim = (rundir.claimed(run_dir) or rundir.claim(run_dir)) if current_world().is_main else NotOwner()
+        except USER_ERRORS as exc:
+            return _fail(_describe(exc), 2, multirun)
+        try:
+            result = _run(cfg, run_dir, claim, multirun)
+            clean = True
+            return result
+        finally:
+            claim.release()
     finally:
-        claim.release()
+        if own_group:
+            distributed.close(wait_for_others=clean)
 
 
 def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bool) -> Optional[str]:
+    job = slurm.current_job()
+    if slurm.resume_setting(cfg.resume) != cfg.resume:
+        print(f"k3train: job {job.name} was requeued (restart {job.restart_count}): resume=auto", flush=True)
+        cfg.resume = "auto"
     try:
         parts = build_parts(cfg, run_dir)
     except BaseException as exc:
@@ -118,13 +148,18 @@ def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bo
     if removed:
         print(f"removed {len(removed)} temporary file(s) left by an interrupted writer: "
               + ", ".join(p.name for p in removed), flush=True)
+    with slurm.job_log(run_dir if job and current_world().is_main else None):
+        return _train(cfg, run_dir, parts, multirun)
+
+
+def _train(cfg: DictConfig, run_dir: Path, parts: dict, multirun: bool) -> Optional[str]:
     trainer = parts["trainer"]
     try:
         manifest, metrics = _open_session(cfg, run_dir, **parts)
     except OSError as exc:
         return _fail(_write_failed(exc, trainer), 1, multirun)
     failure = None
-    with trainer.signals:  # SIGTERM/SIGUSR1 now stop at an update boundary instead of killing the process
+    with trainer.signals:  # SIGTERM/SIGUSR1/SIGUSR2 now stop at an update boundary instead of killing the process
         try:
             reason = trainer.fit()
         except TrainingDiverged as exc:
@@ -140,10 +175,11 @@ def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bo
         close_error = _close(trainer, metrics, manifest, reason)
         if failure is None and close_error is not None:
             failure = _write_failed(close_error, trainer)
-    if trainer.signals.received is not None:  # checkpointed: now let the signal do what it would have done
+    if trainer.signals.received is not None:  # checkpointed: requeue, or let the signal do what it would have done
         print(f"k3train: stopped by {trainer.signals.received.name} at step {trainer.state.step}; continue in the "
               "same output directory with resume=auto", file=sys.stderr, flush=True)
-        trainer.signals.redeliver()
+        slurm.end_after_signal(trainer.signals)
+    slurm.ignore_late_warnings()
     if failure is not None:
         return _fail(failure, 1, multirun)
     return reason
@@ -211,7 +247,8 @@ def _open_session(cfg: DictConfig, run_dir: Path, *, trainer: Trainer, metrics: 
         data=data.identity(), optimizer=summarize_param_groups(optimizer.param_groups),
         env={**environment(trainer.device), "cpu": cpu_runtime(threads)},
         resume_from=str(resume_path) if resume_path else None,
-        resume_step=trainer.state.step if resume_path else None)
+        resume_step=trainer.state.step if resume_path else None,
+        slurm=job.describe() if (job := slurm.current_job()) else None)
     metrics.log("session", session=manifest.session["session"], step=trainer.state.step,
                 run_dir=str(run_dir), resume_from=manifest.session["resume_from"])
     _print_summary(run_dir, trainer, threads)
