@@ -32,7 +32,7 @@ from k3train.train.precision import Precision  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m k3train.evaluate", description=__doc__.split("\n")[0])
-    p.add_argument("source", help="a run directory (its last.pt), a checkpoint .pt, or an export directory")
+    p.add_argument("source", help="a run directory (its last.pt or last.dcp), a checkpoint (.pt or .dcp), or an export directory")
     p.add_argument("overrides", nargs="*", help="data overrides as in training: data=prepared data.path=DIR")
     p.add_argument("--split", choices=("val", "train"), default="val", help="which split of the dataset")
     p.add_argument("--batch-size", type=int, default=8)

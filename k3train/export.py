@@ -22,7 +22,7 @@ from k3train.inference.loading import EXPORT_CONFIG, EXPORT_TOKENIZER, EXPORT_WE
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m k3train.export", description=__doc__.split("\n")[0])
-    p.add_argument("source", help="a run directory (its last.pt) or a checkpoint .pt")
+    p.add_argument("source", help="a run directory (its last.pt or last.dcp) or a checkpoint (.pt or .dcp)")
     p.add_argument("out_dir", type=Path, help="a new (or empty) directory to write")
     return p.parse_args(argv)
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out_dir.exists() and (not args.out_dir.is_dir() or any(args.out_dir.iterdir())):
             raise ValueError(f"{args.out_dir} already exists: choose a new directory (nothing is overwritten)")
         loaded = load(args.source)
-        if loaded.path.is_dir():
+        if (loaded.path / EXPORT_CONFIG).is_file():
             raise ValueError(f"{args.source} is already an export: copy the directory instead")
         with atomic_directory(args.out_dir) as tmp:
             write_export(loaded, Path(tmp))

@@ -23,7 +23,7 @@ from k3train.inference.sampling import Sampler, generate, supports_cache  # noqa
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m k3train.generate", description=__doc__.split("\n")[0])
-    p.add_argument("source", help="a run directory (its last.pt), a checkpoint .pt, or an export directory")
+    p.add_argument("source", help="a run directory (its last.pt or last.dcp), a checkpoint (.pt or .dcp), or an export directory")
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="the text to continue")
     prompts.add_argument("--prompt-file", type=Path, help="a file of prompts, one per line, each continued in turn")

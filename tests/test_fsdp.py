@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from k3train import export
 from k3train.consolidate import consolidate
+from k3train.inference.loading import load as load_for_inference
 from k3train.train.checkpoint import FORMAT_VERSION, CheckpointError, ShardedCheckpointer, load_checkpoint
 from k3train.train.metrics import read_metrics
 from k3train.train.sharded_checkpoint import EXTRA, PLACEHOLDER, read_sharded, whole_tensor
@@ -52,6 +54,14 @@ def test_fsdp_k3_tiny_equals_one_process_and_resumes_sharded_or_consolidated(k3_
     assert sum(clipped) > 0, "tau=0.05 must clip, or this case does not test QK-Clip on sharded weights"
     want = load_checkpoint(one / "last.pt")
     assert_same_weights(load_checkpoint(two / "last.dcp")["model"], want["model"], atol=1e-5)
+
+    # generate, evaluate and export read a sharded run as they read a single-file one
+    loaded = load_for_inference(two)
+    assert loaded.step == 4 and loaded.path == two / "last.dcp"
+    assert_same_weights(loaded.model.state_dict(), want["model"], atol=1e-5)
+    exported = tmp_path / "export"
+    assert export.main([str(two), str(exported)]) == 0
+    assert_same_weights(load_for_inference(exported).model.state_dict(), want["model"], atol=1e-5)
 
     step2 = consolidate(two / "step_0000002.dcp")
     assert step2 == two / "consolidated_step_0000002.pt"

@@ -113,6 +113,6 @@ def test_bad_sources_and_targets_fail_with_one_line(run_dir, tmp_path, capsys):
     assert evaluate.main([str(run_dir), "--max-batches", "0"]) == 2
     errors = capsys.readouterr().err.splitlines()
     assert len(errors) == 5
-    assert "already exists" in errors[0] and "sharded (DCP) checkpoint" in errors[1]
+    assert "already exists" in errors[0] and "sharded" in errors[1] and "cannot be read" in errors[1]
     assert "only data overrides" in errors[2] and "does not exist" in errors[3]
     assert "--max-batches=0 must be >= 1" in errors[4]

@@ -19,7 +19,8 @@ from torch import nn
 
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 from k3train.models.kda.fla import require_fla
-from k3train.train.checkpoint import load_checkpoint
+from k3train.train.build import resolve_resume
+from k3train.train.checkpoint import SHARDED_STORE, load_checkpoint
 
 EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 # The class of a model whose run directory is gone, by its config's model_type.
@@ -58,19 +59,19 @@ def _checkpoint_file(path: Path) -> Path:
         return path
     if not path.is_dir():
         raise SourceError(f"{path} does not exist: give a run directory, a checkpoint (.pt) or an export directory")
-    if (path / ".metadata").is_file() or (path / "last" / ".metadata").is_file():
-        raise SourceError(f"{path} is a sharded (DCP) checkpoint, which cannot be read here yet: consolidate it "
-                          "into one .pt file first (torch.distributed.checkpoint.format_utils.dcp_to_torch_save)")
-    if (path / "last.pt").is_file():
-        return path / "last.pt"
-    raise SourceError(f"{path} holds no last.pt and no {EXPORT_CONFIG}: give a run directory, a checkpoint (.pt) "
-                      "or a directory written by python -m k3train.export")
+    if (path / ".metadata").is_file():
+        return path  # a sharded (FSDP2) checkpoint: load_checkpoint gathers its shards whole, in this process
+    newest = resolve_resume("auto", path)  # last.pt, or a sharded run's last.dcp: the newer, as a resume takes
+    if newest is not None:
+        return newest
+    raise SourceError(f"{path} holds no last.pt, last.dcp or {EXPORT_CONFIG}: give a run directory, a checkpoint "
+                      "(.pt or .dcp) or a directory written by python -m k3train.export")
 
 
 def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
     payload = load_checkpoint(path)  # weights_only; refuses other formats with a message
     fields = dict(payload["meta"]["model_config"])
-    run_dir = path.parent
+    run_dir = path.parent.parent if path.parent.name == SHARDED_STORE else path.parent  # dcp/step_N-*: two up
     hydra_config = _read_yaml(run_dir / ".hydra" / "config.yaml")
     target = (hydra_config or {}).get("model", {}).get("_target_") or MODEL_TARGETS.get(fields.get("model_type"))
     if target is None:

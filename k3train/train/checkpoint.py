@@ -29,6 +29,7 @@ from torch.distributed.tensor import Shard
 from k3train.files import write_atomic
 from k3train.train.sharded_checkpoint import MakeShard, point_to, read_sharded, whole_tensor, write_sharded
 
+SHARDED_STORE = "dcp"  # <run dir>/dcp/step_<N>-<random>/: the sharded checkpoints an FSDP2 run wrote
 FORMAT_VERSION = 2  # 2: named Stateful parts (train_loader, val_loader, rng, trainer, plan); 1 had fixed entries
 
 
@@ -241,7 +242,7 @@ class ShardedCheckpointer(Checkpointer):
     def __init__(self, run_dir: Path, meta: dict, keep_last_k: int, mesh):
         super().__init__(run_dir, meta, keep_last_k, writer=mesh.get_rank() == 0)
         self.mesh = mesh
-        self.store = self.run_dir / "dcp"
+        self.store = self.run_dir / SHARDED_STORE
 
     def _write(self, step: int) -> int:
         payload = {"meta": {**self.meta, "step": step}}
