@@ -47,6 +47,7 @@ def test_calibration_is_plausible_and_leaves_the_global_rng_alone():
 def test_cpu_peak_is_measured_once_per_cpu_dtype_and_thread_count(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(mfu_module, "calibrate_cpu_matmul", lambda dtype: calls.append(dtype) or 5e10)
+    monkeypatch.setattr(mfu_module.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
     threads = torch.get_num_threads()
     try:
         first = cpu_peak("fp32", cache_dir=tmp_path)
@@ -88,3 +89,20 @@ def test_every_train_event_has_mfu(tmp_path, builtin_data):
     assert len(train) == 3
     for event in train:  # seq_len 16: 48,000 training FLOPs per token
         assert event["mfu"] == pytest.approx(event["tokens_per_s"] * 48_000 / 1e9)
+
+
+def test_a_peak_calibrated_on_a_busy_machine_is_measured_again_when_it_is_quieter(tmp_path, monkeypatch):
+    measured = iter([4e10, 9e10, 7e10])
+    monkeypatch.setattr(mfu_module, "calibrate_cpu_matmul", lambda dtype: next(measured))
+    loads = {"now": 6.0}
+    monkeypatch.setattr(mfu_module.os, "getloadavg", lambda: (loads["now"], 0.0, 0.0))
+    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 4e10  # busy: the first measurement
+    loads["now"] = 5.5
+    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 4e10  # not clearly quieter: the cache
+    loads["now"] = 2.0
+    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 9e10  # quieter: measured again, the higher kept
+    loads["now"] = 1.5
+    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 9e10  # not quieter by 1: the cache
+    loads["now"] = 0.5
+    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 9e10  # measured again (7e10): the higher kept
+    assert next(measured, None) is None
