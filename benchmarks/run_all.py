@@ -192,9 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test of the suite")
     parser.add_argument("--only", nargs="+", choices=list(SECTIONS), help="run these sections only")
+    parser.add_argument("--threads", default="auto", help="torch threads: auto (as train.cpu_threads=auto) or N")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
-    apply_threads(choose_threads("auto"))
+    apply_threads(choose_threads(args.threads))
     data = TokenData.builtin()
     report = {"quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
               "threads": torch.get_num_threads(), "machine": cpu_description(), "sections": {}}
