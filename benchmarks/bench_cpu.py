@@ -12,8 +12,8 @@
     Each configuration runs in a fresh process (OpenMP's settings are fixed when torch loads), for at most
     --probe-budget seconds.
 (c) The quickstart itself (`python -m k3train`, cut to --quickstart-steps updates): tokens/s and the model FLOP
-    utilisation, 6 x (active parameters without the embedding table) FLOPs per token (attention and the KDA
-    recurrence not counted) over a measured fp32 [2048 x 2048] matmul peak at the same thread count.
+    utilisation, the model's training FLOPs per token (run.json's `flops`, k3train/models/k3/flops.py) over a
+    measured fp32 [2048 x 2048] matmul peak at the same thread count.
 Prints a table with the CPU model, torch's CPU capability and the load average beside the figures, and writes
 benchmarks/results/cpu.json. Other processes on the machine change every figure: read the load average.
 """
@@ -160,8 +160,7 @@ def quickstart(steps: int, planned_steps: int = 200) -> dict:
         events = [json.loads(line) for line in open(f"{tmp}/run/metrics.jsonl", encoding="utf-8")]
         manifest = json.loads(Path(f"{tmp}/run/run.json").read_text())
     last = [e for e in events if e["event"] == "train"][-1]  # the second half of the updates: warm
-    counts = manifest["model"]["params"]
-    flops_per_token = 6 * (counts["active"] - counts["embedding"])
+    flops_per_token = manifest["flops"]["flops_per_token"]["training"]  # k3train/models/k3/flops.py
     torch.set_num_threads(manifest["environment"]["cpu_threads"])
     peak = matmul_peak_gflops(torch.float32)
     first = next(line for line in proc.stdout.splitlines() if "first update took" in line)

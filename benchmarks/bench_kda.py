@@ -102,7 +102,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    B, H, T, K, V, C = args.B, args.H, args.T, args.K, args.V, args.chunk_size
+    report = compare(args.B, args.H, args.T, args.K, args.V, args.chunk_size, args.recurrent_T, args.reps, args.warmup)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+def compare(B: int, H: int, T: int, K: int, V: int, C: int, recurrent_T: int, reps: int, warmup: int) -> dict:
+    """chunk_kda against FLA's naive_chunk_kda (when installed) at T, and against the per-step reference at
+    recurrent_T: fwd+bwd medians and the largest differences."""
 
     def ours(fn_inputs, do, dS) -> Result:
         return fwd_bwd(lambda *a, **kw: chunk_kda(*a, **kw, chunk_size=C), fn_inputs, do, dS)
@@ -116,7 +124,7 @@ def main() -> None:
         fns["fla_naive_chunk_kda"] = lambda: fwd_bwd(
             lambda *a, **kw: fla_naive_chunk(*a, **kw, chunk_size=C), inputs, do, dS
         )
-    times = time_side_by_side(fns, args.reps, args.warmup)
+    times = time_side_by_side(fns, reps, warmup)
     median = {name: statistics.median(ts) for name, ts in times.items()}
     report: dict = {
         "config": {
@@ -127,8 +135,8 @@ def main() -> None:
             "V": V,
             "chunk_size": C,
             "dtype": "float32",
-            "reps": args.reps,
-            "warmup": args.warmup,
+            "reps": reps,
+            "warmup": warmup,
         },
         "environment": {
             "torch": torch.__version__,
@@ -139,7 +147,7 @@ def main() -> None:
         "fwd_bwd_seconds_median": median,
         "fwd_bwd_seconds_all": times,
     }
-    print(f"B={B} H={H} T={T} K={K} V={V} chunk={C} fp32, {torch.get_num_threads()} threads, median of {args.reps}")
+    print(f"B={B} H={H} T={T} K={K} V={V} chunk={C} fp32, {torch.get_num_threads()} threads, median of {reps}")
     print(f"  chunk_kda            fwd+bwd {median['chunk_kda'] * 1e3:9.1f} ms")
     if fla_naive_chunk is None:
         print(f"  {fla_version}")
@@ -151,7 +159,7 @@ def main() -> None:
         print(f"  speedup {ratio:.1f}x; max |ours - fla| / max |fla|: " + format_diffs(diff))
 
     # Our per-step reference at a shorter T (it is one Python step per token).
-    Tr = args.recurrent_T
+    Tr = recurrent_T
     short = [x.detach()[:, :Tr] for x in inputs[:5]] + [inputs[5].detach()]  # time is dim 1, h0 has none
     short = [x.clone().requires_grad_() for x in short]
     do_short = do[:, :Tr]
@@ -172,10 +180,7 @@ def main() -> None:
         f"T={Tr}: chunk_kda {rec_median['chunk_kda'] * 1e3:.1f} ms, naive_recurrent_kda "
         f"{rec_median['naive_recurrent_kda'] * 1e3:.1f} ms; max rel diff " + format_diffs(rec_diff)
     )
-
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    return report
 
 
 if __name__ == "__main__":

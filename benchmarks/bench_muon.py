@@ -65,20 +65,29 @@ def main() -> None:
                     help="torch threads; 1 keeps numbers stable on a shared machine")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "muon.json")
     args = ap.parse_args()
-
     path = ROOT / "conf" / "model" / f"{args.model}.yaml"
     if not path.exists():
         raise SystemExit(f"no model config {path}; pick one of {sorted(p.stem for p in path.parent.glob('*.yaml'))}")
-    cfg = OmegaConf.load(path)
-    cfg.vocab_size = args.vocab_size
     torch.set_num_threads(args.threads)
+    result = muon_share(args.model, args.batch_size, args.seq_len, args.vocab_size, args.steps)
+    print(json.dumps(result, indent=2))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+def muon_share(model_name: str, batch_size: int, seq_len: int, vocab_size: int, steps: int) -> dict:
+    """Medians over `steps` steps (after 2 warm-up ones) of fwd+bwd, MuonAdamW.step(), each of its groups alone,
+    and AdamW.step() over the same model; Muon's share of the train step and its Newton-Schulz GFLOP/s."""
+    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{model_name}.yaml")
+    cfg.vocab_size = vocab_size
     torch.manual_seed(0)
     model = hydra.utils.instantiate(cfg)
     opt = _optimizer(model, "muon_adamw")
     assert isinstance(opt, MuonAdamW)
     baseline = _optimizer(model, "adamw")
-    x = torch.randint(args.vocab_size, (args.batch_size, args.seq_len))
-    y = torch.randint(args.vocab_size, (args.batch_size, args.seq_len))
+    x = torch.randint(vocab_size, (batch_size, seq_len))
+    y = torch.randint(vocab_size, (batch_size, seq_len))
     print(format_param_groups(opt.param_groups))
 
     def fwd_bwd() -> None:
@@ -90,7 +99,7 @@ def main() -> None:
         (opt._muon_step if group["kind"] == "muon" else opt._adamw_step)(group)
 
     times: dict[str, list[float]] = {}
-    for i in range(2 + args.steps):
+    for i in range(2 + steps):
         sample = {"fwd_bwd": _timed(fwd_bwd), "step_muon_adamw": _timed(opt.step)}
         with torch.no_grad():
             for g in opt.param_groups:
@@ -106,7 +115,7 @@ def main() -> None:
     n_muon = sum(p.numel() for g in opt.param_groups if g["kind"] == "muon" for p in g["params"])
     n_total = sum(p.numel() for p in model.parameters())
     result = {
-        "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "timed_steps": args.steps,
+        "model": model_name, "batch_size": batch_size, "seq_len": seq_len, "timed_steps": steps,
         "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
         "params_total": n_total, "params_muon": n_muon,
         "median_s": {k: round(v, 5) for k, v in med.items()},
@@ -117,10 +126,7 @@ def main() -> None:
         "muon_share_of_optimizer_step": round(muon / (muon + adamw), 4),
         "optimizer_step_vs_adamw_baseline": round(med["step_muon_adamw"] / med["step_adamw_baseline"], 2),
     }
-    print(json.dumps(result, indent=2))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    return result
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """k3_small train-step throughput on one GPU: bf16 autocast, Muon + AdamW, KDA through FLA and through chunk.
 
 Times the real update (forward, backward, grad clip, MuonAdamW step, QK-Clip) on random tokens after warm-up, for
-each KDA implementation, and reports tokens/s, peak memory and model FLOP utilisation (6 * active non-embedding
-params per token, plus attention, against a bf16 peak: 989e12 for H100/H200, as torchtitan counts).
+each KDA implementation, and reports tokens/s, peak memory and model FLOP utilisation (the model's training FLOPs
+per token, k3train/models/k3/flops.py, against the GPU's datasheet peak for the dtype, k3train/train/mfu.py).
 Sized to finish in about 3 minutes on one H200; stops starting new cases past --budget-s.
 
     python benchmarks/gpu_train_step.py                 # needs CUDA (and k3train[gpu] for the fla case)
@@ -29,9 +29,9 @@ from omegaconf import OmegaConf
 
 from k3train.optim import qk_clip
 from k3train.optim.build import muon_adamw
+from k3train.train.mfu import resolve_peak
 
 ROOT = Path(__file__).resolve().parents[1]
-PEAK_BF16_FLOPS = 989e12
 
 
 def build(model_name: str, vocab: int, implementation: str, device: torch.device):
@@ -43,15 +43,6 @@ def build(model_name: str, vocab: int, implementation: str, device: torch.device
                            nesterov=True, ns_steps=5, rms_match=0.2, head_wise=True,
                            orthogonality_check_interval=10**9)  # diagnostics off: time the update alone
     return model, optimizer
-
-
-def flops_per_token(model, T: int) -> float:
-    c = model.config
-    counts = model.param_counts()
-    dense = 6 * (counts["active"] - counts["embedding"])
-    n_mla = c.layer_pattern.count("mla")
-    attention = 12 * n_mla * c.mla_n_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim) * T / 2  # causal half
-    return dense + attention
 
 
 def run_case(model_name: str, vocab: int, B: int, T: int, implementation: str, device: torch.device,
@@ -84,13 +75,16 @@ def run_case(model_name: str, vocab: int, B: int, T: int, implementation: str, d
     tokens_per_s = B * T / median
     result = {"model": model_name, "kda_implementation": implementation, "B": B, "T": T, "dtype": str(dtype),
               "step_s_median": median, "step_s_all": times, "tokens_per_s": tokens_per_s,
-              "params": model.param_counts(), "model_flops_per_token": flops_per_token(model, T)}
+              "params": model.param_counts(), "model_flops_per_token": model.flops_per_token(T)["training"]}
+    peak = resolve_peak(None, device, {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"))
+    result.update(peak_flops_per_s=peak.flops_per_s, peak_source=peak.source)
+    if peak.flops_per_s:
+        result["mfu"] = tokens_per_s * result["model_flops_per_token"] / peak.flops_per_s
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-        result["mfu"] = tokens_per_s * result["model_flops_per_token"] / PEAK_BF16_FLOPS
     print(f"{model_name} kda={implementation:9s} B={B} T={T}: {median * 1e3:8.1f} ms/step  "
-          f"{tokens_per_s:10,.0f} tok/s" + (f"  MFU {result['mfu']:.1%}  peak {result['peak_memory_gib']:.1f} GiB"
-                                             if "mfu" in result else ""), flush=True)
+          f"{tokens_per_s:10,.0f} tok/s" + (f"  MFU {result['mfu']:.1%}" if "mfu" in result else "")
+          + (f"  peak {result['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in result else ""), flush=True)
     return result
 
 

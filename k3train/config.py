@@ -50,6 +50,9 @@ class TrainConfig:
     # End this session after this many updates (counted from where the session started) with a checkpoint,
     # leaving the plan (and so the schedule) unchanged; the same command with resume=auto does the next slice.
     stop_after: Optional[int] = None
+    # Per-device peak FLOP/s that `mfu` divides by; null: a known GPU's datasheet peak, or a CPU calibration matmul
+    # (k3train/train/mfu.py).
+    peak_flops: Optional[float] = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -73,6 +76,8 @@ class TrainConfig:
             raise ValueError(f"train.stop_after must be >= 1 or null, got {self.stop_after}")
         if self.cpu_threads != "auto":
             parse_threads(self.cpu_threads)
+        if self.peak_flops is not None and not self.peak_flops > 0:
+            raise ValueError(f"train.peak_flops must be > 0 (FLOP/s per device) or null, got {self.peak_flops}")
         if self.max_consecutive_skips < 1:
             raise ValueError(f"train.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
 

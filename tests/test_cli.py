@@ -32,7 +32,7 @@ def test_smoke_run_writes_ordered_events_manifest_and_checkpoint(run_cli, tmp_pa
     train = [e for e in events(run_dir) if e["event"] == "train"]
     assert [e["step"] for e in train] == [1, 2, 3, 4, 5, 6]
     assert [e["tokens"] for e in train] == [64 * s for s in range(1, 7)]
-    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_memory_mb"):
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "step_time_s", "peak_memory_mb"):
         assert key in train[0], key
     assert events(run_dir)[-1]["reason"] == "max_steps"
 
@@ -95,6 +95,12 @@ def test_exact_resume_in_a_new_process(run_cli, tmp_path, model, tiny_data_dir):
     if model is K3_RESUME:
         clipped = [e["qk_clip"]["n_clipped"] for e in events(straight) if e["event"] == "train"]
         assert sum(clipped) > 0, "tau=0.05 must clip some heads, or this case does not test QK-Clip's resume"
+        # A model that counts its FLOPs: a fraction of the calibrated CPU peak in every train event, and run.json
+        # says where the peak came from.
+        assert all(0 < e["mfu"] < 1 for e in events(straight) if e["event"] == "train")
+        flops = json.loads((straight / "run.json").read_text())["flops"]
+        assert flops["peak_source"].startswith("calibration: fp32 matmul") and flops["peak_flops_per_s"] > 0
+        assert flops["flops_per_token"]["training"] == 3 * flops["flops_per_token"]["forward"] > 0
     evals = lambda d: [(e["step"], e["loss"]) for e in events(d) if e["event"] == "eval"]  # noqa: E731
     assert evals(split) == evals(straight)
     a, b = load_checkpoint(straight / "last.pt"), load_checkpoint(split / "last.pt")

@@ -38,6 +38,16 @@ class LanguageModel(Protocol):
         ...
 
 
+@runtime_checkable
+class CountsFlops(Protocol):
+    """Optional: a model that knows its own FLOPs per token, so the Trainer can log `mfu` (k3train/train/mfu.py)."""
+
+    def flops_per_token(self, seq_len: int) -> dict[str, float]:
+        """{"forward": ..., "training": ...}: FLOPs per token of a [*, seq_len] batch; training is forward plus
+        backward."""
+        ...
+
+
 def missing_members(model: object) -> list[str]:
     """The LanguageModel members `model` lacks (empty when it has them all)."""
     methods = [name for name, value in vars(LanguageModel).items() if callable(value) and not name.startswith("_")]

@@ -63,14 +63,14 @@ class RunManifest:
 
     def start_session(self, *, config: dict, overrides: list, model: dict, data: dict, optimizer: dict,
                       env: dict, resume_from: str | None, resume_step: int | None,
-                      slurm: dict | None = None) -> None:
+                      slurm: dict | None = None, flops: dict | None = None) -> None:
         if self.path.exists():
             self.data = json.loads(self.path.read_text(encoding="utf-8"))
         else:
             self.data = {"run_id": uuid.uuid4().hex[:12], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                          "sessions": []}
         # The top level always describes the latest session; each session keeps its own overrides.
-        self.data.update(config=config, model=model, data=data, optimizer=optimizer, environment=env)
+        self.data.update(config=config, model=model, data=data, optimizer=optimizer, environment=env, flops=flops)
         self.session = {
             "session": len(self.data["sessions"]),
             "start": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -94,8 +94,9 @@ class Progress:
         elapsed = time.perf_counter() - self.t_start
         done = step - self.start
         eta = elapsed / done * (self.total - step) if done else 0.0
+        mfu = f"MFU {record['mfu']:.1%} | " if record.get("mfu") is not None else ""
         say(f"{self.label}step {step}/{self.total} | loss {record['loss']:.4f} | grad {record['grad_norm']:.3f} | "
-               f"{record['tokens_per_s']:,.0f} tok/s | {record['step_time_s']:.3f} s/step | "
+               f"{record['tokens_per_s']:,.0f} tok/s | {mfu}{record['step_time_s']:.3f} s/step | "
                f"ETA {format_duration(eta)}")
 
     def write(self, msg: str) -> None:

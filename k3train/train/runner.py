@@ -248,7 +248,7 @@ def _open_session(cfg: DictConfig, run_dir: Path, *, trainer: Trainer, metrics: 
         env={**environment(trainer.device), "cpu": cpu_runtime(threads)},
         resume_from=str(resume_path) if resume_path else None,
         resume_step=trainer.state.step if resume_path else None,
-        slurm=job.describe() if (job := slurm.current_job()) else None)
+        slurm=job.describe() if (job := slurm.current_job()) else None, flops=trainer.mfu.as_dict())
     metrics.log("session", session=manifest.session["session"], step=trainer.state.step,
                 run_dir=str(run_dir), resume_from=manifest.session["resume_from"])
     _print_summary(run_dir, trainer, threads)
@@ -270,6 +270,7 @@ def _print_summary(run_dir: Path, trainer: Trainer, threads: ThreadChoice) -> No
     lines.append(f"  parallel: {trainer.parallel.describe()}")
     lines.append(f"  schedule: {schedule.describe()}")
     lines += [f"  {callback.describe()}" for callback in trainer.callbacks.values()]
+    lines.append(f"  {trainer.mfu.describe()}")
     lines.append(f"  token plan: {trainer.tokens_per_update:,} tokens per nominal update x {trainer.total_steps} "
                  f"= {trainer.tokens_per_update * trainer.total_steps:,} tokens (a plan, not a measurement)")
     print("\n".join(lines), flush=True)

@@ -26,9 +26,10 @@ from k3train.data import EndOfData
 from k3train.models.protocol import LanguageModel
 from k3train.train.callbacks import Callback
 from k3train.train.checkpoint import Checkpointer
-from k3train.train.distributed import any_across_ranks, mean_across_ranks
+from k3train.train.distributed import any_across_ranks, current_world, mean_across_ranks
 from k3train.train.evaluate import evaluate
 from k3train.train.metrics import MetricsLogger
+from k3train.train.mfu import MFU
 from k3train.train.parallel import DDP, full_value
 from k3train.train.plan import TrainingPlan
 from k3train.train.precision import Precision
@@ -79,6 +80,8 @@ class Trainer:
         # Global: every rank's rows of the batch (the loaders' data-parallel view), so plans and logs are per run.
         self.tokens_per_update = train_loader.global_tokens_per_batch * config.gradient_accumulation_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.mfu = MFU.for_model(model, config.seq_len, device, precision.dtype, config.peak_flops,
+                                 devices=current_world().size)
         self._fixed_batches: Optional[list] = None  # overfit_batch mode
         self.plan = TrainingPlan(config, self.state, train_loader, self.tokens_per_update, schedule_factory)
         self.schedule = self.plan.schedule
@@ -217,7 +220,9 @@ class Trainer:
     def _after_update(self, window: Window, progress: Progress) -> None:
         s, c = self.state, self.config
         if s.step % c.log_interval == 0 or s.step == self.total_steps:
-            record = self.metrics.log("train", step=s.step, tokens=s.tokens, **window.summary(),
+            figures = window.summary()
+            record = self.metrics.log("train", step=s.step, tokens=s.tokens, **figures,
+                                      mfu=self.mfu.of(figures["tokens_per_s"]),
                                       lr={g["name"]: g["lr"] for g in self.optimizer.param_groups},
                                       peak_memory_mb=peak_memory_mb(self.device),
                                       skipped_updates=s.skipped_updates, **self._diagnostics())

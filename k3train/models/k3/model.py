@@ -19,6 +19,7 @@ from torch import nn
 
 from k3train.models.k3.cache import MLACache
 from k3train.models.k3.config import KimiK3Config
+from k3train.models.k3.flops import flops_per_token
 from k3train.models.k3.mla import MultiHeadLatentAttention
 from k3train.models.k3.moe import MoE, RoutedExperts, SwiGLU
 from k3train.models.kda.layer import KimiDeltaAttention
@@ -172,3 +173,7 @@ class KimiK3(nn.Module):
                              for w in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down))
             idle += (moe.n_experts - moe.k) * per_expert
         return {"total": total, "active": total - idle, "embedding": self.embed_tokens.weight.numel()}
+
+    def flops_per_token(self, seq_len: int) -> dict[str, float]:
+        """FLOPs per token at this sequence length, "forward" and "training" (k3train/models/k3/flops.py)."""
+        return flops_per_token(self.config, seq_len)

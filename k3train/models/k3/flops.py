@@ -1,0 +1,69 @@
+"""FLOPs per token of a KimiK3 model, from its config: what MFU divides by.
+
+Counted: every matmul a token takes part in (2 FLOPs per multiply-add), the depthwise convolutions of KDA, KDA's
+chunked state work as k3train/models/kda/chunk.py does it (or the per-step recurrence), MLA attention over the
+whole sequence, the MoE router and the experts a token actually uses (top-k of the routed ones plus the shared
+ones), and the LM head. Not counted: norms, activations, softmax, routing sorts and other elementwise work (a few
+percent at these sizes), and QK-Clip's max-logit measurement (the framework's work, not the model's).
+
+Conventions, as PaLM (Chowdhery et al. 2022, appendix B) and torchtitan's MFU count them:
+- attention is counted over all T x T query-key pairs, causal or not (torch.utils.flop_counter counts it so too);
+- training = 3 x forward: the backward pass computes a gradient for each matmul's input and its weight.
+"""
+
+from __future__ import annotations
+
+from k3train.models.k3.config import KimiK3Config
+
+
+def flops_per_token(config: KimiK3Config, seq_len: int) -> dict[str, float]:
+    """{"forward", "training"}: FLOPs per token of a [*, seq_len] batch (training = forward + backward)."""
+    c = config
+    macs = c.d_model * c.vocab_size  # LM head
+    for i, mixer in enumerate(c.layer_pattern):
+        macs += kda_macs(c, seq_len) if mixer == "kda" else mla_macs(c, seq_len)
+        macs += moe_macs(c) if c.is_moe_layer(i) else 3 * c.d_model * c.dense_ffn_dim
+    forward = 2.0 * macs
+    return {"forward": forward, "training": 3.0 * forward}
+
+
+def mla_macs(c: KimiK3Config, seq_len: int) -> float:
+    """Per token: the projections, then q.k over seq_len keys and p.v over seq_len values, per head."""
+    H, dqk, dv, r, d = c.mla_n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim, c.kv_lora_rank, c.d_model
+    q = d * H * dqk if c.q_lora_rank is None else d * c.q_lora_rank + c.q_lora_rank * H * dqk
+    projections = q + d * (r + c.qk_rope_head_dim) + r * H * (c.qk_nope_head_dim + dv) + H * dv * d
+    return projections + seq_len * H * (dqk + dv)
+
+
+def kda_macs(c: KimiK3Config, seq_len: int) -> float:
+    """Per token: the projections, the short convolutions, and the recurrence (chunked or per step)."""
+    d, H, K = c.d_model, c.kda_n_heads, c.kda_head_dim
+    width = H * K  # key and value widths (KimiK3 has one value head per key head)
+    projections = 3 * d * width + d * K + K * width + d * H + d * K + K * width + width * d
+    conv = c.kda_conv_size * 3 * width
+    if c.kda_implementation == "recurrent":
+        state = H * 3 * K * K  # per step: k.S, the rank-1 update, q.S
+    else:  # "chunk", and FLA's chunk kernel, which does the same work in Triton
+        state = H * chunk_state_macs(K, K, c.kda_chunk_size, seq_len) / seq_len
+    return projections + conv + state
+
+
+def chunk_state_macs(K: int, V: int, C: int, seq_len: int) -> float:
+    """Multiply-adds of chunk_kda for one head over one sequence (the tail padded to whole chunks)."""
+    per_chunk = 0
+    half = 1
+    while half < C:  # _intra_chunk: blocks of 2 * half rows, doubling
+        blocks = C // (2 * half)
+        per_chunk += blocks * 2 * half * half * K  # the q.k and k.k quadrants
+        per_chunk += blocks * 2 * half**3  # the inverse's lower-left: L^-1 X U^-1
+        half *= 2
+    per_chunk += C * C * (K + V)  # [w | u] = (I + A_kk)^-1 [k | v]
+    per_chunk += 3 * C * K * V  # w S, k_out^T v', and q_in S
+    per_chunk += C * C * V  # A_qk v'
+    n_chunks = -(-seq_len // C)
+    return n_chunks * per_chunk
+
+
+def moe_macs(c: KimiK3Config) -> float:
+    """Per token: the router over every routed expert, then SwiGLU in the k chosen and the shared ones."""
+    return c.d_model * c.n_routed_experts + (c.experts_per_token + c.n_shared_experts) * 3 * c.d_model * c.expert_ffn_dim

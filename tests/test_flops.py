@@ -1,0 +1,60 @@
+"""FLOPs per token from a model's config (k3train/models/k3/flops.py) against torch.utils.flop_counter."""
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from torch.utils.flop_counter import FlopCounterMode
+
+from config_helpers import model_config
+from k3train.models.protocol import CountsFlops
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+aten = torch.ops.aten
+
+
+def counted_flops_per_token(model, B: int, T: int) -> dict[str, float]:
+    """torch's own count of one forward and one backward pass, per token.
+
+    torch's convolution backward formula ignores groups (torch/utils/flop_counter.py says it skips them), so it
+    counts KDA's depthwise convolutions' backward as full convolutions, about 100x too many; the real backward of a
+    convolution is twice its forward, which is what replaces it here.
+    """
+    x, y = (torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(s))
+            for s in (0, 1))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        _, loss = model(x, targets=y)
+    forward = counter.get_total_flops()
+    conv_forward = counter.get_flop_counts()["Global"].get(aten.convolution, 0)
+    with counter:
+        loss.backward()
+    backward = counter.get_total_flops()
+    backward += 2 * conv_forward - counter.get_flop_counts()["Global"].get(aten.convolution_backward, 0)
+    return {"forward": forward / (B * T), "training": (forward + backward) / (B * T)}
+
+
+@pytest.mark.parametrize("name, vocab, B, T, kda", [
+    ("k3_tiny", 257, 2, 256, "chunk"),
+    ("k3_tiny", 257, 1, 100, "chunk"),  # a tail chunk padded
+    ("k3_tiny", 257, 1, 48, "recurrent"),
+    ("k3_small", 4096, 1, 256, "chunk"),
+])
+def test_flops_per_token_matches_torch_flop_counter(name, vocab, B, T, kda):
+    torch.manual_seed(0)
+    model = instantiate(model_config(name), vocab_size=vocab, kda_implementation=kda).train()
+    assert isinstance(model, CountsFlops)
+    formula = model.flops_per_token(T)
+    counted = counted_flops_per_token(model, B, T)
+    for kind in ("forward", "training"):
+        assert formula[kind] == pytest.approx(counted[kind], rel=0.10), (kind, formula, counted)
+
+
+def test_only_attention_grows_with_seq_len():
+    """MLA's attention term grows linearly in T; everything else per token stays (KDA's chunk work per token is
+    the same at any whole number of chunks)."""
+    cfg = instantiate(model_config("k3_tiny"), vocab_size=257).config
+    from k3train.models.k3.flops import flops_per_token, mla_macs
+
+    short, long = flops_per_token(cfg, 256)["forward"], flops_per_token(cfg, 512)["forward"]
+    n_mla = cfg.layer_pattern.count("mla")
+    assert long - short == pytest.approx(2 * n_mla * (mla_macs(cfg, 512) - mla_macs(cfg, 256)))

@@ -1,0 +1,108 @@
+"""`mfu` in the train events: FLOPs from the model, the peak from a setting, the GPU table or a cached calibration."""
+
+import json
+
+import pytest
+import torch
+
+from k3train.config import TrainConfig
+from k3train.train import mfu as mfu_module
+from k3train.train.metrics import read_metrics
+from k3train.train.mfu import MFU, Peak, calibrate_cpu_matmul, cpu_peak, gpu_peak
+from test_trainer import WrapsSmoke, make_trainer
+
+
+class CountedSmoke(WrapsSmoke):
+    """The smoke model with a FLOP count, as a model that implements CountsFlops would have."""
+
+    def flops_per_token(self, seq_len):
+        return {"forward": 1000.0 * seq_len, "training": 3000.0 * seq_len}
+
+
+@pytest.mark.parametrize("name, dtype, peak", [
+    ("NVIDIA H200", "bf16", 989.5e12),
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.5e12),
+    ("NVIDIA H100 PCIe", "bf16", 756e12),  # not the SXM figure
+    ("NVIDIA H200 NVL", "fp16", 835e12),
+    ("NVIDIA A100-SXM4-80GB", "fp32", 19.5e12),
+])
+def test_known_gpus_get_their_datasheet_peak(name, dtype, peak):
+    assert gpu_peak(name, dtype) == Peak(peak, gpu_peak(name, dtype).source)
+    assert "datasheet" in gpu_peak(name, dtype).source
+
+
+def test_an_unknown_gpu_has_no_peak_and_says_how_to_give_one():
+    peak = gpu_peak("NVIDIA GeForce GTX 1080", "fp32")
+    assert peak.flops_per_s is None and "train.peak_flops" in peak.source
+
+
+def test_calibration_is_plausible_and_leaves_the_global_rng_alone():
+    torch.set_num_threads(1)
+    rng = torch.get_rng_state()
+    flops = calibrate_cpu_matmul(torch.float32, budget_s=0.2)
+    assert 1e8 < flops < 1e13  # any CPU of the last 20 years; a unit error (GFLOP/s) would fail
+    assert torch.equal(torch.get_rng_state(), rng)  # a run's random stream is the same with or without it
+
+
+def test_cpu_peak_is_measured_once_per_cpu_dtype_and_thread_count(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(mfu_module, "calibrate_cpu_matmul", lambda dtype: calls.append(dtype) or 5e10)
+    monkeypatch.setattr(mfu_module.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    threads = torch.get_num_threads()
+    try:
+        first = cpu_peak("fp32", cache_dir=tmp_path)
+        again = cpu_peak("fp32", cache_dir=tmp_path)
+        torch.set_num_threads(threads + 1)
+        other = cpu_peak("fp32", cache_dir=tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert first.flops_per_s == again.flops_per_s == other.flops_per_s == 5e10
+    assert calls == [torch.float32, torch.float32]  # the second thread count calibrates; the repeat does not
+    cached = json.loads((tmp_path / "peak_flops.json").read_text())
+    assert len(cached) == 2 and all("fp32" in key for key in cached)
+    assert "calibration" in first.source
+
+
+def test_a_user_peak_wins_and_mfu_is_tokens_times_flops_over_the_peak_of_all_devices():
+    model = CountedSmoke(vocab_size=257)
+    meter = MFU.for_model(model, 64, torch.device("cpu"), "fp32", peak_setting=1e9, devices=2)
+    assert meter.peak == Peak(1e9, "train.peak_flops")
+    assert meter.of(2000.0) == pytest.approx(2000.0 * 3000.0 * 64 / 2e9)
+    assert meter.as_dict()["flops_per_token"] == {"forward": 64000.0, "training": 192000.0}
+
+
+def test_a_model_without_a_flop_count_logs_mfu_null():
+    meter = MFU.for_model(WrapsSmoke(vocab_size=257), 64, torch.device("cpu"), "fp32", peak_setting=None)
+    assert meter.of(1000.0) is None and "does not count" in meter.describe()
+
+
+def test_peak_flops_setting_is_checked():
+    with pytest.raises(ValueError, match="train.peak_flops must be > 0"):
+        TrainConfig(peak_flops=0)
+
+
+def test_every_train_event_has_mfu(tmp_path, builtin_data):
+    model = CountedSmoke(builtin_data.vocab_size)
+    trainer = make_trainer(tmp_path, builtin_data, model, max_steps=3, peak_flops=1e9)
+    assert trainer.fit() == "max_steps"
+    train = [e for e in read_metrics(tmp_path / "metrics.jsonl") if e["event"] == "train"]
+    assert len(train) == 3
+    for event in train:  # seq_len 16: 48,000 training FLOPs per token
+        assert event["mfu"] == pytest.approx(event["tokens_per_s"] * 48_000 / 1e9)
+
+
+def test_a_peak_calibrated_on_a_busy_machine_is_measured_again_when_it_is_quieter(tmp_path, monkeypatch):
+    measured = iter([4e10, 9e10, 7e10])
+    monkeypatch.setattr(mfu_module, "calibrate_cpu_matmul", lambda dtype: next(measured))
+    loads = {"now": 6.0}
+    monkeypatch.setattr(mfu_module.os, "getloadavg", lambda: (loads["now"], 0.0, 0.0))
+    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 4e10  # busy: the first measurement
+    loads["now"] = 5.5
+    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 4e10  # not clearly quieter: the cache
+    loads["now"] = 2.0
+    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 9e10  # quieter: measured again, the higher kept
+    loads["now"] = 1.5
+    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 9e10  # not quieter by 1: the cache
+    loads["now"] = 0.5
+    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 9e10  # measured again (7e10): the higher kept
+    assert next(measured, None) is None
