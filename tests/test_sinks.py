@@ -1,6 +1,7 @@
 """The TensorBoard and W&B sinks, each read back from what it wrote; off by default, both at once with
 logger=[tensorboard,wandb]."""
 
+import collections
 import importlib.util
 import json
 import math
@@ -82,13 +83,13 @@ def _wandb_env(monkeypatch, tmp_path):
         monkeypatch.setenv(name, str(value))
 
 
-def _wandb_history(path) -> dict[int, dict]:
+def _wandb_history(path) -> tuple[dict[int, dict], collections.Counter]:
     """step -> the numbers W&B logged at it, read from an offline run's .wandb file. W&B has no public reader of
     that file (wandb sync uploads it; wandb.Api() asks the server), so this reads its record log (the LevelDB log
     format: 32 KiB blocks of chunks, each with a 7-byte header; the file starts with a 7-byte W&B header) and
     decodes each record with the protobuf classes W&B ships (wandb.proto, internal: the test skips without it)."""
     pb = pytest.importorskip("wandb.proto.wandb_internal_pb2", reason="wandb's record format is not importable")
-    data, pos, pending, history = path.read_bytes(), 7, b"", {}
+    data, pos, pending, history, kinds = path.read_bytes(), 7, b"", {}, collections.Counter()
     while pos + 7 <= len(data):
         if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
             pos += 32768 - pos % 32768
@@ -101,10 +102,12 @@ def _wandb_history(path) -> dict[int, dict]:
         if kind in (1, 4):
             record = pb.Record()
             record.ParseFromString(pending)
+            kinds[record.WhichOneof("record_type")] += 1
             if record.WhichOneof("record_type") == "history":
                 items = {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item}
-                history.setdefault(record.history.step.num, {}).update(items)
-    return history
+                step = record.history.step.num or items.get("_step", 0)  # the step is in both places
+                history.setdefault(step, {}).update(items)
+    return history, kinds
 
 
 def test_wandb_writes_an_offline_run_with_every_number_under_the_run_id(tmp_path, monkeypatch):
@@ -114,8 +117,10 @@ def test_wandb_writes_an_offline_run_with_every_number_under_the_run_id(tmp_path
     _session(tmp_path, [WandbSink(tmp_path)], 0, [5.0, 4.0])
 
     (files,) = tmp_path.glob("wandb/offline-run-*-0123abcd4567/run-0123abcd4567.wandb")
-    history = _wandb_history(files)
-    assert {step: items.get("train/loss") for step, items in history.items() if step} == {1: 5.0, 2: 4.0}
+    history, kinds = _wandb_history(files)
+    # on failure, say what the file held (CI once found no history here; it never failed again locally)
+    assert {step: items.get("train/loss") for step, items in history.items() if step} == {1: 5.0, 2: 4.0}, (
+        f"{files.stat().st_size} bytes, records {dict(kinds)}, history {history}")
     assert history[2]["eval/loss"] == 4.5 and history[1]["train/model/moe/1/load_max"] == 1.25
     assert history[2]["train/qk_clip/max_logit/layers.3.mixer"] == 7.0
 
@@ -139,5 +144,5 @@ def test_both_sinks_at_once_from_the_command_line(run_cli, tmp_path, monkeypatch
                                                                      for e in train]
     run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
     (files,) = run_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")
-    history = _wandb_history(files)
+    history, _ = _wandb_history(files)
     assert [(e["step"], history[e["step"]]["train/loss"]) for e in train] == [(e["step"], e["loss"]) for e in train]
