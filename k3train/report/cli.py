@@ -58,7 +58,7 @@ def write_report(paths: list[Path], out_dir: Path) -> Path:
         _write(out_dir / f"{chart.name}.png", chart.png)
         overlay = (chart, f"{chart.name}.png")
     for sweep in sweeps:
-        write_sweep_summary(sweep.sweep_dir)
+        write_sweep_summary(sweep.sweep_dir, (sweep.keys, sweep.rows))  # the rows the page shows
     page = out_dir / PAGE
     _write(page, render(paths=paths, sweeps=sweeps, runs=runs, overlay=overlay, charts=charts).encode())
     return page

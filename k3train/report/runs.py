@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3train.report.sweep_table import JobRow, find_jobs, read_job, sweep_table
+from k3train.report.sweep_table import JobRow, find_jobs, read_job, table_order, varying_keys
 from k3train.train.metrics import read_metrics
 from k3train.train.sinks import scalar
 
@@ -96,11 +96,13 @@ def load_run(run_dir: Path, label: str | None = None) -> Run:
 
 
 def load_sweep(sweep_dir: Path) -> Sweep:
-    keys, rows = sweep_table(sweep_dir)
-    runs = []
-    for row in rows:
-        label = ", ".join(f"{k}={row.overrides[k]}" for k in keys if k in row.overrides)
-        runs.append(load_run(row.run_dir, label=f"{row.run_dir.name}: {label}" if label else row.run_dir.name))
+    """Each job read once: its table row comes from the same events its figures draw."""
+    runs = sorted((load_run(d) for d in find_jobs(sweep_dir)), key=lambda run: table_order(run.row))
+    rows = [run.row for run in runs]
+    keys = varying_keys(rows)
+    for run in runs:
+        label = ", ".join(f"{k}={run.row.overrides[k]}" for k in keys if k in run.row.overrides)
+        run.label = f"{run.run_dir.name}: {label}" if label else run.run_dir.name
     return Sweep(sweep_dir=sweep_dir, keys=keys, rows=rows, runs=runs)
 
 

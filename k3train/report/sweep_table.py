@@ -82,10 +82,14 @@ def sweep_table(sweep_dir: Path) -> tuple[list[str], list[JobRow]]:
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         raise FileNotFoundError(f"no sweep directory {sweep_dir}: pass the directory a `-m` run printed")
-    rows = [read_job(d) for d in find_jobs(sweep_dir)]
-    rows.sort(key=lambda r: (r.final_val_loss is None or not math.isfinite(r.final_val_loss),
-                             r.final_val_loss if r.final_val_loss is not None else 0.0))
+    rows = sorted((read_job(d) for d in find_jobs(sweep_dir)), key=table_order)
     return varying_keys(rows), rows
+
+
+def table_order(row: JobRow) -> tuple[bool, float]:
+    """Sort key: best final val loss first, jobs without a finite one last."""
+    return (row.final_val_loss is None or not math.isfinite(row.final_val_loss),
+            row.final_val_loss if row.final_val_loss is not None else 0.0)
 
 
 COLUMNS = ["final val loss", "best val loss", "step", "tokens", "tokens/s", "end", "run dir"]
@@ -123,10 +127,11 @@ def to_html(keys: list[str], rows: list[JobRow], sweep_dir: Path) -> str:
     return f"<table>\n<tr>{header}</tr>\n{body}</table>\n"
 
 
-def write_sweep_summary(sweep_dir: Path) -> str:
-    """Write SWEEP_DIR/sweep_summary.md and .csv (each atomically) and return the markdown table."""
+def write_sweep_summary(sweep_dir: Path, table: tuple[list[str], list[JobRow]] | None = None) -> str:
+    """Write SWEEP_DIR/sweep_summary.md and .csv (each atomically) and return the markdown table; `table` (keys,
+    rows) when the caller has read the jobs already."""
     sweep_dir = Path(sweep_dir)
-    keys, rows = sweep_table(sweep_dir)
+    keys, rows = table if table is not None else sweep_table(sweep_dir)
     markdown = to_markdown(keys, rows, sweep_dir)
     for suffix, text in ((".md", markdown), (".csv", to_csv(keys, rows, sweep_dir))):
         write_atomic(sweep_dir / f"{SUMMARY_STEM}{suffix}", lambda f, text=text: f.write(text.encode()))
