@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
-from k3train.models.k3.mla import MultiHeadLatentAttention, RotaryEmbedding
+from k3train.models.k3.mla import MultiHeadLatentAttention, RotaryEmbedding, causal_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -168,3 +168,18 @@ def test_gradients_match_naive_reference_float64(q_lora_rank, rope, track_max_lo
     for key, expected in grads["naive"].items():
         assert expected is not None and expected.abs().max() > 0, f"{key}: no gradient through the reference"
         torch.testing.assert_close(grads["module"][key], expected, rtol=1e-10, atol=1e-12, msg=key)
+
+
+@pytest.mark.parametrize("dk, dv", [(12, 6), (6, 12), (8, 8)])
+def test_causal_attention_takes_the_fused_cpu_kernel_and_matches_explicit_softmax(dk, dv):
+    """dk != dv would send torch's SDPA to its slow math path on CPU; the zero padding must change nothing."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 3, T, dk), torch.randn(2, 3, T, dk), torch.randn(2, 3, T, dv)
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    expected = (q @ k.transpose(-1, -2) * 0.3).masked_fill(~causal, float("-inf")).softmax(-1) @ v
+    with torch.profiler.profile() as prof:
+        out = causal_attention(q, k, v, 0.3)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops and \
+        "aten::_scaled_dot_product_attention_math" not in ops, sorted(ops)

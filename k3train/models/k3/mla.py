@@ -108,7 +108,7 @@ class MultiHeadLatentAttention(nn.Module):
             with torch.autocast(q.device.type, enabled=False):  # fp16 would overflow past 65504, bf16 round
                 step_max = causal_max_logit(q.float(), k.float(), self.scale)
             self.max_logit = step_max if self.max_logit is None else torch.maximum(self.max_logit, step_max)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)  # [B, H, T, dv]
+        o = causal_attention(q, k, v, self.scale)  # [B, H, T, dv]
         return self.o_proj(o.transpose(1, 2).reshape(B, T, H * dv))
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,6 +177,22 @@ def scale_rows_(weight: torch.Tensor, row_scale: torch.Tensor) -> None:
     if isinstance(weight, DTensor):
         scale = distribute_tensor(scale, weight.device_mesh, weight.placements, src_data_rank=None)
     weight.mul_(scale)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q, k [B, H, T, dk], v [B, H, T, dv] -> [B, H, T, dv]: causal softmax attention.
+
+    On CPU, torch's fused (flash) kernel needs dk == dv and otherwise falls back to the math path, which
+    materialises the T x T weights: ~3x slower for k3_small's dk 96 / dv 64 (fwd+bwd, benchmarks/bench_mla.py).
+    Zero columns appended to the narrower side change no score and no output column, so the result is exact.
+    """
+    dk, dv = q.shape[-1], v.shape[-1]
+    if q.device.type != "cpu" or dk == dv:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    if dv < dk:
+        return F.scaled_dot_product_attention(q, k, F.pad(v, (0, dk - dv)), is_causal=True, scale=scale)[..., :dv]
+    q, k = F.pad(q, (0, dv - dk)), F.pad(k, (0, dv - dk))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 @torch.no_grad()

@@ -22,8 +22,7 @@ from k3train.models.kda.naive import check_kda_inputs, compute_dtype
 
 def _join(upper: Tensor, lower_left: Tensor, lower: Tensor) -> Tensor:
     """Lower block-triangular [[upper, 0], [lower_left, lower]]: [..., h, h] x 3 -> [..., 2h, 2h]."""
-    top = torch.cat([upper, torch.zeros_like(upper)], dim=-1)
-    return torch.cat([top, torch.cat([lower_left, lower], dim=-1)], dim=-2)
+    return torch.cat([F.pad(upper, (0, upper.shape[-1])), torch.cat([lower_left, lower], dim=-1)], dim=-2)
 
 
 def _intra_chunk(q: Tensor, k: Tensor, G: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
@@ -41,12 +40,14 @@ def _intra_chunk(q: Tensor, k: Tensor, G: Tensor, beta: Tensor) -> tuple[Tensor,
     inverse = torch.ones_like(A_qk)  # (I + A_kk)^-1 on 1x1 blocks
     half = 1
     while half < C:
-        q_, k_, G_, beta_ = (x.unflatten(-2, (C // (2 * half), 2, half)) for x in (q, k, G, beta))  # [..., nb, 2, h, *]
-        G_r = G_[..., 1, :1, :]  # [..., nb, 1, K]
-        cols = k_[..., 0, :, :] * (G_r - G_[..., 0, :, :]).exp()  # [..., nb, h, K]
-        rows = torch.stack([q_[..., 1, :, :], k_[..., 1, :, :]]) * (G_[..., 1, :, :] - G_r).exp()
+        # unbind, not x[..., 0, :, :]: each indexing's backward writes a zero-filled copy of the whole tensor
+        (_, q_lo), (k_up, k_lo), (G_up, G_lo), (_, beta_lo) = (
+            x.unflatten(-2, (C // (2 * half), 2, half)).unbind(-3) for x in (q, k, G, beta))  # [..., nb, h, *]
+        G_r = G_lo[..., :1, :]  # [..., nb, 1, K]
+        cols = k_up * (G_r - G_up).exp()  # [..., nb, h, K]
+        rows = torch.stack([q_lo, k_lo]) * (G_lo - G_r).exp()
         qk_quadrant, kk_quadrant = (rows @ cols.transpose(-1, -2)).unbind(0)  # [..., nb, h, h] each
-        kk_quadrant = beta_[..., 1, :, :] * kk_quadrant
+        kk_quadrant = beta_lo * kk_quadrant
         qk_upper, qk_lower = A_qk.unflatten(-3, (-1, 2)).unbind(-3)  # [..., nb, h, h]: the diagonal sub-blocks
         A_qk = _join(qk_upper, qk_quadrant, qk_lower)
         inv_upper, inv_lower = inverse.unflatten(-3, (-1, 2)).unbind(-3)
@@ -81,13 +82,16 @@ def chunk_kda(
     scale = K**-0.5 if scale is None else scale
     out_dtype, dtype = v.dtype, compute_dtype(v)
     with torch.autocast(q.device.type, enabled=False):
-        q = q.to(dtype).repeat_interleave(HV // H, dim=2) * scale  # [B, T, HV, K]
-        k = k.to(dtype).repeat_interleave(HV // H, dim=2)
+        if HV != H:  # each q/k head serves HV // H value heads (repeat_interleave copies even when HV == H)
+            q, k = q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+        q, k, v, g, beta = (x.to(dtype) for x in (q, k, v, g, beta))
+        q = q * scale  # [B, T, HV, K]
         # Pad the tail to whole chunks with q = k = v = g = beta = 0: there the state neither decays nor updates,
         # and causality hides the padding from real steps, so outputs and final state are exact.
         pad = (-T) % C
-        q, k, v, g = (F.pad(x.to(dtype), (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
-        beta = F.pad(beta.to(dtype), (0, 0, 0, pad))
+        if pad:
+            q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+            beta = F.pad(beta, (0, 0, 0, pad))
         N = (T + pad) // C
         q, k, v, g = (x.transpose(1, 2).reshape(B, HV, N, C, -1) for x in (q, k, v, g))  # [B, HV, N, C, D]
         beta = beta.transpose(1, 2).reshape(B, HV, N, C, 1)

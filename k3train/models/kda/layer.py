@@ -131,10 +131,7 @@ class KimiDeltaAttention(nn.Module):
 
         Zeros as the first tail reproduce forward()'s causal padding exactly."""
         window = torch.cat((tail.to(x.dtype), x), dim=1)  # [B, conv_size - 1 + T, D]
-        # The depthwise conv as a weighted sum over each position's window: for one token, far cheaper on CPU
-        # than a convolution call.
-        out = (window.unfold(1, self.conv_size, 1) * conv.weight[:, 0]).sum(-1)  # [B, T, D, conv_size] -> [B, T, D]
-        return F.silu(out), window[:, window.shape[1] - tail.shape[1]:]
+        return F.silu(causal_depthwise_conv(window, conv.weight)), window[:, window.shape[1] - tail.shape[1]:]
 
     def _continued_recurrence(self, T: int):
         """The kernel that continues a state: chunked for a prompt, the per-step recurrence for one token
@@ -147,7 +144,7 @@ class KimiDeltaAttention(nn.Module):
 
     def _short_conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
         """Depthwise causal conv over time, then SiLU: [B, T, D] -> [B, T, D]."""
-        return F.silu(conv(x.transpose(1, 2))[..., : x.shape[1]].transpose(1, 2))
+        return F.silu(causal_depthwise_conv(F.pad(x, (0, 0, self.conv_size - 1, 0)), conv.weight))
 
     def _forget_gate(self, x: Tensor) -> Tensor:
         """Per-channel log decay g [B, T, HV, K], fp32 even under autocast (it is summed over T)."""
@@ -165,3 +162,18 @@ class KimiDeltaAttention(nn.Module):
         if self.implementation == "recurrent":
             return naive_recurrent_kda(q, k, v, g, beta)[0]
         return fla_chunk_kda(q, k, v, g, beta)[0]
+
+
+def causal_depthwise_conv(window: Tensor, weight: Tensor) -> Tensor:
+    """window [B, W - 1 + T, D] (W - 1 earlier inputs, then T new ones), weight [D, 1, W] (an nn.Conv1d with
+    groups=D) -> [B, T, D]: out[t] = sum_i weight[:, 0, i] * window[t + i], a causal depthwise conv.
+
+    W shifted multiply-adds in [B, T, D] layout instead of Conv1d: on CPU the conv wants [B, D, T] and its
+    backward, with the transposes around it, took ~2.5x as long per KDA layer (benchmarks/bench_layers.py).
+    """
+    W = weight.shape[-1]
+    T = window.shape[1] - W + 1
+    out = window[:, :T] * weight[:, 0, 0]
+    for i in range(1, W):
+        out = out + window[:, i:i + T] * weight[:, 0, i]
+    return out
