@@ -38,7 +38,10 @@ class MaxLogitTracking(Protocol):
 
 
 def _mla_modules(model: nn.Module) -> dict[str, MaxLogitTracking]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, MaxLogitTracking)}
+    # The protocol's members tested directly: isinstance against a runtime_checkable Protocol walks typing's
+    # machinery for each of the model's modules, ~2.5 ms per update on k3_tiny (0.6% of its step).
+    return {name: m for name, m in model.named_modules() if hasattr(m, "track_max_logit")
+            and hasattr(m, "max_logit") and callable(getattr(m, "scale_qk_heads_", None))}
 
 
 def set_max_logit_tracking(model: nn.Module, on: bool) -> int:
