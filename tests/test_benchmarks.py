@@ -29,8 +29,13 @@ def test_run_all_quick_writes_every_section_and_the_targets(tmp_path, k3_cache):
     assert 0 < train["mfu"] < train["mfu_fwd_bwd_only"] < 1
     overhead = report["sections"]["overhead"]["result"]
     assert overhead["trainer_step_s_median"] > 0 and overhead["bare_step_s_median"] > 0
-    # --quick has no k3_small: two of the four targets
-    assert set(report["targets"]) == {"framework_overhead_k3_tiny", "checkpoint_share_k3_tiny"}
+    # the Trainer's own time is a positive part of its step: what the shared work leaves
+    accounting = overhead["accounting"]
+    assert 0 < accounting["trainer_own_s_per_step"] < accounting["step_s"]
+    assert 0 < accounting["shared_work_s_per_step"] < accounting["step_s"]
+    # --quick has no k3_small: three of the five targets
+    assert set(report["targets"]) == {"framework_overhead_k3_tiny", "framework_overhead_k3_tiny_accounting",
+                                      "checkpoint_share_k3_tiny"}
     summary = (tmp_path / "suite.md").read_text()
     assert "| framework_overhead_k3_tiny |" in summary and "| checkpoint |" in summary
 
