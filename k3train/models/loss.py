@@ -1,0 +1,100 @@
+"""The LM head and its cross-entropy in one pass over row chunks, never holding the whole [N, V] logits.
+
+    linear_cross_entropy(hidden [N, d], weight [V, d], targets [N])
+        == F.cross_entropy(F.linear(hidden, weight).float(), targets)     (within fp32 rounding)
+
+With a gradient wanted, the forward pass also computes the gradients, chunk by chunk, while each chunk's logits
+are at hand: g = (softmax(logits) - one_hot(target)) / count, grad_hidden[chunk] = g @ W, grad_weight += g^T h[chunk].
+Backward only scales them by the incoming gradient. This is the approach of Liger-Kernel's fused linear
+cross-entropy (linkedin/Liger-Kernel, src/liger_kernel/ops/fused_linear_cross_entropy.py), in plain torch ops.
+What it saves is memory traffic, not FLOPs (the same three matmuls): the fp32 logits, the log-softmax and its
+backward each stream [N, V] floats through memory; a chunk of them stays in cache.
+
+Targets equal to IGNORE_INDEX (-100, F.cross_entropy's default) count neither in the sum nor in the mean. When
+every target is ignored the loss is NaN (0 / 0) and the gradients are zero, as F.cross_entropy gives.
+
+Under torch.autocast the matmuls run in the autocast dtype, as the nn.Linear they replace would; the softmax and
+the loss are fp32, and the gradients reach hidden and weight in their own dtypes (through autograd's casts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+# Rows per chunk. Measured on 2 CPU cores (benchmarks/bench_loss.py) at N=2048, d=512, V=32768; a smaller chunk
+# keeps its [chunk, V] fp32 logits in cache, a larger one reads and writes the [V, d] weight gradient fewer times.
+DEFAULT_CHUNK_SIZE = 256
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """hidden [N, d], weight [V, d], targets [N] int64 -> the mean cross-entropy over the targets that are not
+    IGNORE_INDEX, a fp32 scalar."""
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"linear_cross_entropy wants hidden [N, d], weight [V, d], targets [N]; got hidden "
+                         f"{list(hidden.shape)}, weight {list(weight.shape)}, targets {list(targets.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # the casts nn.Linear would get; autograd carries the grads back
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size)
+    with torch.autocast(device_type, enabled=False):
+        loss_sum, count, _, _ = _chunked(hidden, weight, targets, chunk_size, with_grads=False)
+    return loss_sum / count  # 0 / 0 = NaN when every target is ignored, as F.cross_entropy
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size):
+        with torch.autocast(hidden.device.type, enabled=False):  # the inputs arrive already in the matmul dtype
+            loss_sum, count, grad_hidden, grad_weight = _chunked(hidden, weight, targets, chunk_size, with_grads=True)
+        ctx.save_for_backward(grad_hidden, grad_weight, count)
+        ctx.weight_dtype = weight.dtype
+        return loss_sum / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight, count = ctx.saved_tensors
+        # the mean's 1 / count, applied once here rather than to every chunk's [chunk, V] gradient; an all-ignored
+        # batch has all-zero gradients, which the clamp keeps 0 instead of 0 * inf = NaN
+        scale = grad_loss / count.clamp(min=1)
+        return (grad_hidden * scale).to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype), None, None
+
+
+def _chunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, with_grads: bool
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The summed loss over the kept targets, their count and, with_grads, the gradients of the summed loss w.r.t.
+    hidden (in its dtype) and weight (fp32); one [chunk, V] block of fp32 logits at a time."""
+    kept = targets != IGNORE_INDEX
+    safe_targets = torch.where(kept, targets, 0)[:, None]  # any valid index: the ignored rows are masked out below
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if with_grads else None
+    # fp32 accumulator: summing the chunks' products in bf16 would round at every chunk
+    grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads else None
+    # One fp32 block reused by every chunk: a fresh [chunk, V] allocation per chunk costs page faults on CPU.
+    block = torch.empty(min(chunk_size, hidden.shape[0]), weight.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        h, t, keep = hidden[rows], safe_targets[rows], kept[rows, None]
+        logits = block[:h.shape[0]]
+        if h.dtype == torch.float32:
+            torch.mm(h, weight.T, out=logits)
+        else:
+            logits.copy_(h @ weight.T)  # the matmul in the low-precision dtype, the softmax in fp32
+        log_probs = torch.log_softmax(logits, dim=-1, out=logits)  # in place: each row is read before it is written
+        loss_sum -= torch.where(keep, log_probs.gather(1, t), 0.0).sum()
+        if not with_grads:
+            continue
+        # d(summed loss)/d(logits) = softmax - one_hot (ignored rows are zeroed on the [chunk, d] side below)
+        grad_logits = log_probs.exp_().scatter_add_(1, t, torch.full_like(t, -1, dtype=torch.float32))
+        grad_logits = grad_logits.to(h.dtype)
+        grad_hidden[rows] = (grad_logits @ weight) * keep
+        if h.dtype == torch.float32:
+            grad_weight.addmm_(grad_logits.T, h * keep)
+        else:
+            grad_weight += grad_logits.T @ (h * keep)
+    return loss_sum, kept.sum(), grad_hidden, grad_weight
