@@ -22,9 +22,11 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100
-# Rows per chunk. Measured on 2 CPU cores (benchmarks/bench_loss.py) at N=2048, d=512, V=32768; a smaller chunk
-# keeps its [chunk, V] fp32 logits in cache, a larger one reads and writes the [V, d] weight gradient fewer times.
-DEFAULT_CHUNK_SIZE = 256
+# Rows per chunk, from benchmarks/bench_loss.py on 2 busy CPU cores at N=2048, d=512, V=32768 (fwd+bwd, against
+# 2.6 s for the whole-logits path): 128 rows 1.99 s, 256: 1.88, 512: 1.89, 1024: 1.84, 2048: 1.90; at V=257 all
+# within noise of the whole-logits path. 512 is within noise of the best at half its logits block (64 MiB at V=32768):
+# smaller chunks run the matmuls less efficiently and rewrite the [V, d] weight gradient more often.
+DEFAULT_CHUNK_SIZE = 512
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
@@ -43,58 +45,67 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size)
     with torch.autocast(device_type, enabled=False):
-        loss_sum, count, _, _ = _chunked(hidden, weight, targets, chunk_size, with_grads=False)
-    return loss_sum / count  # 0 / 0 = NaN when every target is ignored, as F.cross_entropy
+        return _chunked(hidden, weight, targets, chunk_size, with_grads=False)[0]
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk_size):
         with torch.autocast(hidden.device.type, enabled=False):  # the inputs arrive already in the matmul dtype
-            loss_sum, count, grad_hidden, grad_weight = _chunked(hidden, weight, targets, chunk_size, with_grads=True)
-        ctx.save_for_backward(grad_hidden, grad_weight, count)
-        ctx.weight_dtype = weight.dtype
-        return loss_sum / count
+            loss, grad_hidden, grad_weight = _chunked(hidden, weight, targets, chunk_size, with_grads=True)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight, count = ctx.saved_tensors
-        # the mean's 1 / count, applied once here rather than to every chunk's [chunk, V] gradient; an all-ignored
-        # batch has all-zero gradients, which the clamp keeps 0 instead of 0 * inf = NaN
-        scale = grad_loss / count.clamp(min=1)
-        return (grad_hidden * scale).to(grad_hidden.dtype), (grad_weight * scale).to(ctx.weight_dtype), None, None
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if not torch.equal(grad_loss, torch.ones_like(grad_loss)):  # 1 (a plain loss.backward()) costs no pass
+            grad_hidden, grad_weight = grad_hidden * grad_loss, grad_weight * grad_loss
+        return grad_hidden, grad_weight, None, None
 
 
 def _chunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, with_grads: bool
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The summed loss over the kept targets, their count and, with_grads, the gradients of the summed loss w.r.t.
-    hidden (in its dtype) and weight (fp32); one [chunk, V] block of fp32 logits at a time."""
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The mean loss over the kept targets and, with_grads, its gradients w.r.t. hidden and weight in their dtypes;
+    one [chunk, V] block of fp32 logits at a time."""
     kept = targets != IGNORE_INDEX
-    safe_targets = torch.where(kept, targets, 0)[:, None]  # any valid index: the ignored rows are masked out below
+    count = int(kept.sum())
+    # The mean's 1 / count goes into the [chunk, d] side of each gradient product, never a pass over [chunk, V].
+    # All targets ignored: the gradient rows are all masked to 0, and max(.., 1) keeps them 0 rather than NaN.
+    row_scale = kept[:, None] / max(count, 1)
+    safe_targets = torch.where(kept, targets, 0)[:, None]  # any valid index: the ignored rows are masked out
     loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grads else None
-    # fp32 accumulator: summing the chunks' products in bf16 would round at every chunk
-    grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grads else None
+    # fp32 accumulator: summing the chunks' products in bf16 would round at every chunk; torch.empty, as the first
+    # chunk's addmm_ has beta=0 (it ignores what was there)
+    grad_weight = torch.empty_like(weight, dtype=torch.float32) if with_grads else None
     # One fp32 block reused by every chunk: a fresh [chunk, V] allocation per chunk costs page faults on CPU.
     block = torch.empty(min(chunk_size, hidden.shape[0]), weight.shape[0], dtype=torch.float32, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
-        h, t, keep = hidden[rows], safe_targets[rows], kept[rows, None]
+        h, t, scale = hidden[rows], safe_targets[rows], row_scale[rows]
         logits = block[:h.shape[0]]
         if h.dtype == torch.float32:
             torch.mm(h, weight.T, out=logits)
         else:
             logits.copy_(h @ weight.T)  # the matmul in the low-precision dtype, the softmax in fp32
         log_probs = torch.log_softmax(logits, dim=-1, out=logits)  # in place: each row is read before it is written
-        loss_sum -= torch.where(keep, log_probs.gather(1, t), 0.0).sum()
+        loss_sum -= (log_probs.gather(1, t) * scale).sum()  # scale: the kept rows' 1 / count, 0 for ignored ones
         if not with_grads:
             continue
-        # d(summed loss)/d(logits) = softmax - one_hot (ignored rows are zeroed on the [chunk, d] side below)
+        # d(summed loss)/d(logits) = softmax - one_hot; the row scale turns it into the mean's, masked
         grad_logits = log_probs.exp_().scatter_add_(1, t, torch.full_like(t, -1, dtype=torch.float32))
         grad_logits = grad_logits.to(h.dtype)
-        grad_hidden[rows] = (grad_logits @ weight) * keep
+        grad_hidden[rows] = (grad_logits @ weight) * scale
         if h.dtype == torch.float32:
-            grad_weight.addmm_(grad_logits.T, h * keep)
-        else:
-            grad_weight += grad_logits.T @ (h * keep)
-    return loss_sum, kept.sum(), grad_hidden, grad_weight
+            grad_weight.addmm_(grad_logits.T, h * scale, beta=0 if start == 0 else 1)
+        else:  # the product in the low-precision dtype, its sum over chunks in fp32
+            product = grad_logits.T @ (h * scale.to(h.dtype))
+            if start == 0:
+                grad_weight.copy_(product)
+            else:
+                grad_weight += product
+    loss = loss_sum if count else torch.full_like(loss_sum, torch.nan)  # all ignored: NaN, as F.cross_entropy
+    if with_grads:
+        return loss, grad_hidden, grad_weight.to(weight.dtype)
+    return loss, None, None

@@ -1,0 +1,154 @@
+"""LM head + cross-entropy, forward + backward: the whole-logits path against the chunked linear_cross_entropy.
+
+old: F.cross_entropy(F.linear(h, W).float(), y), the [N, V] logits written in full (KimiK3 before
+     k3train/models/loss.py); new: linear_cross_entropy(h, W, y, chunk_size) at several chunk sizes.
+Both run side by side in one process, alternating, median of --repeats, at KimiK3 k3_small's head (N = batch 2 x
+seq 1024 = 2048 rows, d 512, V 32768) and k3_tiny's (V 257), fp32. Peak memory: each path once in a fresh process
+(VmHWM, the resident high-water mark, of the child minus that of a child that built the same inputs and ran
+nothing; Linux only), since tracemalloc does not see torch's allocations.
+
+    python benchmarks/bench_loss.py [--repeats 7]
+    python benchmarks/bench_loss.py --device cuda   # also bf16 autocast and a larger head; peak memory from
+                                                    # torch.cuda.max_memory_allocated
+Writes benchmarks/results/loss.json (loss_cuda.json with --device cuda).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from k3train.train.cpu import configure_openmp
+
+configure_openmp()  # as `python -m k3train` does, before torch loads
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from k3train.models.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# (name, rows N, d_model, vocab V)
+CASES = [("k3_small", 2048, 512, 32768), ("k3_tiny", 2048, 128, 257)]
+# on a GPU also a head of a real tokenizer's size (V 163840, Kimi K2's) on 16 x 1024 tokens
+CUDA_CASES = CASES + [("v163840", 16384, 1024, 163840)]
+CHUNKS = [128, 256, 512, 1024, 2048]
+CUDA_CHUNKS = [512, 2048, 8192]
+
+
+def inputs(n: int, d: int, v: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device).manual_seed(0)
+    hidden = torch.randn(n, d, generator=g, device=device).requires_grad_()
+    weight = (0.02 * torch.randn(v, d, generator=g, device=device)).requires_grad_()
+    return hidden, weight, torch.randint(0, v, (n,), generator=g, device=device)
+
+
+def old_loss(hidden, weight, targets, chunk_size=None):
+    return F.cross_entropy(F.linear(hidden, weight).float(), targets)
+
+
+def fwd_bwd_seconds(loss_fn, hidden, weight, targets, chunk_size=None, autocast=None) -> float:
+    hidden.grad = weight.grad = None
+    sync = torch.cuda.synchronize if hidden.is_cuda else lambda: None
+    sync()
+    start = time.perf_counter()
+    with torch.autocast(hidden.device.type, dtype=autocast, enabled=autocast is not None):
+        loss = loss_fn(hidden, weight, targets, chunk_size)
+    loss.backward()
+    sync()
+    return time.perf_counter() - start
+
+
+def bench_case(n: int, d: int, v: int, repeats: int, chunks=CHUNKS, device="cpu", autocast=None) -> dict:
+    hidden, weight, targets = inputs(n, d, v, device)
+    runs = [("old", old_loss, None)] + [(f"chunk_{c}", linear_cross_entropy, c) for c in chunks]
+    for _, fn, c in runs:  # warm-up
+        fwd_bwd_seconds(fn, hidden, weight, targets, c, autocast)
+    times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+    for _ in range(repeats):  # alternating, so load from other processes hits every variant alike
+        for name, fn, c in runs:
+            times[name].append(fwd_bwd_seconds(fn, hidden, weight, targets, c, autocast))
+    medians = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
+    result = {"rows": n, "d_model": d, "vocab": v, "median_ms": {k: 1e3 * s for k, s in medians.items()},
+              "speedup_over_old": {k: medians["old"] / s for k, s in medians.items() if k != "old"}}
+    if device == "cuda":  # peak memory above the inputs, one pass of each path
+        peak = {}
+        for name, fn, c in runs:
+            hidden.grad = weight.grad = None
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            fwd_bwd_seconds(fn, hidden, weight, targets, c, autocast)
+            peak[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        result["peak_mib_above_inputs"] = peak
+    print(f"N={n} d={d} V={v} {autocast or ''}: " + "  ".join(f"{k} {1e3 * s:6.1f} ms" for k, s in medians.items())
+          + (f"\n  peak MiB: {result['peak_mib_above_inputs']}" if device == "cuda" else ""))
+    return result
+
+
+def cuda_main(repeats: int) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32 on both paths
+    out = {"benchmark": "LM head + cross-entropy fwd+bwd on CUDA: whole logits (old) vs linear_cross_entropy",
+           "torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "cases": {}}
+    for name, n, d, v in CUDA_CASES:
+        for dtype in (None, torch.bfloat16):
+            key = f"{name}_{'bf16_autocast' if dtype else 'fp32'}"
+            out["cases"][key] = bench_case(n, d, v, repeats, CUDA_CHUNKS, "cuda", dtype)
+    path = RESULTS / "loss_cuda.json"
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+def peak_rss_mb(mode: str, n: int, d: int, v: int, chunk_size: int) -> float:
+    """The peak resident memory of a fresh child that builds the inputs and runs `mode` (old / new / none) once, in
+    MiB. VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's, which has held every benchmark's tensors."""
+    proc = subprocess.run([sys.executable, __file__, "--child", mode, str(n), str(d), str(v), str(chunk_size)],
+                          capture_output=True, text=True, check=True)
+    return float(proc.stdout.split()[-1])
+
+
+def child(mode: str, n: int, d: int, v: int, chunk_size: int) -> None:
+    hidden, weight, targets = inputs(n, d, v)
+    if mode != "none":
+        fwd_bwd_seconds(old_loss if mode == "old" else linear_cross_entropy, hidden, weight, targets, chunk_size)
+    status = Path("/proc/self/status").read_text()
+    print(int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        mode, *shape = args.child
+        return child(mode, *map(int, shape))
+    if args.device == "cuda":
+        return cuda_main(args.repeats)
+    out = {
+        "benchmark": "LM head + cross-entropy fwd+bwd, fp32: whole logits (old) vs linear_cross_entropy by chunk "
+                     "size (median of repeats); peak RSS above the inputs, one fresh process per path",
+        "torch": torch.__version__, "threads": torch.get_num_threads(), "load_avg_at_start": os.getloadavg(),
+        "default_chunk_size": DEFAULT_CHUNK_SIZE,
+        "cases": {name: bench_case(n, d, v, args.repeats) for name, n, d, v in CASES},
+    }
+    for name, n, d, v in CASES:
+        base = peak_rss_mb("none", n, d, v, DEFAULT_CHUNK_SIZE)
+        peak = {mode: peak_rss_mb(mode, n, d, v, DEFAULT_CHUNK_SIZE) - base for mode in ("old", "new")}
+        out["cases"][name]["peak_rss_above_inputs_mib"] = peak
+        print(f"{name}: peak RSS above the inputs: old {peak['old']:.0f} MiB, new (chunk {DEFAULT_CHUNK_SIZE}) "
+              f"{peak['new']:.0f} MiB")
+    out["load_avg_at_end"] = os.getloadavg()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "loss.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {RESULTS / 'loss.json'}")
+
+
+if __name__ == "__main__":
+    main()
