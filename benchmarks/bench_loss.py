@@ -8,9 +8,7 @@ seq 1024 = 2048 rows, d 512, V 32768) and k3_tiny's (V 257), fp32. Peak memory: 
 nothing; Linux only), since tracemalloc does not see torch's allocations.
 
     python benchmarks/bench_loss.py [--repeats 7]
-    python benchmarks/bench_loss.py --device cuda   # also bf16 autocast and a larger head; peak memory from
-                                                    # torch.cuda.max_memory_allocated
-Writes benchmarks/results/loss.json (loss_cuda.json with --device cuda).
+Writes benchmarks/results/loss.json.
 """
 
 from __future__ import annotations
@@ -36,72 +34,41 @@ from k3train.models.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy  # noqa
 RESULTS = Path(__file__).resolve().parent / "results"
 # (name, rows N, d_model, vocab V)
 CASES = [("k3_small", 2048, 512, 32768), ("k3_tiny", 2048, 128, 257)]
-# on a GPU also a head of a real tokenizer's size (V 163840, Kimi K2's) on 16 x 1024 tokens
-CUDA_CASES = CASES + [("v163840", 16384, 1024, 163840)]
 CHUNKS = [128, 256, 512, 1024, 2048]
-CUDA_CHUNKS = [512, 2048, 8192]
 
 
-def inputs(n: int, d: int, v: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator(device).manual_seed(0)
-    hidden = torch.randn(n, d, generator=g, device=device).requires_grad_()
-    weight = (0.02 * torch.randn(v, d, generator=g, device=device)).requires_grad_()
-    return hidden, weight, torch.randint(0, v, (n,), generator=g, device=device)
+def inputs(n: int, d: int, v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(n, d, generator=g).requires_grad_()
+    weight = (0.02 * torch.randn(v, d, generator=g)).requires_grad_()
+    return hidden, weight, torch.randint(0, v, (n,), generator=g)
 
 
 def old_loss(hidden, weight, targets, chunk_size=None):
     return F.cross_entropy(F.linear(hidden, weight).float(), targets)
 
 
-def fwd_bwd_seconds(loss_fn, hidden, weight, targets, chunk_size=None, autocast=None) -> float:
+def fwd_bwd_seconds(loss_fn, hidden, weight, targets, chunk_size=None) -> float:
     hidden.grad = weight.grad = None
-    sync = torch.cuda.synchronize if hidden.is_cuda else lambda: None
-    sync()
     start = time.perf_counter()
-    with torch.autocast(hidden.device.type, dtype=autocast, enabled=autocast is not None):
-        loss = loss_fn(hidden, weight, targets, chunk_size)
-    loss.backward()
-    sync()
+    loss_fn(hidden, weight, targets, chunk_size).backward()
     return time.perf_counter() - start
 
 
-def bench_case(n: int, d: int, v: int, repeats: int, chunks=CHUNKS, device="cpu", autocast=None) -> dict:
-    hidden, weight, targets = inputs(n, d, v, device)
+def bench_case(n: int, d: int, v: int, repeats: int, chunks=CHUNKS) -> dict:
+    hidden, weight, targets = inputs(n, d, v)
     runs = [("old", old_loss, None)] + [(f"chunk_{c}", linear_cross_entropy, c) for c in chunks]
     for _, fn, c in runs:  # warm-up
-        fwd_bwd_seconds(fn, hidden, weight, targets, c, autocast)
+        fwd_bwd_seconds(fn, hidden, weight, targets, c)
     times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     for _ in range(repeats):  # alternating, so load from other processes hits every variant alike
         for name, fn, c in runs:
-            times[name].append(fwd_bwd_seconds(fn, hidden, weight, targets, c, autocast))
+            times[name].append(fwd_bwd_seconds(fn, hidden, weight, targets, c))
     medians = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
     result = {"rows": n, "d_model": d, "vocab": v, "median_ms": {k: 1e3 * s for k, s in medians.items()},
               "speedup_over_old": {k: medians["old"] / s for k, s in medians.items() if k != "old"}}
-    if device == "cuda":  # peak memory above the inputs, one pass of each path
-        peak = {}
-        for name, fn, c in runs:
-            hidden.grad = weight.grad = None
-            base = torch.cuda.memory_allocated()
-            torch.cuda.reset_peak_memory_stats()
-            fwd_bwd_seconds(fn, hidden, weight, targets, c, autocast)
-            peak[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
-        result["peak_mib_above_inputs"] = peak
-    print(f"N={n} d={d} V={v} {autocast or ''}: " + "  ".join(f"{k} {1e3 * s:6.1f} ms" for k, s in medians.items())
-          + (f"\n  peak MiB: {result['peak_mib_above_inputs']}" if device == "cuda" else ""))
+    print(f"N={n} d={d} V={v}: " + "  ".join(f"{k} {1e3 * s:6.1f} ms" for k, s in medians.items()))
     return result
-
-
-def cuda_main(repeats: int) -> None:
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 is fp32 on both paths
-    out = {"benchmark": "LM head + cross-entropy fwd+bwd on CUDA: whole logits (old) vs linear_cross_entropy",
-           "torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "cases": {}}
-    for name, n, d, v in CUDA_CASES:
-        for dtype in (None, torch.bfloat16):
-            key = f"{name}_{'bf16_autocast' if dtype else 'fp32'}"
-            out["cases"][key] = bench_case(n, d, v, repeats, CUDA_CHUNKS, "cuda", dtype)
-    path = RESULTS / "loss_cuda.json"
-    path.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {path}")
 
 
 def peak_rss_mb(mode: str, n: int, d: int, v: int, chunk_size: int) -> float:
@@ -123,14 +90,11 @@ def child(mode: str, n: int, d: int, v: int, chunk_size: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         mode, *shape = args.child
         return child(mode, *map(int, shape))
-    if args.device == "cuda":
-        return cuda_main(args.repeats)
     out = {
         "benchmark": "LM head + cross-entropy fwd+bwd, fp32: whole logits (old) vs linear_cross_entropy by chunk "
                      "size (median of repeats); peak RSS above the inputs, one fresh process per path",
