@@ -155,3 +155,23 @@ def test_k3_fused_loss_and_gradients_equal_the_old_logits_path(tie):
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
     with torch.no_grad():
         torch.testing.assert_close(model(x, y)[1], want_loss, rtol=1e-6, atol=0)
+
+
+@pytest.mark.slow  # ~25 s of inductor compilation on 2 cores
+def test_torch_compile_traces_it_whole_and_gives_the_same_loss_and_gradients():
+    """train.compile=true compiles the model: the loss must not break the graph (a host sync, a data-dependent
+    branch) and must compute the same."""
+    import torch._dynamo
+
+    hidden, weight, targets = problem(100, 32, 257, ignored=0.1)
+
+    def loss_fn(h, w, t):
+        return linear_cross_entropy(torch.tanh(h), w, t, chunk_size=24)
+
+    want = loss_and_grads(loss_fn, hidden, weight, targets, grad_scale=0.7)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    got = loss_and_grads(torch.compile(loss_fn), hidden, weight, targets, grad_scale=0.7)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
