@@ -29,7 +29,7 @@ configure_openmp()  # as `python -m k3train` does, before torch loads
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from k3train.models.loss import DEFAULT_CHUNK_SIZE, linear_cross_entropy  # noqa: E402
+from k3train.models.loss import default_chunk_size, linear_cross_entropy  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # (name, rows N, d_model, vocab V)
@@ -99,14 +99,15 @@ def main() -> None:
         "benchmark": "LM head + cross-entropy fwd+bwd, fp32: whole logits (old) vs linear_cross_entropy by chunk "
                      "size (median of repeats); peak RSS above the inputs, one fresh process per path",
         "torch": torch.__version__, "threads": torch.get_num_threads(), "load_avg_at_start": os.getloadavg(),
-        "default_chunk_size": DEFAULT_CHUNK_SIZE,
         "cases": {name: bench_case(n, d, v, args.repeats) for name, n, d, v in CASES},
     }
     for name, n, d, v in CASES:
-        base = peak_rss_mb("none", n, d, v, DEFAULT_CHUNK_SIZE)
-        peak = {mode: peak_rss_mb(mode, n, d, v, DEFAULT_CHUNK_SIZE) - base for mode in ("old", "new")}
+        chunk = min(default_chunk_size(v), n)
+        out["cases"][name]["default_chunk_size"] = chunk
+        base = peak_rss_mb("none", n, d, v, chunk)
+        peak = {mode: peak_rss_mb(mode, n, d, v, chunk) - base for mode in ("old", "new")}
         out["cases"][name]["peak_rss_above_inputs_mib"] = peak
-        print(f"{name}: peak RSS above the inputs: old {peak['old']:.0f} MiB, new (chunk {DEFAULT_CHUNK_SIZE}) "
+        print(f"{name}: peak RSS above the inputs: old {peak['old']:.0f} MiB, new (default chunk, {chunk} rows) "
               f"{peak['new']:.0f} MiB")
     out["load_avg_at_end"] = os.getloadavg()
     RESULTS.mkdir(parents=True, exist_ok=True)

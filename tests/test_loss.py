@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from k3train.models.k3 import KimiK3
-from k3train.models.loss import DEFAULT_CHUNK_SIZE, IGNORE_INDEX, linear_cross_entropy
+from k3train.models.loss import IGNORE_INDEX, default_chunk_size, linear_cross_entropy
 
 
 def problem(n: int, d: int, v: int, ignored: float = 0.0, seed: int = 0, dtype=torch.float32):
@@ -44,9 +44,11 @@ def assert_matches_reference(hidden, weight, targets, rtol=1e-5, atol=1e-7, **kw
     (100, 32, 257, 24),    # a short last chunk
     (37, 8, 1000, 1),      # one row per chunk
     (50, 24, 300, 4096),   # one chunk larger than N
-    (300, 64, 2048, DEFAULT_CHUNK_SIZE),
+    (9000, 16, 2048, None),  # the default: 8192-row chunks at V=2048, so two
 ])
 def test_loss_and_gradients_equal_the_whole_logits_reference(n, d, v, chunk_size):
+    if chunk_size is None:
+        assert default_chunk_size(v) < n
     assert_matches_reference(*problem(n, d, v), chunk_size=chunk_size)
 
 

@@ -22,24 +22,33 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100
-# Rows per chunk, from benchmarks/bench_loss.py on 2 busy CPU cores at N=2048, d=512, V=32768 (fwd+bwd, against
-# 2.6 s for the whole-logits path): 128 rows 1.99 s, 256: 1.88, 512: 1.89, 1024: 1.84, 2048: 1.90; at V=257 all
-# within noise of the whole-logits path. 512 is within noise of the best at half its logits block (64 MiB at V=32768):
-# smaller chunks run the matmuls less efficiently and rewrite the [V, d] weight gradient more often. On an H200
-# (torch 2.11, fp32 without TF32 / bf16 autocast), against the whole-logits path: at k3_small's head 5.5 ms vs
-# 4.8 ms and 2.3 vs 1.4 ms (launches and a host sync dominate at this size; 2048-row chunks: 5.1 and 1.7 ms); at
-# N=16384, d=1024, V=163840 365 ms vs 344 ms and 75 vs 57 ms (2048-row chunks: 339 and 55 ms), peak memory
-# 1.0 GiB vs 30 GiB. On a GPU pass a larger chunk_size.
-DEFAULT_CHUNK_SIZE = 512
+# The default chunk: as many rows as fill a logits block of this many fp32 values (64 MiB), so the block is the
+# same size whatever the vocabulary. From benchmarks/bench_loss.py, fwd+bwd on 2 CPU cores (load 1.2-1.6) at
+# N=2048, d=512, V=32768, against 1367 ms for the whole-logits path: 128-row chunks 1227 ms, 256: 1147, 512: 1171,
+# 1024: 1047, 2048: 1128 (smaller chunks run the matmuls less efficiently and rewrite the [V, d] weight gradient
+# more often); head to head over 11 repeats 512 rows 1198 ms, 1024: 1195, whole 1549: 512 at half the block. At
+# V=257 (k3_tiny) each chunk's ~10 small ops cost more than its rows: 128 rows 7.3 ms, 512: 5.2, 2048: 4.5 against
+# 3.8 ms whole, so there one block holds all 2048 rows. On an H200 (a revision with a host sync per call; torch
+# 2.11, fp32 without TF32 / bf16 autocast)
+# against the whole-logits path: at k3_small's head 5.5 ms vs 4.8 and 2.3 vs 1.4 ms (512 rows; launches dominate:
+# 2048 rows 5.1 and 1.7 ms); at N=16384, d=1024, V=163840 365 vs 344 ms and 75 vs 57 ms (2048 rows: 339 and 55 ms)
+# at 1.0 GiB peak against 30 GiB.
+LOGITS_BLOCK_VALUES = 512 * 32768
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    return max(1, LOGITS_BLOCK_VALUES // vocab_size)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+                         chunk_size: int | None = None) -> torch.Tensor:
     """hidden [N, d], weight [V, d], targets [N] int64 -> the mean cross-entropy over the targets that are not
-    IGNORE_INDEX, a fp32 scalar."""
+    IGNORE_INDEX, a fp32 scalar. chunk_size: rows per chunk; None: default_chunk_size(V)."""
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != hidden.shape[:1]:
         raise ValueError(f"linear_cross_entropy wants hidden [N, d], weight [V, d], targets [N]; got hidden "
                          f"{list(hidden.shape)}, weight {list(weight.shape)}, targets {list(targets.shape)}")
+    if chunk_size is None:
+        chunk_size = default_chunk_size(weight.shape[0])
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
     device_type = hidden.device.type
