@@ -107,12 +107,14 @@ def _chunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
             continue
         # d(summed loss)/d(logits) = softmax - one_hot; the row scale turns it into the mean's, masked
         grad_logits = log_probs.exp_().scatter_add_(1, t, torch.full_like(t, -1, dtype=torch.float32))
-        grad_logits = grad_logits.to(h.dtype)
-        grad_hidden[rows] = (grad_logits @ weight) * scale
         if h.dtype == torch.float32:
+            grad_hidden[rows] = (grad_logits @ weight) * scale
             grad_weight.addmm_(grad_logits.T, h * scale, beta=0 if start == 0 else 1)
-        else:  # the product in the low-precision dtype, its sum over chunks in fp32
-            product = grad_logits.T @ (h * scale.to(h.dtype))
+        else:  # scaled in fp32 before the cast, as the whole-logits path's gradient is (1 / count in bf16 is off by
+            # up to 2^-9, a bias on every gradient); the products in the low-precision dtype, their sum in fp32
+            grad_logits = grad_logits.mul_(scale).to(h.dtype)
+            grad_hidden[rows] = grad_logits @ weight
+            product = grad_logits.T @ h
             if start == 0:
                 grad_weight.copy_(product)
             else:
