@@ -28,10 +28,10 @@ IGNORE_INDEX = -100
 # 1024: 1047, 2048: 1128 (smaller chunks run the matmuls less efficiently and rewrite the [V, d] weight gradient
 # more often); head to head over 11 repeats 512 rows 1198 ms, 1024: 1195, whole 1549: 512 at half the block. At
 # V=257 (k3_tiny) each chunk's ~10 small ops cost more than its rows: 128 rows 7.3 ms, 512: 5.2, 2048: 4.5 against
-# 3.8 ms whole, so there one block holds all 2048 rows. On an H200 (torch 2.11, fp32 without TF32 / bf16 autocast;
-# a revision with a host sync per call) against the whole-logits path: at k3_small's head 5.5 ms vs 4.8 and 2.3 vs
-# 1.4 ms (512 rows; launches dominate: 2048 rows 5.1 and 1.7 ms); at N=16384, d=1024, V=163840 365 vs 344 ms and
-# 75 vs 57 ms (2048 rows: 339 and 55 ms) at 1.0 GiB peak against 30 GiB.
+# 3.8 ms whole, so there one block holds all 2048 rows. On an H200 (torch 2.11, fp32 without TF32 / bf16 autocast)
+# against the whole-logits path: at k3_small's head 5.4 ms vs 4.8 and 2.7 vs 1.4 ms (512 rows; launches dominate:
+# 2048 rows 5.0 and 1.9 ms); at N=16384, d=1024, V=163840 365 vs 341 ms and 81 vs 56 ms (2048 rows: 340 and 63 ms;
+# 8192: 337 and 58 ms) at 1.4 GiB peak against 30 GiB. There a larger chunk_size pays.
 LOGITS_BLOCK_VALUES = 512 * 32768
 
 
