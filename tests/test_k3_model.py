@@ -86,12 +86,13 @@ def test_model_needs_a_vocab_size():
 def test_forward_shapes_and_fp32_loss():
     model = tiny_model()
     x, y = batch()
-    logits, loss = model(x, y)
-    assert logits.shape == (4, 32, V) and loss.dtype == torch.float32 and loss.ndim == 0
+    no_logits, loss = model(x, y)  # with targets the head and the loss run fused: no logits
+    assert no_logits is None and loss.dtype == torch.float32 and loss.ndim == 0
+    logits, no_loss = model(x)
+    assert logits.shape == (4, 32, V) and no_loss is None
     manual = torch.nn.functional.cross_entropy(logits.reshape(-1, V).float(), y.reshape(-1))
     torch.testing.assert_close(loss, manual)
     assert abs(loss.item() - torch.log(torch.tensor(float(V))).item()) < 0.5  # near-uniform at init
-    assert model(x)[1] is None
 
 
 def test_next_token_alignment():

@@ -89,8 +89,16 @@ def moe_loss(moe, x, y):
 
 
 def k3_loss(model, x, y):
-    logits, loss = model(x, y)
-    return logits, loss
+    """-> (the final norm's output [B, T, d], what the LM head reads; loss): KimiK3 returns no logits with targets,
+    and a routing flip upstream moves this output as it would the logits."""
+    outputs = []
+    module = model.module if isinstance(model, DistributedDataParallel) else model
+    hook = module.norm.register_forward_hook(lambda _module, _inputs, output: outputs.append(output))
+    try:
+        _, loss = model(x, y)
+    finally:
+        hook.remove()
+    return outputs[0], loss
 
 
 def k3_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -20,9 +20,11 @@ class LanguageModel(Protocol):
     log_label: str
 
     def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None
-                ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """x [B, T] token ids -> (logits [B, T, V], loss): with targets [B, T] (x shifted by one token), the mean
-        next-token cross-entropy over all B*T positions in fp32; without, None."""
+                ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """x [B, T] token ids -> (logits [B, T, V], None); with targets [B, T] (x shifted by one token) -> (logits
+        or None, loss): the mean next-token cross-entropy over all B*T positions in fp32. A model may skip the
+        logits when it has the targets (KimiK3 does: it never builds them whole), so callers that want logits
+        call it without targets."""
         ...
 
     def check_data(self, vocab_size: int, seq_len: int) -> None:

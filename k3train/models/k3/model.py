@@ -1,6 +1,7 @@
 """KimiK3: a Kimi Linear-style hybrid language model.
 
     tokens [B, T] -> embed_tokens -> n_layers x Block -> RMSNorm -> lm_head -> logits [B, T, V]
+                                                                (with targets: -> lm_head + cross-entropy -> loss)
 
     Block:  x = x + mixer(RMSNorm(x))     mixer: KimiDeltaAttention (linear, recurrent state) or
                                                  MultiHeadLatentAttention (full causal softmax attention)
@@ -14,7 +15,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from k3train.models.k3.cache import MLACache
@@ -24,6 +24,7 @@ from k3train.models.k3.mla import MultiHeadLatentAttention
 from k3train.models.k3.moe import MoE, RoutedExperts, SwiGLU
 from k3train.models.kda.layer import KimiDeltaAttention
 from k3train.models.kda.state import KDAState
+from k3train.models.loss import linear_cross_entropy
 
 
 class Block(nn.Module):
@@ -110,17 +111,20 @@ class KimiK3(nn.Module):
                 nn.init.normal_(module.w_up, std=std)
                 nn.init.normal_(module.w_down, std=residual_std)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """x [B, T] token ids -> logits [B, T, V]; with targets [B, T], also the mean next-token cross-entropy over
-        all B*T positions, computed in fp32 (targets are already shifted: targets[:, t] follows x[:, t])."""
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """x [B, T] token ids -> (logits [B, T, V], None); with targets [B, T] -> (None, the mean next-token
+        cross-entropy over all B*T positions in fp32) (targets are already shifted: targets[:, t] follows x[:, t]).
+
+        With targets the logits are never built whole: linear_cross_entropy (k3train/models/loss.py) runs the LM
+        head and the loss together over row chunks, the same matmuls as lm_head + F.cross_entropy."""
         h = self.embed_tokens(x)
         for layer in self.layers:
             h = layer(h)
-        logits = self.lm_head(self.norm(h))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        return logits, loss
+        h = self.norm(h)
+        if targets is None:
+            return self.lm_head(h), None
+        return None, linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
 
     def empty_cache(self, batch: int, capacity: int) -> list[KDAState | MLACache]:
         """One decoding cache per layer for `batch` sequences of up to `capacity` positions (prompt + new tokens):

@@ -1,0 +1,125 @@
+"""The LM head and its cross-entropy in one pass over row chunks, never holding the whole [N, V] logits.
+
+    linear_cross_entropy(hidden [N, d], weight [V, d], targets [N])
+        == F.cross_entropy(F.linear(hidden, weight).float(), targets)     (within fp32 rounding)
+
+With a gradient wanted, the forward pass also computes the gradients, chunk by chunk, while each chunk's logits
+are at hand: g = (softmax(logits) - one_hot(target)) / count, grad_hidden[chunk] = g @ W, grad_weight += g^T h[chunk].
+Backward only scales them by the incoming gradient. This is the approach of Liger-Kernel's fused linear
+cross-entropy (linkedin/Liger-Kernel, src/liger_kernel/ops/fused_linear_cross_entropy.py), in plain torch ops.
+What it saves is memory traffic, not FLOPs (the same three matmuls): the fp32 logits, the log-softmax and its
+backward each stream [N, V] floats through memory; a chunk of them stays in cache.
+
+Targets equal to IGNORE_INDEX (-100, F.cross_entropy's default) count neither in the sum nor in the mean. When
+every target is ignored the loss is NaN (0 / 0) and the gradients are zero, as F.cross_entropy gives.
+
+Under torch.autocast the matmuls run in the autocast dtype, as the nn.Linear they replace would; the softmax and
+the loss are fp32, and the gradients reach hidden and weight in their own dtypes (through autograd's casts).
+"""
+
+from __future__ import annotations
+
+import torch
+
+IGNORE_INDEX = -100
+# The default chunk: as many rows as fill a logits block of this many fp32 values (64 MiB), so the block is the
+# same size whatever the vocabulary. From benchmarks/bench_loss.py, fwd+bwd on 2 CPU cores (load 1.2-1.6) at
+# N=2048, d=512, V=32768, against 1367 ms for the whole-logits path: 128-row chunks 1227 ms, 256: 1147, 512: 1171,
+# 1024: 1047, 2048: 1128 (smaller chunks run the matmuls less efficiently and rewrite the [V, d] weight gradient
+# more often); head to head over 11 repeats 512 rows 1198 ms, 1024: 1195, whole 1549: 512 at half the block. At
+# V=257 (k3_tiny) each chunk's ~10 small ops cost more than its rows: 128 rows 7.3 ms, 512: 5.2, 2048: 4.5 against
+# 3.8 ms whole, so there one block holds all 2048 rows. On an H200 (torch 2.11, fp32 without TF32 / bf16 autocast)
+# against the whole-logits path: at k3_small's head 5.4 ms vs 4.8 and 2.7 vs 1.4 ms (512 rows; launches dominate:
+# 2048 rows 5.0 and 1.9 ms); at N=16384, d=1024, V=163840 365 vs 341 ms and 81 vs 56 ms (2048 rows: 340 and 63 ms;
+# 8192: 337 and 58 ms) at 1.4 GiB peak against 30 GiB. There a larger chunk_size pays.
+LOGITS_BLOCK_VALUES = 512 * 32768
+
+
+def default_chunk_size(vocab_size: int) -> int:
+    return max(1, LOGITS_BLOCK_VALUES // vocab_size)
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk_size: int | None = None) -> torch.Tensor:
+    """hidden [N, d], weight [V, d], targets [N] int64 -> the mean cross-entropy over the targets that are not
+    IGNORE_INDEX, a fp32 scalar. chunk_size: rows per chunk; None: default_chunk_size(V)."""
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"linear_cross_entropy wants hidden [N, d], weight [V, d], targets [N]; got hidden "
+                         f"{list(hidden.shape)}, weight {list(weight.shape)}, targets {list(targets.shape)}")
+    if chunk_size is None:
+        chunk_size = default_chunk_size(weight.shape[0])
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # the casts nn.Linear would get; autograd carries the grads back
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size)
+    with torch.autocast(device_type, enabled=False):
+        return _chunked(hidden, weight, targets, chunk_size, with_grads=False)[0]
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_size):
+        with torch.autocast(hidden.device.type, enabled=False):  # the inputs arrive already in the matmul dtype
+            loss, grad_hidden, grad_weight = _chunked(hidden, weight, targets, chunk_size, with_grads=True)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        # Always one pass, also for grad_loss == 1: testing for 1 costs a host sync on a GPU and a graph break under
+        # torch.compile, for ~1% of the CPU time.
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
+
+
+def _chunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, with_grads: bool
+             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The mean loss over the kept targets and, with_grads, its gradients w.r.t. hidden and weight in their dtypes;
+    one [chunk, V] block of fp32 logits at a time."""
+    kept = targets != IGNORE_INDEX
+    count = kept.sum()  # a tensor: no host sync on a GPU, no graph break under torch.compile
+    # The mean's 1 / count goes into the [chunk, d] side of each gradient product, never a pass over [chunk, V].
+    # All targets ignored: the gradient rows are all masked to 0, and the clamp keeps them 0 rather than NaN.
+    row_scale = kept[:, None] / count.clamp(min=1)
+    safe_targets = torch.where(kept, targets, 0)[:, None]  # any valid index: the ignored rows are masked out
+    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if with_grads else None
+    # fp32 accumulator: summing the chunks' products in bf16 would round at every chunk; torch.empty, as the first
+    # chunk's addmm_ has beta=0 (it ignores what was there)
+    grad_weight = torch.empty_like(weight, dtype=torch.float32) if with_grads else None
+    # One fp32 block reused by every chunk: a fresh [chunk, V] allocation per chunk costs page faults on CPU.
+    block = torch.empty(min(chunk_size, hidden.shape[0]), weight.shape[0], dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        h, t, scale = hidden[rows], safe_targets[rows], row_scale[rows]
+        logits = block[:h.shape[0]]
+        if h.dtype == torch.float32:
+            torch.mm(h, weight.T, out=logits)
+        else:
+            logits.copy_(h @ weight.T)  # the matmul in the low-precision dtype, the softmax in fp32
+        log_probs = torch.log_softmax(logits, dim=-1, out=logits)  # in place: each row is read before it is written
+        loss_sum -= (log_probs.gather(1, t) * scale).sum()  # scale: the kept rows' 1 / count, 0 for ignored ones
+        if not with_grads:
+            continue
+        # d(summed loss)/d(logits) = softmax - one_hot; the row scale turns it into the mean's, masked
+        grad_logits = log_probs.exp_().scatter_add_(1, t, torch.full_like(t, -1, dtype=torch.float32))
+        if h.dtype == torch.float32:
+            grad_hidden[rows] = (grad_logits @ weight) * scale
+            grad_weight.addmm_(grad_logits.T, h * scale, beta=0 if start == 0 else 1)
+        else:  # scaled in fp32 before the cast, as the whole-logits path's gradient is (1 / count in bf16 is off by
+            # up to 2^-9, a bias on every gradient); the products in the low-precision dtype, their sum in fp32
+            grad_logits = grad_logits.mul_(scale).to(h.dtype)
+            grad_hidden[rows] = grad_logits @ weight
+            product = grad_logits.T @ h
+            if start == 0:
+                grad_weight.copy_(product)
+            else:
+                grad_weight += product
+    loss = torch.where(count > 0, loss_sum, torch.nan)  # all ignored: NaN, as F.cross_entropy gives
+    if with_grads:
+        return loss, grad_hidden, grad_weight.to(weight.dtype)
+    return loss, None, None
