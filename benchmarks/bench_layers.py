@@ -4,7 +4,7 @@
 
 k3_small (conf/model/k3_small.yaml, vocab 32768) at batch 2 x seq 1024, fp32, this machine's threads:
 - forward + backward of each layer kind on random inputs (a KDA, an MLA and a MoE layer, the dense FFN, the
-  LM head with the loss) and what the model's 12 layers add up to;
+  LM head with the loss as the model computes it, k3train/models/loss.py) and what the model's layers add up to;
 - side by side, alternating, median of `reps`: each choice the model makes against the plain form it replaced:
   MLA's zero-padded values (torch's fused CPU attention) against SDPA's math fallback for dk != dv; the short
   convolution as shifted multiply-adds against nn.Conv1d; the routed experts' GroupedSwiGLU against autograd
@@ -28,6 +28,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from k3train.models.k3.mla import causal_attention
+from k3train.models.loss import linear_cross_entropy
 from k3train.models.k3.moe import GroupedSwiGLU
 from k3train.models.kda.layer import causal_depthwise_conv
 
@@ -76,7 +77,7 @@ def main() -> None:
              "moe": model.layers[cfg.first_k_dense].ffn, "dense_ffn": model.layers[0].ffn}
     targets = torch.randint(0, VOCAB, (B * T,))
     cases = {name: (lambda m=m: m(x)) for name, m in kinds.items()}
-    cases["head_and_loss"] = lambda: F.cross_entropy(model.lm_head(model.norm(x)).flatten(0, 1), targets)
+    cases["head_and_loss"] = lambda: linear_cross_entropy(model.norm(x).flatten(0, 1), model.lm_head.weight, targets)
     layers = side_by_side(cases, [x, *model.parameters()], args.reps)
     n_moe = cfg.n_layers - cfg.first_k_dense
     layers["model_estimate"] = (pattern.count("kda") * layers["kda"] + pattern.count("mla") * layers["mla"]

@@ -183,7 +183,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """q, k [B, H, T, dk], v [B, H, T, dv] -> [B, H, T, dv]: causal softmax attention.
 
     On CPU, torch's fused (flash) kernel needs dk == dv and otherwise falls back to the math path, which
-    materialises the T x T weights: ~3x slower for k3_small's dk 96 / dv 64 (fwd+bwd, benchmarks/bench_mla.py).
+    materialises the T x T weights: 2.1-2.7x slower for k3_small's dk 96 / dv 64 (fwd+bwd, benchmarks/bench_layers.py).
     Zero columns appended to the narrower side change no score and no output column, so the result is exact.
     """
     dk, dv = q.shape[-1], v.shape[-1]

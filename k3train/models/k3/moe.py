@@ -112,8 +112,9 @@ class GroupedSwiGLU(torch.autograd.Function):
     The same matmuls autograd would run through `w.unbind(0)` and a loop, with a hand-written backward that writes
     each expert's weight gradient into its slice of one [E, out, in] tensor and each output into its rows of one
     [S, d] tensor. Through autograd, the unbind's backward stacks E separate gradients (a second full copy of every
-    expert weight) and the outputs are concatenated: ~20% of a k3_small MoE layer's forward + backward on CPU
-    (benchmarks/bench_layers.py). Under autocast the matmuls run in the autocast dtype, as nn.Linear's would.
+    expert weight) and the outputs are concatenated: for k3_small's experts on CPU that took 27% longer on 1
+    thread, 6% on 2 (benchmarks/bench_layers.py). Under autocast the matmuls run in the autocast dtype, as
+    nn.Linear's would.
     """
 
     @staticmethod

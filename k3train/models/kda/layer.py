@@ -168,8 +168,8 @@ def causal_depthwise_conv(window: Tensor, weight: Tensor) -> Tensor:
     """window [B, W - 1 + T, D] (W - 1 earlier inputs, then T new ones), weight [D, 1, W] (an nn.Conv1d with
     groups=D) -> [B, T, D]: out[t] = sum_i weight[:, 0, i] * window[t + i], a causal depthwise conv.
 
-    W shifted multiply-adds in [B, T, D] layout instead of Conv1d: on CPU the conv wants [B, D, T] and its
-    backward, with the transposes around it, took ~2.5x as long per KDA layer (benchmarks/bench_layers.py).
+    W shifted multiply-adds in [B, T, D] layout instead of Conv1d: on CPU the conv wants [B, D, T], and with the
+    transposes around it its forward + backward took 3x as long (benchmarks/bench_layers.py, k3_small shapes).
     """
     W = weight.shape[-1]
     T = window.shape[1] - W + 1
