@@ -31,23 +31,26 @@ IGNORE_INDEX = -100
 # 3.8 ms whole, so there one block holds all 2048 rows. On an H200 (torch 2.11, fp32 without TF32 / bf16 autocast)
 # against the whole-logits path: at k3_small's head 5.4 ms vs 4.8 and 2.7 vs 1.4 ms (512 rows; launches dominate:
 # 2048 rows 5.0 and 1.9 ms); at N=16384, d=1024, V=163840 365 vs 341 ms and 81 vs 56 ms (2048 rows: 340 and 63 ms;
-# 8192: 337 and 58 ms) at 1.4 GiB peak against 30 GiB. There a larger chunk_size pays.
+# 8192: 337 and 58 ms) at 1.4 GiB peak against 30 GiB. There a larger block pays: 2048 x 163840 values (1.25 GiB
+# of fp32 logits) takes most of the gain at a twentieth of the whole logits' memory.
 LOGITS_BLOCK_VALUES = 512 * 32768
+GPU_LOGITS_BLOCK_VALUES = 2048 * 163840
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    return max(1, LOGITS_BLOCK_VALUES // vocab_size)
+def default_chunk_size(vocab_size: int, device_type: str = "cpu") -> int:
+    block = LOGITS_BLOCK_VALUES if device_type == "cpu" else GPU_LOGITS_BLOCK_VALUES
+    return max(1, block // vocab_size)
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                          chunk_size: int | None = None) -> torch.Tensor:
     """hidden [N, d], weight [V, d], targets [N] int64 -> the mean cross-entropy over the targets that are not
-    IGNORE_INDEX, a fp32 scalar. chunk_size: rows per chunk; None: default_chunk_size(V)."""
+    IGNORE_INDEX, a fp32 scalar. chunk_size: rows per chunk; None: default_chunk_size(V, device)."""
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != hidden.shape[:1]:
         raise ValueError(f"linear_cross_entropy wants hidden [N, d], weight [V, d], targets [N]; got hidden "
                          f"{list(hidden.shape)}, weight {list(weight.shape)}, targets {list(targets.shape)}")
     if chunk_size is None:
-        chunk_size = default_chunk_size(weight.shape[0])
+        chunk_size = default_chunk_size(weight.shape[0], hidden.device.type)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive number of rows, got {chunk_size}")
     device_type = hidden.device.type
