@@ -62,6 +62,8 @@ class KimiDeltaAttention(nn.Module):
         self.q_proj = nn.Linear(d_model, key_dim, bias=False)
         self.k_proj = nn.Linear(d_model, key_dim, bias=False)
         self.v_proj = nn.Linear(d_model, value_dim, bias=False)
+        # Depthwise convs as nn.Conv1d for their weight layout [D, 1, W], init and checkpoint names (FLA's too); the
+        # layer applies the weights itself (causal_depthwise_conv), never calling the modules.
         self.q_conv, self.k_conv, self.v_conv = (
             nn.Conv1d(dim, dim, conv_size, groups=dim, padding=conv_size - 1, bias=False)
             for dim in (key_dim, key_dim, value_dim)
