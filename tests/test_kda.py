@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from k3train.models.kda import KimiDeltaAttention, chunk_kda, fla_chunk_kda, naive_recurrent_kda
+from k3train.models.kda.layer import CausalConvSiLU, causal_depthwise_conv
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -139,6 +140,39 @@ def test_layer_is_causal(implementation):
     y, y_changed = layer(x), layer(changed)
     torch.testing.assert_close(y[:, :21], y_changed[:, :21], rtol=0, atol=1e-6)
     assert (y[:, 21:] - y_changed[:, 21:]).abs().max() > 1e-3
+
+
+def autograd_conv_silu(x, weight):
+    """The short conv as plain autograd sees it: the reference for CausalConvSiLU's written-out backward."""
+    return F.silu(causal_depthwise_conv(F.pad(x, (0, 0, weight.shape[-1] - 1, 0)), weight))
+
+
+@pytest.mark.parametrize("T", [1, 3, 17], ids=["T1", "T_below_width", "T17"])
+def test_short_conv_backward_matches_autograd(T):
+    x = torch.randn(2, T, 6, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(6, 1, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(CausalConvSiLU.apply, (x, weight))
+    upstream = torch.randn(2, T, 6, dtype=torch.float64)
+    grads = torch.autograd.grad((CausalConvSiLU.apply(x, weight) * upstream).sum(), (x, weight))
+    expected = torch.autograd.grad((autograd_conv_silu(x, weight) * upstream).sum(), (x, weight))
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_short_conv_keeps_dtypes_of_bf16_input_and_fp32_weight():
+    """Under autocast the projections hand the conv bf16 rows; its weight stays fp32, as do the results."""
+    x = torch.randn(2, 9, 6).bfloat16().requires_grad_()
+    weight = torch.randn(6, 1, 4, requires_grad=True)
+    y = CausalConvSiLU.apply(x, weight)
+    y_ref = autograd_conv_silu(x, weight)
+    assert y.dtype == y_ref.dtype
+    torch.testing.assert_close(y, y_ref)
+    upstream = torch.randn(y.shape)
+    grads = torch.autograd.grad((y * upstream).sum(), (x, weight))
+    expected = torch.autograd.grad((y_ref * upstream).sum(), (x, weight))
+    for got, want in zip(grads, expected):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
 def test_layer_gates_and_annotations():

@@ -55,8 +55,8 @@ def chunk_state_macs(K: int, V: int, C: int, seq_len: int) -> float:
     while half < C:  # _intra_chunk: blocks of 2 * half rows, doubling
         blocks = C // (2 * half)
         per_chunk += blocks * 2 * half * half * K  # the q.k and k.k quadrants
-        per_chunk += blocks * 2 * half**3  # the inverse's lower-left: L^-1 X U^-1
         half *= 2
+    per_chunk += C**3 // 6  # (I + A_kk)^-1 of a unit lower-triangular C x C matrix
     per_chunk += C * C * (K + V)  # [w | u] = (I + A_kk)^-1 [k | v]
     per_chunk += 3 * C * K * V  # w S, k_out^T v', and q_in S
     per_chunk += C * C * V  # A_qk v'

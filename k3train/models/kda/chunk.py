@@ -1,14 +1,20 @@
-"""Chunkwise Kimi Delta Attention in pure PyTorch: the default (and differentiable) path on CPU.
+"""Chunkwise Kimi Delta Attention in pure PyTorch, forward and backward: the default path on CPU.
 
 Same math as naive.py, regrouped (FLA `naive_chunk_kda`, Kimi Linear tech report): inside a chunk of C steps the
-delta rule is a unit lower-triangular system (the WY/UT transform), built and inverted for all chunks at once;
-only the state hand-over between chunks stays a Python loop (T / C iterations). Autograd differentiates it all.
+delta rule is a unit lower-triangular system (the WY/UT transform), solved for all chunks at once; only the state
+hand-over between chunks stays a Python loop (T / C iterations), forward and backward.
 
-Per chunk, with G the cumulative sum of g from the chunk start (G <= 0, decreasing) and S the state at its start:
-  A_kk[i, j] = beta_i sum_d k_id k_jd exp(G_id - G_jd)   (j < i)
+Per chunk, with G the cumulative sum of g from the chunk start (G <= 0, decreasing), D_ij = exp(G_i - G_j)
+(per key channel, <= 1 for j <= i) and S the state at the chunk start:
+  A_qk[i, j] = sum_d q_id k_jd D_ijd  (j <= i);   P[i, j] = sum_d k_id k_jd D_ijd  (j < i);   A_kk = beta * P
   [w | u] = (I + A_kk)^-1 (beta * [exp(G) k | v])
-  v' = u - w S;   o = (q exp(G)) S + A_qk v'   with A_qk[i, j] = sum_d q_id k_jd exp(G_id - G_jd)   (j <= i)
+  v' = u - w S;   o = (q exp(G)) S + A_qk v'
   S <- exp(G_last) S + (exp(G_last - G) k)^T v'
+
+The gradient is written out by hand (_ChunkKDA.backward) rather than left to autograd: autograd through this
+forward saved and replayed every intermediate and spent its time in concatenations and tiny matmuls; the hand
+backward runs the state recurrence in reverse, then needs the same decay-weighted triangular products as the
+forward (_decayed_rows, _decayed_cols). Equality with naive.py's autograd, every gradient: tests/test_kda.py.
 """
 
 from __future__ import annotations
@@ -16,44 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from k3train.models.kda.naive import check_kda_inputs, compute_dtype
-
-
-def _join(upper: Tensor, lower_left: Tensor, lower: Tensor) -> Tensor:
-    """Lower block-triangular [[upper, 0], [lower_left, lower]]: [..., h, h] x 3 -> [..., 2h, 2h]."""
-    return torch.cat([F.pad(upper, (0, upper.shape[-1])), torch.cat([lower_left, lower], dim=-1)], dim=-2)
-
-
-def _intra_chunk(q: Tensor, k: Tensor, G: Tensor, beta: Tensor) -> tuple[Tensor, Tensor]:
-    """A_qk (j <= i) and (I + A_kk)^-1, both [..., C, C], from q, k, G [..., C, K] and beta [..., C, 1].
-
-    exp(G_i - G_j) <= 1 for j <= i, but the factored form exp(G_i) exp(-G_j) overflows once a chunk decays by
-    more than e^-88, and the exact pairwise [C, C, K] tensor is slow. So both matrices are built from 1x1 blocks
-    up, doubling the block size (C must be a power of two). A block's lower-left quadrant pairs rows i of its
-    lower half with columns j of its upper half; with r the first row of the lower half (j < r <= i),
-    exp(G_i - G_j) = exp(G_i - G_r) exp(G_r - G_j) has both factors <= 1, so the quadrant is one matmul.
-    The inverse doubles alongside: [[U, 0], [X, L]]^-1 = [[U^-1, 0], [-L^-1 X U^-1, L^-1]].
-    """
-    C = k.shape[-2]
-    A_qk = (q * k).sum(-1)[..., None, None]  # [..., C blocks, 1, 1]: the diagonal
-    inverse = torch.ones_like(A_qk)  # (I + A_kk)^-1 on 1x1 blocks
-    half = 1
-    while half < C:
-        # unbind, not x[..., 0, :, :]: each indexing's backward writes a zero-filled copy of the whole tensor
-        (_, q_lo), (k_up, k_lo), (G_up, G_lo), (_, beta_lo) = (
-            x.unflatten(-2, (C // (2 * half), 2, half)).unbind(-3) for x in (q, k, G, beta))  # [..., nb, h, *]
-        G_r = G_lo[..., :1, :]  # [..., nb, 1, K]
-        cols = k_up * (G_r - G_up).exp()  # [..., nb, h, K]
-        rows = torch.stack([q_lo, k_lo]) * (G_lo - G_r).exp()
-        qk_quadrant, kk_quadrant = (rows @ cols.transpose(-1, -2)).unbind(0)  # [..., nb, h, h] each
-        kk_quadrant = beta_lo * kk_quadrant
-        qk_upper, qk_lower = A_qk.unflatten(-3, (-1, 2)).unbind(-3)  # [..., nb, h, h]: the diagonal sub-blocks
-        A_qk = _join(qk_upper, qk_quadrant, qk_lower)
-        inv_upper, inv_lower = inverse.unflatten(-3, (-1, 2)).unbind(-3)
-        inverse = _join(inv_upper, -inv_lower @ kk_quadrant @ inv_upper, inv_lower)
-        half *= 2
-    return A_qk.squeeze(-3), inverse.squeeze(-3)
 
 
 def chunk_kda(
@@ -95,23 +66,166 @@ def chunk_kda(
         N = (T + pad) // C
         q, k, v, g = (x.transpose(1, 2).reshape(B, HV, N, C, -1) for x in (q, k, v, g))  # [B, HV, N, C, D]
         beta = beta.transpose(1, 2).reshape(B, HV, N, C, 1)
-        G = g.cumsum(-2)  # log decay from the chunk start through each step
-
-        # Intra-chunk work, every chunk at once.
-        A_qk, inverse = _intra_chunk(q, k, G, beta)  # [B, HV, N, C, C] each
-        w, u = (inverse @ (beta * torch.cat([k * G.exp(), v], dim=-1))).split([K, V], dim=-1)
-        q_in = q * G.exp()  # reads the state at the chunk start
-        k_out = (k * (G[..., -1:, :] - G).exp()).transpose(-1, -2)  # [B, HV, N, K, C]: writes the chunk-end state
-        chunk_decay = G[..., -1, :, None].exp()  # [B, HV, N, K, 1]
-
-        # Inter-chunk recurrence: the only sequential part.
-        S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
-        starts, v_new = [], []
-        # unbind, not x[:, :, n]: each indexing's backward would write a zero-filled copy of the whole tensor.
-        for u_n, w_n, k_out_n, decay_n in zip(*(x.unbind(2) for x in (u, w, k_out, chunk_decay))):
-            starts.append(S)
-            v_new.append(u_n - w_n @ S)  # [B, HV, C, V]: the values the state fails to predict
-            S = decay_n * S + k_out_n @ v_new[-1]
-        o = q_in @ torch.stack(starts, dim=2) + A_qk @ torch.stack(v_new, dim=2)  # [B, HV, N, C, V]
+        S0 = None if initial_state is None else initial_state.to(dtype)
+        o, S = _ChunkKDA.apply(q, k, v, g, beta, S0)  # [B, HV, N, C, V], [B, HV, K, V]
         o = o.reshape(B, HV, N * C, V)[:, :, :T].transpose(1, 2)  # [B, T, HV, V]
     return o.to(out_dtype), (S if output_final_state else None)
+
+
+class _ChunkKDA(torch.autograd.Function):
+    """q, k, g [..., N, C, K], v [..., N, C, V], beta [..., N, C, 1], initial state [..., K, V] or None
+    -> o [..., N, C, V] and the final state [..., K, V]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state):
+        N, C, K = q.shape[-3:]
+        G = g.cumsum(-2)
+        decays = _level_decays(G)
+        A_qk, P = _intra_chunk(q, k, decays)
+        # M = (I + beta P)^-1; unitriangular: the solver takes the unit diagonal as given and reads only below it.
+        eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(P)
+        M = torch.linalg.solve_triangular(beta * P, eye, upper=False, unitriangular=True)
+        eG = G.exp()
+        w, u = M @ (beta * k * eG), M @ (beta * v)
+        q_in = q * eG  # reads the state at the chunk start
+        k_out = (k * (G[..., -1:, :] - G).exp()).transpose(-1, -2)  # [..., N, K, C]: writes the chunk-end state
+        chunk_decay = G[..., -1, :, None].exp()  # [..., N, K, 1]
+
+        # Inter-chunk recurrence: the only sequential part.
+        S = q.new_zeros(*q.shape[:-3], K, v.shape[-1]) if initial_state is None else initial_state
+        starts, v_new = q.new_empty(*q.shape[:-2], K, v.shape[-1]), torch.empty_like(u)  # [..., N, K|C, V]
+        for start, v_new_n, u_n, w_n, k_out_n, decay_n in zip(
+                *(x.unbind(-3) for x in (starts, v_new, u, w, k_out, chunk_decay))):
+            start.copy_(S)
+            torch.sub(u_n, w_n @ S, out=v_new_n)  # [..., C, V]: the values the state fails to predict
+            S = decay_n * S + k_out_n @ v_new_n
+        o = q_in @ starts + A_qk @ v_new
+        ctx.save_for_backward(q, k, v, G, beta, A_qk, P, M, w, u, v_new, starts)
+        ctx.has_initial_state = initial_state is not None
+        return o, S
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, dS_final):
+        q, k, v, G, beta, A_qk, P, M, w, u, v_new, starts = ctx.saved_tensors
+        decays = _level_decays(G)
+        eG = G.exp()
+        q_in, kg = q * eG, k * eG
+        out_decay = (G[..., -1:, :] - G).exp()  # [..., N, C, K]
+        k_out = k * out_decay
+        chunk_decay = G[..., -1, :, None].exp()  # [..., N, K, 1]
+        do = do.contiguous()
+
+        # The recurrence in reverse: dS is the gradient of the state at a chunk's end, then at its start.
+        dS = torch.zeros_like(starts[..., 0, :, :]) if dS_final is None else dS_final.contiguous()
+        dv_new_from_o = A_qk.transpose(-1, -2) @ do  # [..., N, C, V]
+        dS_from_o = q_in.transpose(-1, -2) @ do  # [..., N, K, V]
+        dv_new, dS_ends = torch.empty_like(v_new), torch.empty_like(starts)
+        for dS_end, dv_new_n, dv_o, dS_o, k_out_n, w_n, decay_n in reversed(list(zip(
+                *(x.unbind(-3) for x in (dS_ends, dv_new, dv_new_from_o, dS_from_o, k_out, w, chunk_decay))))):
+            dS_end.copy_(dS)
+            torch.add(dv_o, k_out_n @ dS, out=dv_new_n)
+            dS = dS_o - w_n.transpose(-1, -2) @ dv_new_n + decay_n * dS
+        d_initial_state = dS if ctx.has_initial_state else None
+
+        # Everything else, every chunk at once.
+        dq_in = do @ starts.transpose(-1, -2)  # [..., N, C, K]
+        dw = -(dv_new @ starts.transpose(-1, -2))
+        dk_out = v_new @ dS_ends.transpose(-1, -2)  # [..., N, C, K]
+        dchunk_decay = (dS_ends * starts).sum(-1, keepdim=True)  # [..., N, K, 1]
+        # [w | u] = M R  with M = (I + A_kk)^-1:  dR = M^T d[w | u],  dA_kk = -M^T d[w | u] (M R)^T = -dR [w | u]^T
+        M_T = M.transpose(-1, -2)
+        dR_k, dR_v = M_T @ dw, M_T @ dv_new
+        dA = A_qk.new_empty(2, *A_qk.shape)  # [dA_qk, dP]: both go through the decayed products below at once
+        dA_qk, dA_kk = dA.unbind(0)
+        torch.matmul(do, v_new.transpose(-1, -2), out=dA_qk).tril_()
+        torch.matmul(dR_k, w.transpose(-1, -2), out=dA_kk).add_(dR_v @ u.transpose(-1, -2)).tril_(-1).neg_()
+        dbeta = ((dR_k * kg).sum(-1, keepdim=True) + (dR_v * v).sum(-1, keepdim=True)
+                 + (dA_kk * P).sum(-1, keepdim=True))
+        dA_kk.mul_(beta)  # A_kk = beta P: now dP
+        dv = beta * dR_v
+        # The decay-weighted products: A_qk's and P's gradients back onto their rows and columns.
+        rows = _decayed_rows(dA, k, decays)  # [2, ..., N, C, K]: into q (from A_qk) and into k as P's row
+        cols_qk, cols_kk = _decayed_cols(dA, torch.stack([q, k]), decays).unbind(0)  # into k as a column
+        dkg = beta * dR_k
+        dq = torch.addcmul(rows[0], dq_in, eG)
+        dk = (dkg * eG).addcmul_(dk_out, out_decay).add_(cols_qk).add_(rows[1]).add_(cols_kk)
+        # d/dG: exp(G_i - G_j) gives +G_i on the row side and -G_j on the column side.
+        dG = (dq_in * q_in).addcmul_(dkg, kg).addcmul_(dk_out, k_out, value=-1).addcmul_(q, rows[0])
+        dG.addcmul_(k, rows[1].sub_(cols_qk).sub_(cols_kk))
+        dG[..., -1, :] += (dk_out * k_out).sum(-2) + (dchunk_decay * chunk_decay)[..., 0]
+        dg = dG.flip(-2).cumsum(-2).flip(-2)  # G = cumsum(g) within the chunk
+        return dq, dk, dv, dg, dbeta, d_initial_state
+
+
+def _level_decays(G: Tensor) -> list[tuple[int, Tensor, Tensor]]:
+    """Per doubling level h = 1, 2, 4, ..., C/2: (h, exp(G_lo - G_r), exp(G_r - G_up)), each [..., C/2h, h, K].
+
+    The chunk splits into blocks of 2h rows; a block's lower-left quadrant pairs rows i of its lower half with
+    columns j of its upper half. With r the block's first lower row (j < r <= i), D_ij = exp(G_i - G_r) exp(G_r - G_j)
+    has both factors <= 1, so a quadrant is one matmul that cannot overflow, however fast the chunk decays
+    (the factored exp(G_i) exp(-G_j) overflows past e^88). Quadrants of all levels tile the strict lower triangle.
+    """
+    C = G.shape[-2]
+    decays, h = [], 1
+    while h < C:
+        G_up, G_lo = G.unflatten(-2, (C // (2 * h), 2, h)).unbind(-3)
+        G_r = G_lo[..., :1, :]
+        decays.append((h, (G_lo - G_r).exp(), (G_r - G_up).exp()))
+        h *= 2
+    return decays
+
+
+def _halves(x: Tensor, h: int) -> tuple[Tensor, Tensor]:
+    """[..., C, D] -> the upper and lower half of each 2h-row block, [..., C/2h, h, D] each (views)."""
+    return x.unflatten(-2, (x.shape[-2] // (2 * h), 2, h)).unbind(-3)
+
+
+def _quadrant(A: Tensor, h: int) -> Tensor:
+    """The lower-left h x h quadrants of A's 2h x 2h diagonal blocks: [..., C, C] -> [..., C/2h, h, h] (a view)."""
+    nb = A.shape[-1] // (2 * h)
+    blocks = A.unflatten(-2, (nb, 2, h)).unflatten(-1, (nb, 2, h))  # [..., nb, 2, h, nb, 2, h]
+    return blocks.diagonal(dim1=-6, dim2=-3)[..., 1, :, 0, :, :].movedim(-1, -3)
+
+
+def _intra_chunk(q: Tensor, k: Tensor, decays: list) -> tuple[Tensor, Tensor]:
+    """A_qk (j <= i) and P (j < i), both [..., C, C], quadrant by quadrant."""
+    C = q.shape[-2]
+    A_qk = q.new_zeros(*q.shape[:-1], C)
+    P = torch.zeros_like(A_qk)
+    A_qk.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))
+    for h, lo_decay, up_decay in decays:
+        (_, q_lo), (k_up, k_lo) = _halves(q, h), _halves(k, h)
+        qk, kk = torch.einsum("...ik,...jk->...ij", torch.stack([q_lo, k_lo]) * lo_decay, k_up * up_decay)
+        _quadrant(A_qk, h).copy_(qk)
+        _quadrant(P, h).copy_(kk)
+    return A_qk, P
+
+
+def _decayed_rows(A: Tensor, X: Tensor, decays: list) -> Tensor:
+    """Y_i = sum_{j <= i} A_ij X_j D_ij for lower-triangular A [..., C, C] and X [..., C, K] (broadcast)."""
+    Y = A.diagonal(dim1=-2, dim2=-1)[..., None] * X
+    for h, lo_decay, up_decay in decays:
+        X_up = _halves(X, h)[0]
+        _halves(Y, h)[1].addcmul_(lo_decay, _apply(_quadrant(A, h), X_up * up_decay))
+    return Y
+
+
+def _decayed_cols(A: Tensor, Z: Tensor, decays: list) -> Tensor:
+    """Y_j = sum_{i >= j} A_ij Z_i D_ij for lower-triangular A [..., C, C] and Z [..., C, K] (broadcast)."""
+    Y = A.diagonal(dim1=-2, dim2=-1)[..., None] * Z
+    for h, lo_decay, up_decay in decays:
+        Z_lo = _halves(Z, h)[1]
+        _halves(Y, h)[0].addcmul_(up_decay, _apply(_quadrant(A, h).transpose(-1, -2), Z_lo * lo_decay))
+    return Y
+
+
+def _apply(A: Tensor, X: Tensor) -> Tensor:
+    """A @ X for [..., h, h] and [..., h, K], broadcasting. einsum, not matmul: matmul copies a broadcast operand
+    out to full size; for h <= 2 multiply-adds, as batched matmuls of 2 x 2 matrices run far below a column's speed."""
+    if A.shape[-1] <= 2:
+        out = A[..., :, :1] * X[..., :1, :]
+        for j in range(1, A.shape[-1]):
+            out.addcmul_(A[..., :, j:j + 1], X[..., j:j + 1, :])
+        return out
+    return torch.einsum("...ij,...jk->...ik", A, X)

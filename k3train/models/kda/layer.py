@@ -8,6 +8,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
 
 from k3train.models.kda.chunk import chunk_kda
 from k3train.models.kda.fla import fla_chunk_kda, fla_fused_recurrent_kda, require_fla
@@ -146,7 +147,7 @@ class KimiDeltaAttention(nn.Module):
 
     def _short_conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
         """Depthwise causal conv over time, then SiLU: [B, T, D] -> [B, T, D]."""
-        return F.silu(causal_depthwise_conv(F.pad(x, (0, 0, self.conv_size - 1, 0)), conv.weight))
+        return CausalConvSiLU.apply(x, conv.weight)
 
     def _forget_gate(self, x: Tensor) -> Tensor:
         """Per-channel log decay g [B, T, HV, K], fp32 even under autocast (it is summed over T)."""
@@ -179,3 +180,34 @@ def causal_depthwise_conv(window: Tensor, weight: Tensor) -> Tensor:
     for i in range(1, W):
         out = out + window[:, i:i + T] * weight[:, 0, i]
     return out
+
+
+class CausalConvSiLU(torch.autograd.Function):
+    """SiLU(causal_depthwise_conv(x zero-padded in front, weight)): x [B, T, D], weight [D, 1, W] -> [B, T, D].
+
+    The backward is written out: through autograd, each of the W shifted slices' backward allocated and zero-filled
+    a padded copy of the whole input; here the gradients are W shifted multiply-adds into one tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+        pre = causal_depthwise_conv(F.pad(x, (0, 0, weight.shape[-1] - 1, 0)), weight)
+        ctx.save_for_backward(x, weight, pre)
+        return F.silu(pre)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+        x, weight, pre = ctx.saved_tensors
+        grad_pre = torch.ops.aten.silu_backward(grad, pre)  # the kernel autograd's silu would use
+        W, T = weight.shape[-1], x.shape[1]
+        w = weight[:, 0].to(grad_pre.dtype)  # [D, W]; out[t] = sum_s w[:, W - 1 - s] * x[t - s]
+        grad_x = grad_pre * w[:, W - 1]
+        acc = torch.promote_types(weight.dtype, torch.float32)  # the weight's sums over B x T: at least fp32
+        grad_w = torch.empty(weight.shape, dtype=acc, device=weight.device)
+        grad_w[:, 0, W - 1] = (grad_pre * x).sum((0, 1), dtype=acc)
+        for s in range(1, min(W, T)):
+            grad_x[:, :T - s].addcmul_(grad_pre[:, s:], w[:, W - 1 - s])
+            grad_w[:, 0, W - 1 - s] = (grad_pre[:, s:] * x[:, :T - s]).sum((0, 1), dtype=acc)
+        grad_w[:, 0, :max(W - T, 0)] = 0  # taps that only ever saw the padding
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype)
