@@ -21,7 +21,7 @@ from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConf
 from k3train.models.protocol import missing_members
 from k3train.train.callbacks import Callback
 from k3train.train.checkpoint import Checkpointer, CheckpointError, ShardedCheckpointer
-from k3train.train.cpu import apply_threads, choose_threads
+from k3train.train.cpu import apply_threads, choose_threads, keep_freed_memory
 from k3train.train.distributed import World, current_world
 from k3train.train.metrics import MetricsLogger, MetricsSink
 from k3train.train.rng import configure_determinism, seed_everything
@@ -116,6 +116,8 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     threads = choose_threads(train_cfg.cpu_threads, hydra_cfg.launcher if hydra_cfg.mode == RunMode.MULTIRUN
                              else None)
     apply_threads(threads)
+    if device.type == "cpu":
+        keep_freed_memory()
 
     configure_determinism(train_cfg.deterministic)
     seed_everything(train_cfg.seed)
