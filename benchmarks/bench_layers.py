@@ -7,7 +7,8 @@ k3_small (conf/model/k3_small.yaml, vocab 32768) at batch 2 x seq 1024, fp32, th
   LM head with the loss as the model computes it, k3train/models/loss.py) and what the model's layers add up to;
 - side by side, alternating, median of `reps`: each choice the model makes against the plain form it replaced:
   MLA's zero-padded values (torch's fused CPU attention) against SDPA's math fallback for dk != dv; the short
-  convolution as shifted multiply-adds against nn.Conv1d; the routed experts' GroupedSwiGLU against autograd
+  convolution with its written-out backward (CausalConvSiLU) against autograd through the shifted multiply-adds
+  and against nn.Conv1d; the routed experts' GroupedSwiGLU against autograd
   through `unbind` and a loop; gathering the expert inputs with index_select against indexing.
 Writes benchmarks/results/layers.json.
 """
@@ -30,7 +31,8 @@ from omegaconf import OmegaConf
 from k3train.models.k3.mla import causal_attention
 from k3train.models.loss import linear_cross_entropy
 from k3train.models.k3.moe import GroupedSwiGLU
-from k3train.models.kda.layer import causal_depthwise_conv
+from k3train.models.kda.layer import CausalConvSiLU, causal_depthwise_conv
+from k3train.train.cpu import keep_freed_memory
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 RESULTS = Path(__file__).resolve().parent / "results" / "layers.json"
@@ -66,6 +68,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
+    keep_freed_memory()  # as training on a CPU does (k3train/train/build.py)
     torch.manual_seed(0)
     cfg = OmegaConf.load(CONF / "k3_small.yaml")
     cfg.vocab_size = VOCAB
@@ -94,8 +97,9 @@ def main() -> None:
     kda = kinds["kda"]
     h = torch.randn(B, T, cfg.kda_n_heads * cfg.kda_head_dim, requires_grad=True)
     conv = side_by_side({
-        "shifted_multiply_adds": lambda: F.silu(causal_depthwise_conv(F.pad(h, (0, 0, cfg.kda_conv_size - 1, 0)),
-                                                                      kda.q_conv.weight)),
+        "written_backward": lambda: CausalConvSiLU.apply(h, kda.q_conv.weight),
+        "autograd_shifted_multiply_adds": lambda: F.silu(causal_depthwise_conv(
+            F.pad(h, (0, 0, cfg.kda_conv_size - 1, 0)), kda.q_conv.weight)),
         "conv1d": lambda: F.silu(kda.q_conv(h.transpose(1, 2))[..., :T].transpose(1, 2)),
     }, [h, kda.q_conv.weight], args.reps)
 

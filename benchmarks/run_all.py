@@ -92,7 +92,7 @@ def cpu(data: TokenData, quick: bool) -> dict:
 def train_step(data: TokenData, quick: bool) -> dict:
     if quick:
         return {"k3_tiny": bench_model.bench_case("k3_tiny", data.vocab_size, 2, 64, steps=1)}
-    return {name: bench_model.bench_case(name, vocab, B, T, steps=3) for name, vocab, B, T in bench_model.CASES}
+    return {name: bench_model.bench_case(name, vocab, B, T, steps=7) for name, vocab, B, T in bench_model.CASES}
 
 
 def overhead(data: TokenData, quick: bool) -> dict:

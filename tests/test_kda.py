@@ -175,12 +175,22 @@ def test_short_conv_keeps_dtypes_of_bf16_input_and_fp32_weight():
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
 
 
+def test_layer_input_projections_in_one_matmul_equal_each_projection():
+    layer, x = make_layer(n_value_heads=4), torch.randn(2, 7, 32)
+    separate = [p(x) for p in (layer.q_proj, layer.k_proj, layer.v_proj, layer.f_a_proj, layer.g_a_proj, layer.b_proj)]
+    fused = layer._input_projections(x)
+    assert [t.shape for t in fused] == [t.shape for t in separate]
+    for got, want in zip(fused, separate):
+        torch.testing.assert_close(got, want)
+
+
 def test_layer_gates_and_annotations():
     layer = make_layer(gate="sigmoid", n_value_heads=4)
-    g = layer._forget_gate(torch.randn(2, 5, 32))
+    g = layer._forget_gate(layer.f_a_proj(torch.randn(2, 5, 32)))
     assert g.shape == (2, 5, 4, 8) and g.dtype == torch.float32
     assert (g <= 0).all() and (g >= -5).all()
-    g = make_layer()._forget_gate(torch.randn(2, 5, 32))
+    softplus_layer = make_layer()
+    g = softplus_layer._forget_gate(softplus_layer.f_a_proj(torch.randn(2, 5, 32)))
     assert (g < 0).all()
     assert layer.q_proj.weight.head_split == (2, 0) and layer.k_proj.weight.head_split == (2, 0)
     assert layer.v_proj.weight.head_split == (4, 0) and layer.o_proj.weight.head_split == (4, 1)

@@ -141,7 +141,10 @@ class GroupedSwiGLU(torch.autograd.Function):
         with torch.autocast(xs.device.type, enabled=False):
             grad_out = grad_out.to(xs.dtype)
             grad_x = torch.empty_like(xs)  # every row belongs to one expert: all are written
-            grad_wg, grad_wu, grad_wd = torch.zeros_like(wg), torch.zeros_like(wu), torch.zeros_like(wd)
+            # empty, not zeros: every expert with rows is written whole below, the others are zeroed here
+            grad_wg, grad_wu, grad_wd = torch.empty_like(wg), torch.empty_like(wu), torch.empty_like(wd)
+            for e in (e for e, n in enumerate(ctx.counts) if n == 0):
+                grad_wg[e], grad_wu[e], grad_wd[e] = 0, 0, 0
             for e, rows in _expert_rows(ctx.counts):
                 g, a, b = grad_out[rows], gate[rows], up[rows]
                 act = F.silu(a)
