@@ -90,6 +90,15 @@ def test_chunk_computes_in_fp32_under_bf16_autocast():
     assert o_bf16.dtype == torch.bfloat16 and S_bf16.dtype == torch.float32
 
 
+def test_chunk_backward_stays_fp32_when_called_under_bf16_autocast():
+    """The written-out backward's matmuls must not follow an autocast region the caller's backward() runs in."""
+    inputs = make_inputs(1, 80, 2, 2, 16, 16, dtype=torch.float32)
+    expected = run(chunk_kda, inputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = run(chunk_kda, inputs)
+    assert_close(got, expected, tol=1e-6)
+
+
 def test_chunk_rejects_bad_arguments():
     q, k, v, g, beta, _ = (x.detach() if x is not None else None for x in make_inputs(1, 8, 2, 3, 4, 4))
     with pytest.raises(ValueError, match="multiple of H=2"):

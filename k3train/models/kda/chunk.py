@@ -107,6 +107,11 @@ class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, do, dS_final):
+        with torch.autocast(do.device.type, enabled=False):  # fp32, even if backward() runs under autocast
+            return _ChunkKDA._backward(ctx, do, dS_final)
+
+    @staticmethod
+    def _backward(ctx, do, dS_final):
         q, k, v, G, beta, A_qk, P, M, w, u, v_new, starts = ctx.saved_tensors
         decays = _level_decays(G)
         eG = G.exp()
