@@ -9,7 +9,8 @@ k3_small (conf/model/k3_small.yaml, vocab 32768) at batch 2 x seq 1024, fp32, th
   MLA's zero-padded values (torch's fused CPU attention) against SDPA's math fallback for dk != dv; the short
   convolution with its written-out backward (CausalConvSiLU) against autograd through the shifted multiply-adds
   and against nn.Conv1d; the routed experts' GroupedSwiGLU against autograd
-  through `unbind` and a loop; gathering the expert inputs with index_select against indexing.
+  through `unbind` and a loop; gathering the expert inputs with index_select against indexing; RMSNorm with its
+  written-out backward against nn.RMSNorm.
 Writes benchmarks/results/layers.json.
 """
 
@@ -30,6 +31,7 @@ from omegaconf import OmegaConf
 
 from k3train.models.k3.mla import causal_attention
 from k3train.models.loss import linear_cross_entropy
+from k3train.models.norm import RMSNorm
 from k3train.models.k3.moe import GroupedSwiGLU
 from k3train.models.kda.layer import CausalConvSiLU, causal_depthwise_conv
 from k3train.train.cpu import keep_freed_memory
@@ -119,10 +121,15 @@ def main() -> None:
         "indexing": lambda: tokens[token_of_slot],
     }, [tokens], args.reps)
 
+    residual = torch.randn(B, T, cfg.d_model, requires_grad=True)
+    ours, plain = RMSNorm(cfg.d_model, eps=cfg.norm_eps), torch.nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+    norm = side_by_side({"written_backward": lambda: ours(residual), "nn_rmsnorm": lambda: plain(residual)},
+                        [residual, ours.weight, plain.weight], args.reps)
+
     result = {"model": "k3_small", "batch": B, "seq_len": T, "vocab_size": VOCAB, "reps": args.reps,
               "threads": torch.get_num_threads(), "fwd_bwd_ms": layers,
               "choices_fwd_bwd_ms": {"mla_attention": attention, "short_conv": conv, "routed_experts": routed,
-                                     "expert_input_gather": gather},
+                                     "expert_input_gather": gather, "rms_norm": norm},
               "load_avg": [load_before, os.getloadavg()]}
     print(json.dumps(result, indent=2))
     RESULTS.parent.mkdir(parents=True, exist_ok=True)

@@ -155,8 +155,11 @@ def test_keep_freed_memory_stops_the_page_faults_of_repeated_steps():
     result = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                                        env=env).stdout)
     assert result["setting"].startswith("glibc, keeps freed memory"), result
-    kept = sorted(result["kept"][1:])  # the first step with the setting still grows the heap
-    assert kept[len(kept) // 2] < 1000, f"page faults per step: {result}"
+    default, kept = (sum(counts[1:]) / len(counts[1:]) for counts in (result["default"], result["kept"]))
+    if default < 5000:
+        pytest.skip(f"glibc's defaults already reuse this machine's memory ({default:.0f} page faults per step)")
+    # The first step with the setting still grows the heap; an occasional later one faults a few thousand pages.
+    assert kept < 0.25 * default, f"page faults per step: {result}"
 
 
 def test_keep_freed_memory_leaves_a_users_malloc_tuning_alone(monkeypatch):

@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from k3train.models.k3.cache import MLACache
+from k3train.models.norm import RMSNorm
 
 
 class RotaryEmbedding(nn.Module):
@@ -67,10 +68,10 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_proj = nn.Linear(d_model, q_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(d_model, q_lora_rank, bias=False)
-            self.q_a_norm = nn.RMSNorm(q_lora_rank, eps=norm_eps)
+            self.q_a_norm = RMSNorm(q_lora_rank, eps=norm_eps)
             self.q_b_proj = nn.Linear(q_lora_rank, q_dim, bias=False)
         self.kv_a_proj = nn.Linear(d_model, kv_lora_rank + self.dr, bias=False)  # -> [c_kv | k_rope]
-        self.kv_a_norm = nn.RMSNorm(kv_lora_rank, eps=norm_eps)
+        self.kv_a_norm = RMSNorm(kv_lora_rank, eps=norm_eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * (self.dn + self.dv), bias=False)  # -> per head [k_nope | v]
         self.o_proj = nn.Linear(n_heads * self.dv, d_model, bias=False)
         self.rotary = RotaryEmbedding(self.dr, max_seq_len, rope_theta) if rope else None

@@ -25,6 +25,7 @@ from k3train.models.k3.moe import MoE, RoutedExperts, SwiGLU
 from k3train.models.kda.layer import KimiDeltaAttention
 from k3train.models.kda.state import KDAState
 from k3train.models.loss import linear_cross_entropy
+from k3train.models.norm import RMSNorm
 
 
 class Block(nn.Module):
@@ -32,7 +33,7 @@ class Block(nn.Module):
         super().__init__()
         c = config
         self.mixer_type = c.layer_pattern[layer_idx]
-        self.mixer_norm = nn.RMSNorm(c.d_model, eps=c.norm_eps)
+        self.mixer_norm = RMSNorm(c.d_model, eps=c.norm_eps)
         if self.mixer_type == "kda":
             self.mixer = KimiDeltaAttention(
                 c.d_model, c.kda_n_heads, c.kda_head_dim, conv_size=c.kda_conv_size,
@@ -45,7 +46,7 @@ class Block(nn.Module):
                 q_lora_rank=c.q_lora_rank, rope=c.mla_rope, rope_theta=c.rope_theta, max_seq_len=c.max_seq_len,
                 norm_eps=c.norm_eps,
             )
-        self.ffn_norm = nn.RMSNorm(c.d_model, eps=c.norm_eps)
+        self.ffn_norm = RMSNorm(c.d_model, eps=c.norm_eps)
         if c.is_moe_layer(layer_idx):
             self.ffn: nn.Module = MoE(
                 c.d_model, c.n_routed_experts, c.experts_per_token, c.expert_ffn_dim,
@@ -80,7 +81,7 @@ class KimiK3(nn.Module):
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
-        self.norm = nn.RMSNorm(config.d_model, eps=config.norm_eps)
+        self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

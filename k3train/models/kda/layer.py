@@ -14,6 +14,7 @@ from k3train.models.kda.chunk import chunk_kda
 from k3train.models.kda.fla import fla_chunk_kda, fla_fused_recurrent_kda, require_fla
 from k3train.models.kda.naive import naive_recurrent_kda
 from k3train.models.kda.state import KDAState
+from k3train.models.norm import RMSNorm
 
 IMPLEMENTATIONS = ("chunk", "recurrent", "fla")
 GATES = ("softplus", "sigmoid")
@@ -78,7 +79,7 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         self.g_a_proj = nn.Linear(d_model, head_dim, bias=False)
         self.g_b_proj = nn.Linear(head_dim, value_dim, bias=True)
-        self.o_norm = nn.RMSNorm(head_dim, eps=norm_eps)
+        self.o_norm = RMSNorm(head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(value_dim, d_model, bias=False)
         # Muon may orthogonalise per head (`head_split`, docs/contracts.md).
         for proj, heads in ((self.q_proj, n_heads), (self.k_proj, n_heads), (self.v_proj, n_value_heads)):

@@ -1,0 +1,47 @@
+"""RMSNorm as nn.RMSNorm computes it, with the backward written out for CPU training."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm over the last dimension (the same weight, eps, state_dict and type, so checkpoints and parameter
+    grouping see no difference) whose fp32 CPU forward and backward run through RMSNormFunction.
+
+    torch's CPU rms_norm is composite: its forward is ~5 elementwise passes over x and autograd differentiates
+    them one by one; the written-out backward takes ~8 passes (tests/test_norm.py checks it against nn.RMSNorm,
+    benchmarks/bench_layers.py times both). Elsewhere (GPU, half precision, autocast-cast inputs) torch's own
+    kernel runs.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if (x.device.type != "cpu" or w is None or len(self.normalized_shape) != 1
+                or x.dtype != torch.float32 or w.dtype != torch.float32):
+            return super().forward(x)
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        return RMSNormFunction.apply(x, w, eps)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """x [..., D], weight [D] -> x / sqrt(mean(x^2) + eps) * weight."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        rstd = torch.rsqrt(x.square().mean(-1, keepdim=True).add_(eps))  # [..., 1]
+        ctx.save_for_backward(x, weight, rstd)
+        return (x * rstd).mul_(weight)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x * rstd
+        grad_weight = (grad * x_hat).reshape(-1, x.shape[-1]).sum(0)
+        grad_x_hat = grad * weight
+        # d/dx of x_hat = x * rstd(x): rstd * (grad_x_hat - x_hat * mean(grad_x_hat * x_hat))
+        dot = (grad_x_hat * x_hat).mean(-1, keepdim=True)
+        return grad_x_hat.sub_(x_hat.mul_(dot)).mul_(rstd), grad_weight, None
