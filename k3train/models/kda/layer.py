@@ -104,12 +104,15 @@ class KimiDeltaAttention(nn.Module):
         o = self._recurrence(q, k, v, self._forget_gate(f_a), b.sigmoid())  # [B, T, HV, K] in v's dtype
         return self._gated_output(g_a, o)
 
-    def _input_projections(self, x: Tensor) -> tuple[Tensor, ...]:
-        """q, k, v, the two gates' low-rank inputs and beta's logits: every projection of x in one matmul.
+    def _input_projections(self, x: Tensor, fused: bool = True) -> tuple[Tensor, ...]:
+        """q, k, v, the two gates' low-rank inputs and beta's logits; fused: every projection of x in one matmul.
 
         The weights stay separate parameters (their own names, init, Muon's per-head split); one [d, 3 H K + 2 K + HV]
-        matmul instead of six took ~13% less time forward + backward on CPU at k3_small's widths."""
+        matmul instead of six took ~13% less time forward + backward on CPU at k3_small's widths (2048 rows). For
+        a few rows (decoding) copying the weights together costs more than it saves: fused=False."""
         projections = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj)
+        if not fused:
+            return tuple(p(x) for p in projections)
         weight = torch.cat([p.weight for p in projections])
         return F.linear(x, weight).split([p.out_features for p in projections], dim=-1)
 
@@ -122,7 +125,7 @@ class KimiDeltaAttention(nn.Module):
         """forward() continued from `state`, which is updated in place: a prompt (T > 1) or one new token."""
         B, T, _ = x.shape
         H, HV, K = self.n_heads, self.n_value_heads, self.head_dim
-        q, k, v, f_a, g_a, b = self._input_projections(x)
+        q, k, v, f_a, g_a, b = self._input_projections(x, fused=False)
         q, state.conv_q = self._short_conv_continued(self.q_conv, q, state.conv_q)
         k, state.conv_k = self._short_conv_continued(self.k_conv, k, state.conv_k)
         v, state.conv_v = self._short_conv_continued(self.v_conv, v, state.conv_v)
