@@ -11,8 +11,9 @@ benchmarks/results/gpu_all.json (each part's exit status, seconds and output tai
 Measured on a fresh H200 (2026-11-30: torch 2.11.0+cu130, flash-linear-attention 0.6.0, triton 3.6.0, no Triton
 cache): FLA's Triton kernels autotune and compile on first use. The parity tests passed as far as they got (4 in
 the 150 s limit, then in a second call on the same machine 2 more in 250 s: 6 passed, none failed, the rest never
-ran) and the two scripts printed nothing within 80 and 95 s. The limits here fit a machine whose Triton cache is warm; on a fresh one, expect the parity part to time
-out and give it the time first (`python -m pytest -m gpu tests`), or carry a warm ~/.triton/cache.
+ran) and the two scripts printed nothing within 80 and 95 s. The limits here fit a machine whose Triton cache
+is warm; on a fresh one, expect the parity part to time out and give it the time first
+(`python -m pytest -m gpu tests`), or carry a warm ~/.triton/cache.
 """
 
 from __future__ import annotations

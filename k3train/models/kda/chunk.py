@@ -174,7 +174,7 @@ def _level_decays(G: Tensor) -> list[tuple[int, Tensor, Tensor]]:
     C = G.shape[-2]
     decays, h = [], 1
     while h < C:
-        G_up, G_lo = G.unflatten(-2, (C // (2 * h), 2, h)).unbind(-3)
+        G_up, G_lo = _halves(G, h)
         G_r = G_lo[..., :1, :]
         decays.append((h, (G_lo - G_r).exp(), (G_r - G_up).exp()))
         h *= 2
