@@ -27,6 +27,7 @@ from pathlib import Path
 from k3train.data import EndOfData, HFTokenizer, ShardedTokenDataset, TokenDataLoader, prepare_dataset
 from k3train.data.builtin import builtin_documents
 from k3train.data.prepare import usable_cores
+from results_file import write_results  # benchmarks/, beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results" / "data.json"
 
@@ -109,9 +110,7 @@ def main() -> None:
         results["loader"] = time_loader(tmp / "byte_in_process", args.batches)
         print(f"loader B=8 T=1024: {results['loader']['tokens_per_s'] / 1e6:.1f} M tokens/s "
               f"({args.batches} batches in {results['loader']['seconds']:.3f} s)")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_results(RESULTS, results)
 
 
 if __name__ == "__main__":

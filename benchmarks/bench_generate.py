@@ -16,7 +16,6 @@ Writes benchmarks/results/generate.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -31,6 +30,7 @@ from k3train.config import register_configs
 from k3train.inference.sampling import prefill
 from k3train.models.k3.cache import MLACache
 from k3train.models.kda.state import KDAState
+from results_file import write_results  # benchmarks/, beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results" / "generate.json"
 
@@ -97,13 +97,11 @@ def main() -> None:
               f"{row['speedup']:>7.1f}x {row['kda_state_bytes'] / 1024:>8.1f}KB "
               f"{row['mla_latent_cache_bytes'] / 1024:>15.1f}KB {row['mla_per_head_kv_cache_bytes'] / 1024:>20.1f}KB",
               flush=True)
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    write_results(RESULTS, {
         "model": "k3_tiny (random init, vocab 257), batch 1, fp32", "threads": args.threads,
         "decode_steps": args.decode_steps, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
         "load_average_at_end": os.getloadavg(), "rows": rows,
-    }, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    })
 
 
 if __name__ == "__main__":

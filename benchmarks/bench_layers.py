@@ -17,7 +17,6 @@ Writes benchmarks/results/layers.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -35,6 +34,7 @@ from k3train.models.norm import RMSNorm
 from k3train.models.k3.moe import GroupedSwiGLU
 from k3train.models.kda.layer import CausalConvSiLU, causal_depthwise_conv
 from k3train.train.cpu import keep_freed_memory
+from results_file import write_results  # benchmarks/, beside this script
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 RESULTS = Path(__file__).resolve().parent / "results" / "layers.json"
@@ -131,10 +131,7 @@ def main() -> None:
               "choices_fwd_bwd_ms": {"mla_attention": attention, "short_conv": conv, "routed_experts": routed,
                                      "expert_input_gather": gather, "rms_norm": norm},
               "load_avg": [load_before, os.getloadavg()]}
-    print(json.dumps(result, indent=2))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_results(RESULTS, result, echo=True)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ with and without the optimizer step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
@@ -23,6 +22,7 @@ from omegaconf import OmegaConf
 
 from k3train.train.mfu import calibrate_cpu_matmul
 from k3train.train.cpu import keep_freed_memory
+from results_file import write_results  # benchmarks/, beside this script
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 RESULTS = Path(__file__).resolve().parent / "results" / "model.json"
@@ -84,9 +84,7 @@ def main() -> None:
         "torch": torch.__version__, "threads": torch.get_num_threads(), "load_avg_at_start": os.getloadavg(),
         "cases": {name: bench_case(name, vocab, B, T, args.steps) for name, vocab, B, T in CASES},
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_results(RESULTS, out)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ Writes benchmarks/results/moe.json. Target: MoE achieved FLOP/s >= 0.5x dense.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 
 from k3train.models.k3.moe import MoE, SwiGLU
+from results_file import write_results  # benchmarks/, beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results" / "moe.json"
 # (name, d_model, n_experts, top-k, n_shared, expert_ffn_dim, tokens): the MoE shapes of k3_tiny and k3_small.
@@ -68,9 +68,7 @@ def main() -> None:
         "torch": torch.__version__, "threads": torch.get_num_threads(), "load_avg_at_start": os.getloadavg(),
         "cases": {name: bench_case(name, *shape, args.repeats) for name, *shape in CASES},
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_results(RESULTS, out)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ Writes benchmarks/results/moe_balance.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 
 from k3train.models.k3.moe import quantile_bias, required_bias
+from results_file import write_results  # benchmarks/, beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results" / "moe_balance.json"
 CASES = [(256, 16, 2), (2048, 8, 2), (2048, 16, 2)]  # (tokens, experts, top-k)
@@ -166,9 +166,7 @@ def main() -> None:
         "load_avg_at_start": os.getloadavg(),
         "cases": [bench_case(*case, args.seeds, args.steps) for case in CASES],
     }
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_results(RESULTS, out)
 
 
 if __name__ == "__main__":

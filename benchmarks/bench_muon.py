@@ -14,7 +14,6 @@ Writes benchmarks/results/muon.json.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -26,6 +25,7 @@ from omegaconf import OmegaConf
 
 from k3train.optim.muon import MuonAdamW, as_matrices
 from k3train.optim.summary import format_param_groups
+from results_file import write_results  # benchmarks/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -70,10 +70,7 @@ def main() -> None:
         raise SystemExit(f"no model config {path}; pick one of {sorted(p.stem for p in path.parent.glob('*.yaml'))}")
     torch.set_num_threads(args.threads)
     result = muon_share(args.model, args.batch_size, args.seq_len, args.vocab_size, args.steps)
-    print(json.dumps(result, indent=2))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, result, echo=True)
 
 
 def muon_share(model_name: str, batch_size: int, seq_len: int, vocab_size: int, steps: int) -> dict:

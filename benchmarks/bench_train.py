@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import os
 import statistics
 import tempfile
@@ -42,6 +41,7 @@ from k3train.train.checkpoint import Checkpointer
 from k3train.train.distributed import current_world
 from k3train.train.metrics import MetricsLogger
 from k3train.train.trainer import Trainer
+from results_file import write_results  # benchmarks/, beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train.json"
 
@@ -202,10 +202,7 @@ def main() -> None:
     overhead = framework_overhead(data, args.rounds, args.steps)
     result = {"framework_overhead": overhead,
               "checkpoint_k3_tiny": checkpoint_cost(data, "k3_tiny")}
-    print(json.dumps(result, indent=2))
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    write_results(RESULTS, result, echo=True)
 
 
 if __name__ == "__main__":
