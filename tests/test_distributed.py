@@ -99,6 +99,8 @@ def kill_a_rank_then_resume(k3_cache, args, straight, killed, last):
     proc = launch(k3_cache, *args, f"hydra.run.dir={killed}", entry=("tests/fault_entry.py",), env=fault,
                   timeout=180)  # a hang would fail here, not block CI
     assert proc.returncode != 0
+    # CI once found no checkpoint at all here (the job ended before its first one): say what the job printed
+    assert (killed / last).exists(), f"no {last} after the killed run; its stderr ends:\n{proc.stderr[-3000:]}"
     assert load_checkpoint(killed / last)["trainer"]["step"] in (2, 4)  # a complete checkpoint, never torn
     proc = launch(k3_cache, *args, f"hydra.run.dir={killed}", "resume=auto")
     assert proc.returncode == 0, proc.stderr
