@@ -154,12 +154,16 @@ def test_slurm_sweep_usr2_and_scontrol_requeue_resume_exactly(builtin_data, k3_c
 
 @needs_slurm
 def test_sbatch_template_job_at_its_time_limit_requeues_itself_and_resumes(builtin_data, k3_cache, tmp_path):
-    """launchers/sbatch/train.sbatch with a 1-minute limit: its SIGUSR1 warning (B:USR1@30) stops the run with a
+    """launchers/sbatch/train.sbatch with a 2-minute limit: its SIGUSR1 warning (B:USR1@45) stops the run with a
     checkpoint, k3train requeues the job (`scontrol requeue`), and the requeued job resumes in outputs/runs/slurm-<id>
     by itself and ends bitwise where an uninterrupted run ends."""
     max_steps, outputs = 300, tmp_path / "outputs"
+    # SLURM checks time limits periodically and may send the warning up to 60 s before its time (sbatch(1),
+    # --signal): with --time=1 and USR1@30 it once came 1.7 s into the job, before Python had a handler, and the
+    # signal's default action ended the job. A 2-minute limit with USR1@45 sends it no earlier than 15 s in
+    # (120 - 45 - 60), and the run (300 updates of >= 0.3 s) is still going when it comes.
     job = subprocess.run(
-        ["sbatch", "--parsable", "--time=1", "--signal=B:USR1@30", "--cpus-per-task=1",
+        ["sbatch", "--parsable", "--time=2", "--signal=B:USR1@45", "--cpus-per-task=1",
          f"--output={tmp_path}/slurm-%j.out", str(REPO / "launchers" / "sbatch" / "train.sbatch"), *RUN,
          f"train.max_steps={max_steps}"],
         cwd=tmp_path, env=environment(k3_cache, outputs, step_delay_s=0.3), capture_output=True, text=True,
@@ -171,9 +175,12 @@ def test_sbatch_template_job_at_its_time_limit_requeues_itself_and_resumes(built
             return out[0] if out and out[0] in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED") else ""
 
         run_dir = outputs / "runs" / f"slurm-{job}"
-        wait_until(lambda: (run_dir / "run.json").exists() and sessions(run_dir)[0]["end_reason"], 120,
-                   "the first session to stop", interval=0.5)
-        # The requeued job gets a new minute, whose warning could stop its session too: give it ten.
+        try:
+            wait_until(lambda: (run_dir / "run.json").exists() and sessions(run_dir)[0]["end_reason"], 120,
+                       "the first session to stop", interval=0.5)
+        except AssertionError as e:
+            raise AssertionError(f"{e}; the job's output:\n{(tmp_path / f'slurm-{job}.out').read_text()}") from None
+        # The requeued job gets a new two minutes, whose warning could stop its session too: give it ten.
         subprocess.run(["scontrol", "update", f"JobId={job}", "TimeLimit=10"], check=True, timeout=30)
         final = wait_until(state, 240, f"sbatch job {job} to end", interval=2)
     finally:
