@@ -59,7 +59,8 @@ SHAPES = {
     "T_shorter_than_chunk": (1, 10, 1, 1, 8, 8, 64, 1.0, False),
     "several_heads_exact_chunks": (1, 96, 3, 3, 16, 32, 32, 1.0, True),
     "gva_two_values_per_head": (2, 70, 2, 4, 16, 16, 16, 1.0, True),
-    "huge_decays_no_overflow": (1, 96, 2, 2, 16, 16, 32, 300.0, True),
+    "huge_decays_no_overflow": (1, 96, 2, 2, 16, 16, 32, 300.0, True),  # the doubling levels only
+    "fast_decays_16_row_blocks": (1, 128, 2, 2, 16, 16, 64, 3.0, True),  # factored 16-row blocks, then 2 levels
 }
 
 
@@ -70,11 +71,27 @@ def test_chunk_matches_recurrent_float64(shape):
     assert_close(run(chunk_kda, inputs, chunk_size=C), run(naive_recurrent_kda, inputs), tol=1e-10)
 
 
-@pytest.mark.parametrize("chunk_size", [16, 64])
-def test_chunk_fp32_matches_float64_reference(chunk_size):
-    inputs64 = make_inputs(1, 150, 2, 2, 32, 32)
+@pytest.mark.parametrize("chunk_size,decay", [(16, 1.0), (64, 1.0), (64, 3.0), (64, 10.0)])
+def test_chunk_fp32_matches_float64_reference(chunk_size, decay):
+    inputs64 = make_inputs(1, 150, 2, 2, 32, 32, decay=decay)
     inputs32 = [x.detach().float().requires_grad_() for x in inputs64]
     assert_close(run(chunk_kda, inputs32, chunk_size=chunk_size), run(naive_recurrent_kda, inputs64), tol=1e-5)
+
+
+@pytest.mark.parametrize("per_step,block", [(0.5, 64), (1.0, 64), (2.0, 32), (4.0, 16), (8.0, 8), (16.0, 1)])
+def test_factored_blocks_shrink_as_the_decays_grow(per_step, block):
+    """A block is factored about its middle row only while every |G_i - G_m| stays within FACTORED_SPAN (40): with
+    a constant decay d per step a b-row block spans d b / 2. Below 8 rows only the doubling levels remain."""
+    from k3train.models.kda.chunk import FACTORED_SPAN, _decays
+
+    G = (-per_step * torch.arange(1, 65, dtype=torch.float64)).expand(2, 3, 64).unsqueeze(-1).expand(2, 3, 64, 4)
+    decays = _decays(G)
+    assert decays.block == block
+    assert [h for h, *_ in decays.levels] == [h for h in (1, 2, 4, 8, 16, 32) if h >= block]
+    if block > 1:
+        assert per_step * block / 2 <= FACTORED_SPAN  # and the next size up would not be:
+        assert block == 64 or per_step * block > FACTORED_SPAN
+        assert (decays.row_factor * decays.col_factor).sub(1).abs().max() < 1e-12  # exp(d) exp(-d) per row
 
 
 def test_chunk_computes_in_fp32_under_bf16_autocast():

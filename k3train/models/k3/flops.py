@@ -52,7 +52,8 @@ def chunk_state_macs(K: int, V: int, C: int, seq_len: int) -> float:
     """Multiply-adds of chunk_kda for one head over one sequence (the tail padded to whole chunks)."""
     per_chunk = 0
     half = 1
-    while half < C:  # _intra_chunk: blocks of 2 * half rows, doubling
+    while half < C:  # A_qk and P over the strict lower triangle's pairs, as the doubling levels pair them (the
+        # factored diagonal blocks also compute their masked upper halves: work not counted)
         blocks = C // (2 * half)
         per_chunk += blocks * 2 * half * half * K  # the q.k and k.k quadrants
         half *= 2

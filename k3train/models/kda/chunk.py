@@ -11,6 +11,17 @@ Per chunk, with G the cumulative sum of g from the chunk start (G <= 0, decreasi
   v' = u - w S;   o = (q exp(G)) S + A_qk v'
   S <- exp(G_last) S + (exp(G_last - G) k)^T v'
 
+The decay-weighted triangular products (A_qk, P, and their gradients) never form D itself ([C, C, K] per chunk):
+- inside diagonal blocks of b rows, D_ij = exp(G_i - G_m) exp(G_m - G_j) with m the block's middle row, so a block
+  is one matmul of decay-scaled rows and columns; b is the largest of C, C/2, ..., 8 whose factors stay within
+  e^+-40 (FACTORED_SPAN), chosen per call from the gates;
+- between blocks, by doubling levels h = b, 2b, ..., C/2: a 2h-row block's lower-left quadrant pairs rows i of its
+  lower half with columns j of its upper half; with r the lower half's first row (j < r <= i), D_ij =
+  exp(G_i - G_r) exp(G_r - G_j) has both factors <= 1, so a quadrant is one matmul that cannot overflow however
+  fast the gates decay (gates fast enough to span more than 40 within 8 rows get b = 1: levels down to single rows).
+On 2 CPU cores (Sapphire Rapids, idle) at k3_small's shapes with gates of ~0.1 per step (b = 64), forward + backward
+took 54 ms against 79 ms with levels all the way down.
+
 The gradient is written out by hand (_ChunkKDA.backward) rather than left to autograd: autograd through this
 forward saved and replayed every intermediate and spent its time in concatenations and tiny matmuls; the hand
 backward runs the state recurrence in reverse, then needs the same decay-weighted triangular products as the
@@ -18,6 +29,8 @@ forward (_decayed_rows, _decayed_cols). Equality with naive.py's autograd, every
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +93,7 @@ class _ChunkKDA(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, initial_state):
         N, C, K = q.shape[-3:]
         G = g.cumsum(-2)
-        decays = _level_decays(G)
+        decays = _decays(G)
         A_qk, P = _intra_chunk(q, k, decays)
         # M = (I + beta P)^-1; unitriangular: the solver takes the unit diagonal as given and reads only below it.
         eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(P)
@@ -101,7 +114,7 @@ class _ChunkKDA(torch.autograd.Function):
             S = decay_n * S + k_out_n @ v_new_n
         o = q_in @ starts + A_qk @ v_new
         ctx.save_for_backward(q, k, v, G, beta, A_qk, P, M, w, u, v_new, starts)
-        ctx.has_initial_state = initial_state is not None
+        ctx.has_initial_state, ctx.block = initial_state is not None, decays.block
         return o, S
 
     @staticmethod
@@ -113,7 +126,7 @@ class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, do, dS_final):
         q, k, v, G, beta, A_qk, P, M, w, u, v_new, starts = ctx.saved_tensors
-        decays = _level_decays(G)
+        decays = _decays(G, ctx.block)
         eG = G.exp()
         q_in, kg = q * eG, k * eG
         out_decay = (G[..., -1:, :] - G).exp()  # [..., N, C, K]
@@ -163,22 +176,62 @@ class _ChunkKDA(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, d_initial_state
 
 
-def _level_decays(G: Tensor) -> list[tuple[int, Tensor, Tensor]]:
-    """Per doubling level h = 1, 2, 4, ..., C/2: (h, exp(G_lo - G_r), exp(G_r - G_up)), each [..., C/2h, h, K].
+# The largest |G_i - G_m| the factored form exp(G_i - G_m) exp(G_m - G_j) may meet inside a block (m: the block's
+# middle row). Its factors then stay within e^+-40 and every product, the masked-out upper triangle's (up to e^80
+# times |q.k| <= 1) included, far below fp32's 3.4e38.
+FACTORED_SPAN = 40.0
+# Below this block size the factored matmuls are too small to pay: the doubling levels go down to single rows.
+MIN_FACTORED_BLOCK = 8
 
-    The chunk splits into blocks of 2h rows; a block's lower-left quadrant pairs rows i of its lower half with
-    columns j of its upper half. With r the block's first lower row (j < r <= i), D_ij = exp(G_i - G_r) exp(G_r - G_j)
-    has both factors <= 1, so a quadrant is one matmul that cannot overflow, however fast the chunk decays
-    (the factored exp(G_i) exp(-G_j) overflows past e^88). Quadrants of all levels tile the strict lower triangle.
+
+class _Decays(NamedTuple):
+    """How the decay D_ij = exp(G_i - G_j) is applied: inside diagonal blocks of `block` rows as row_factor_i *
+    col_factor_j (exp(G_i - G_m), exp(G_m - G_j)), between blocks by the doubling levels (h, lo, up), h >= block.
+    block == 1: no factored part, the levels go down to single rows."""
+
+    block: int
+    row_factor: Tensor | None  # [..., C, K]
+    col_factor: Tensor | None
+    levels: list[tuple[int, Tensor, Tensor]]
+
+
+def _decays(G: Tensor, block: int | None = None) -> _Decays:
+    """The decays for G [..., C, K]: the largest block (C, C/2, ..., MIN_FACTORED_BLOCK) whose spans |G_i - G_m| stay
+    within FACTORED_SPAN (the forward's choice, passed back in for the backward), then the levels above it.
+
+    Why the factored form first: one matmul per block instead of log2(block) levels of small batched products and
+    their elementwise passes (the levels took ~60% of chunk_kda's time on CPU). Why the levels at all: a chunk
+    whose gates decay fast (past e^80 between its rows) would overflow the factors; the levels never multiply a
+    factor above 1. Choosing per call costs one host sync (a CPU-side .item()), fine for this CPU/fallback path.
     """
     C = G.shape[-2]
-    decays, h = [], 1
+    if block is None:
+        block = C
+        while block >= MIN_FACTORED_BLOCK and _span(G, block) > FACTORED_SPAN:
+            block //= 2
+        if block < MIN_FACTORED_BLOCK:
+            block = 1
+    row_factor = col_factor = None
+    if block > 1:
+        from_middle = (G.unflatten(-2, (C // block, block)) - _block_middles(G, block)).flatten(-3, -2)
+        row_factor, col_factor = from_middle.exp(), from_middle.neg_().exp_()
+    levels, h = [], block
     while h < C:
         G_up, G_lo = _halves(G, h)
         G_r = G_lo[..., :1, :]
-        decays.append((h, (G_lo - G_r).exp(), (G_r - G_up).exp()))
+        levels.append((h, (G_lo - G_r).exp(), (G_r - G_up).exp()))
         h *= 2
-    return decays
+    return _Decays(block, row_factor, col_factor, levels)
+
+
+def _block_middles(G: Tensor, block: int) -> Tensor:
+    """G at each block's middle row: [..., C, K] -> [..., C/block, 1, K]."""
+    return G.unflatten(-2, (G.shape[-2] // block, block))[..., block // 2:block // 2 + 1, :]
+
+
+def _span(G: Tensor, block: int) -> float:
+    """The largest |G_i - G_m| over every block of `block` rows (m: its middle row)."""
+    return (G.unflatten(-2, (G.shape[-2] // block, block)) - _block_middles(G, block)).abs().amax().item()
 
 
 def _halves(x: Tensor, h: int) -> tuple[Tensor, Tensor]:
@@ -193,13 +246,36 @@ def _quadrant(A: Tensor, h: int) -> Tensor:
     return blocks.diagonal(dim1=-6, dim2=-3)[..., 1, :, 0, :, :].movedim(-1, -3)
 
 
-def _intra_chunk(q: Tensor, k: Tensor, decays: list) -> tuple[Tensor, Tensor]:
-    """A_qk (j <= i) and P (j < i), both [..., C, C], quadrant by quadrant."""
-    C = q.shape[-2]
+def _diagonal_blocks(A: Tensor, b: int) -> Tensor:
+    """A's b x b diagonal blocks: [..., C, C] -> [..., C/b, b, b] (a view; A itself when b == C)."""
+    nb = A.shape[-1] // b
+    if nb == 1:
+        return A.unsqueeze(-3)
+    return A.unflatten(-2, (nb, b)).unflatten(-1, (nb, b)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
+
+
+def _blocks(x: Tensor, b: int) -> Tensor:
+    """[..., C, D] -> [..., C/b, b, D] (a view)."""
+    return x.unflatten(-2, (x.shape[-2] // b, b))
+
+
+def _intra_chunk(q: Tensor, k: Tensor, decays: _Decays) -> tuple[Tensor, Tensor]:
+    """A_qk (j <= i) and P (j < i), both [..., C, C]: diagonal blocks factored, then the levels' quadrants."""
+    C, b = q.shape[-2], decays.block
+    if b == C:  # one block: the whole matrices, no zero fill
+        k_col = k * decays.col_factor
+        A_qk = torch.matmul(q * decays.row_factor, k_col.transpose(-1, -2)).tril_()
+        P = torch.matmul(k * decays.row_factor, k_col.transpose(-1, -2)).tril_(-1)
+        return A_qk, P
     A_qk = q.new_zeros(*q.shape[:-1], C)
     P = torch.zeros_like(A_qk)
-    A_qk.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))
-    for h, lo_decay, up_decay in decays:
+    if b == 1:
+        A_qk.diagonal(dim1=-2, dim2=-1).copy_((q * k).sum(-1))
+    else:
+        k_col = _blocks(k * decays.col_factor, b).transpose(-1, -2)
+        _diagonal_blocks(A_qk, b).copy_(torch.matmul(_blocks(q * decays.row_factor, b), k_col).tril_())
+        _diagonal_blocks(P, b).copy_(torch.matmul(_blocks(k * decays.row_factor, b), k_col).tril_(-1))
+    for h, lo_decay, up_decay in decays.levels:
         (_, q_lo), (k_up, k_lo) = _halves(q, h), _halves(k, h)
         qk, kk = torch.einsum("...ik,...jk->...ij", torch.stack([q_lo, k_lo]) * lo_decay, k_up * up_decay)
         _quadrant(A_qk, h).copy_(qk)
@@ -207,19 +283,29 @@ def _intra_chunk(q: Tensor, k: Tensor, decays: list) -> tuple[Tensor, Tensor]:
     return A_qk, P
 
 
-def _decayed_rows(A: Tensor, X: Tensor, decays: list) -> Tensor:
+def _decayed_rows(A: Tensor, X: Tensor, decays: _Decays) -> Tensor:
     """Y_i = sum_{j <= i} A_ij X_j D_ij for lower-triangular A [..., C, C] and X [..., C, K] (broadcast)."""
-    Y = A.diagonal(dim1=-2, dim2=-1)[..., None] * X
-    for h, lo_decay, up_decay in decays:
+    b = decays.block
+    if b == 1:
+        Y = A.diagonal(dim1=-2, dim2=-1)[..., None] * X
+    else:
+        in_block = _apply(_diagonal_blocks(A, b), _blocks(X * decays.col_factor, b))
+        Y = in_block.flatten(-3, -2).mul_(decays.row_factor)
+    for h, lo_decay, up_decay in decays.levels:
         X_up = _halves(X, h)[0]
         _halves(Y, h)[1].addcmul_(lo_decay, _apply(_quadrant(A, h), X_up * up_decay))
     return Y
 
 
-def _decayed_cols(A: Tensor, Z: Tensor, decays: list) -> Tensor:
+def _decayed_cols(A: Tensor, Z: Tensor, decays: _Decays) -> Tensor:
     """Y_j = sum_{i >= j} A_ij Z_i D_ij for lower-triangular A [..., C, C] and Z [..., C, K] (broadcast)."""
-    Y = A.diagonal(dim1=-2, dim2=-1)[..., None] * Z
-    for h, lo_decay, up_decay in decays:
+    b = decays.block
+    if b == 1:
+        Y = A.diagonal(dim1=-2, dim2=-1)[..., None] * Z
+    else:
+        in_block = _apply(_diagonal_blocks(A, b).transpose(-1, -2), _blocks(Z * decays.row_factor, b))
+        Y = in_block.flatten(-3, -2).mul_(decays.col_factor)
+    for h, lo_decay, up_decay in decays.levels:
         Z_lo = _halves(Z, h)[1]
         _halves(Y, h)[0].addcmul_(up_decay, _apply(_quadrant(A, h).transpose(-1, -2), Z_lo * lo_decay))
     return Y
