@@ -140,11 +140,13 @@ def test_quantile_balancing_evens_a_fixed_batch(seed):
     assert (load - m).abs().max() <= 0.02 * m, load.tolist()
 
 
-def loop_experts(x, w_gate, w_up, w_down, counts):
-    """The routed experts through plain autograd: one SwiGLU per expert on its rows."""
+def loop_experts(x, w_gate, w_up, w_down, counts, row_scale=None):
+    """The routed experts through plain autograd: one SwiGLU per expert on its rows, each output row times its
+    row_scale after w_down."""
     outs = [F.silu(xs @ w_gate[e].T) * (xs @ w_up[e].T) @ w_down[e].T
             for e, xs in enumerate(x.split(counts)) if xs.shape[0]]
-    return torch.cat(outs)
+    out = torch.cat(outs)
+    return out if row_scale is None else out * row_scale[:, None].to(out.dtype)
 
 
 def expert_inputs(dtype, counts=(5, 0, 3, 9, 1, 0, 6, 4), d=6, ffn=10, seed=0):
@@ -155,30 +157,34 @@ def expert_inputs(dtype, counts=(5, 0, 3, 9, 1, 0, 6, 4), d=6, ffn=10, seed=0):
     return [t.to(dtype).requires_grad_() for t in tensors], list(counts)
 
 
-def test_grouped_swiglu_gradcheck_float64():
-    """Its hand-written backward against finite differences, experts with no rows included."""
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_grouped_swiglu_gradcheck_float64(with_scale):
+    """Its hand-written backward against finite differences, experts with no rows included, with and without the
+    row scale (the gate weights)."""
     from k3train.models.k3.moe import GroupedSwiGLU
 
     tensors, counts = expert_inputs(torch.float64)
-    assert torch.autograd.gradcheck(lambda *t: GroupedSwiGLU.apply(*t, counts), tensors)
+    scale = [torch.rand(tensors[0].shape[0], dtype=torch.float64, requires_grad=True)] if with_scale else []
+    assert torch.autograd.gradcheck(lambda x, *w: GroupedSwiGLU.apply(x, *w[:3], counts, *w[3:]), tensors + scale)
 
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_grouped_swiglu_equals_the_autograd_loop(autocast):
-    """Outputs and every gradient as plain autograd gives them, in fp32 and under bf16 autocast (where both compute
-    their matmuls in bf16 and return gradients in the inputs' fp32)."""
+    """Outputs and every gradient, the row scale's included, as plain autograd gives them, in fp32 and under bf16
+    autocast (where both compute their matmuls in bf16 and return gradients in the inputs' fp32)."""
     from k3train.models.k3.moe import GroupedSwiGLU
 
     results = []
     for fn in (loop_experts, GroupedSwiGLU.apply):
         tensors, counts = expert_inputs(torch.float32, seed=1)
+        scale = (torch.rand(tensors[0].shape[0], generator=torch.Generator().manual_seed(3)) + 0.5).requires_grad_()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            out = fn(*tensors, counts)
+            out = fn(*tensors, counts, scale)
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype))
-        results.append([out.detach().float(), *(t.grad for t in tensors)])
+        results.append([out.detach().float(), *(t.grad for t in tensors), scale.grad])
         assert out.dtype == (torch.bfloat16 if autocast else torch.float32)
-        assert all(t.grad.dtype == torch.float32 for t in tensors)
-    for name, got, want in zip(("out", "x", "w_gate", "w_up", "w_down"), results[1], results[0]):
+        assert all(t.grad.dtype == torch.float32 for t in [*tensors, scale])
+    for name, got, want in zip(("out", "x", "w_gate", "w_up", "w_down", "scale"), results[1], results[0]):
         # bf16 keeps ~3 significant digits, and the two round their intermediate products in different places
         tol = dict(rtol=2e-2, atol=1e-2 * want.abs().max().item()) if autocast else dict(rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"{n}: {m}")

@@ -101,62 +101,78 @@ class RoutedExperts(nn.Module):
         for w in (self.w_gate, self.w_up, self.w_down):
             nn.init.normal_(w, std=0.02)  # the model re-initialises with its init_std
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x_sorted [S, d]: token slots grouped by expert, counts[e] rows for expert e -> [S, d]."""
-        return GroupedSwiGLU.apply(x_sorted, self.w_gate, self.w_up, self.w_down, counts)
+    def forward(self, x_sorted: torch.Tensor, counts: list[int], row_scale: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """x_sorted [S, d]: token slots grouped by expert, counts[e] rows for expert e -> [S, d], each row times
+        row_scale [S] when given (the slots' gate weights)."""
+        return GroupedSwiGLU.apply(x_sorted, self.w_gate, self.w_up, self.w_down, counts, row_scale)
 
 
 class GroupedSwiGLU(torch.autograd.Function):
-    """Expert e's SwiGLU, w_down[e](silu(w_gate[e] x) * w_up[e] x), on its contiguous rows of x, for every e.
+    """Expert e's SwiGLU, w_down[e](silu(w_gate[e] x) * w_up[e] x), on its contiguous rows of x, for every e; with
+    row_scale [S], each row's output times its scale (applied to the [S, ffn] hidden before w_down: the same product,
+    but a pass over rows ffn wide instead of d wide, forward and backward).
 
     The same matmuls autograd would run through `w.unbind(0)` and a loop, with a hand-written backward that writes
     each expert's weight gradient into its slice of one [E, out, in] tensor and each output into its rows of one
     [S, d] tensor. Through autograd, the unbind's backward stacks E separate gradients (a second full copy of every
     expert weight) and the outputs are concatenated: for k3_small's experts on CPU that took 27% longer on 1
     thread, 6% on 2 (benchmarks/bench_layers.py). Under autocast the matmuls run in the autocast dtype, as
-    nn.Linear's would.
+    nn.Linear's would, and the scale is cast to it.
     """
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, counts: list[int]):
+    def forward(ctx, x, w_gate, w_up, w_down, counts: list[int], row_scale=None):
         if sum(counts) != x.shape[0]:
             raise ValueError(f"expert row counts sum to {sum(counts)}, but x has {x.shape[0]} rows")
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
             xs, wg, wu, wd = (t.to(dtype) for t in (x, w_gate, w_up, w_down))
+            scale = None if row_scale is None else row_scale.to(dtype)[:, None]
             gate, up = xs.new_empty(xs.shape[0], wg.shape[1]), xs.new_empty(xs.shape[0], wu.shape[1])
             out = xs.new_empty(xs.shape[0], wd.shape[1])
             for e, rows in _expert_rows(counts):
                 torch.mm(xs[rows], wg[e].T, out=gate[rows])
                 torch.mm(xs[rows], wu[e].T, out=up[rows])
-                torch.mm(F.silu(gate[rows]) * up[rows], wd[e].T, out=out[rows])
-        ctx.save_for_backward(xs, wg, wu, wd, gate, up)
-        ctx.counts, ctx.dtypes = counts, (x.dtype, w_gate.dtype, w_up.dtype, w_down.dtype)
+                hidden = F.silu(gate[rows]) * up[rows]
+                if scale is not None:
+                    hidden *= scale[rows]
+                torch.mm(hidden, wd[e].T, out=out[rows])
+        ctx.save_for_backward(xs, wg, wu, wd, gate, up, scale)
+        ctx.counts = counts
+        ctx.dtypes = (x.dtype, w_gate.dtype, w_up.dtype, w_down.dtype, None if row_scale is None else row_scale.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        xs, wg, wu, wd, gate, up = ctx.saved_tensors
+        xs, wg, wu, wd, gate, up, scale = ctx.saved_tensors
         with torch.autocast(xs.device.type, enabled=False):
             grad_out = grad_out.to(xs.dtype)
             grad_x = torch.empty_like(xs)  # every row belongs to one expert: all are written
             # empty, not zeros: every expert with rows is written whole below, the others are zeroed here
             grad_wg, grad_wu, grad_wd = torch.empty_like(wg), torch.empty_like(wu), torch.empty_like(wd)
+            grad_scale = None if scale is None else torch.empty_like(scale)
             for e in (e for e, n in enumerate(ctx.counts) if n == 0):
                 grad_wg[e], grad_wu[e], grad_wd[e] = 0, 0, 0
             for e, rows in _expert_rows(ctx.counts):
                 g, a, b = grad_out[rows], gate[rows], up[rows]
                 act = F.silu(a)
-                torch.mm(g.T, act * b, out=grad_wd[e])
-                grad_h = g @ wd[e]
+                hidden = act * b
+                grad_h = g @ wd[e]  # d/d(hidden * scale)
+                if scale is not None:
+                    torch.sum(grad_h * hidden, dim=-1, keepdim=True, out=grad_scale[rows])
+                    hidden *= scale[rows]
+                    grad_h *= scale[rows]
+                torch.mm(g.T, hidden, out=grad_wd[e])
                 grad_a = torch.ops.aten.silu_backward(grad_h * b, a)  # the kernel autograd's silu would use
                 grad_b = grad_h * act
                 torch.mm(grad_a.T, xs[rows], out=grad_wg[e])
                 torch.mm(grad_b.T, xs[rows], out=grad_wu[e])
                 torch.addmm(grad_a @ wg[e], grad_b, wu[e], out=grad_x[rows])
-        x_dtype, *w_dtypes = ctx.dtypes
-        return (grad_x.to(x_dtype), *(g.to(dt) for g, dt in zip((grad_wg, grad_wu, grad_wd), w_dtypes)), None)
+        x_dtype, *w_dtypes, scale_dtype = ctx.dtypes
+        grads = (grad_x.to(x_dtype), *(g.to(dt) for g, dt in zip((grad_wg, grad_wu, grad_wd), w_dtypes)))
+        return (*grads, None, None if grad_scale is None else grad_scale[:, 0].to(scale_dtype))
 
 
 def _expert_rows(counts: list[int]):
@@ -230,9 +246,9 @@ class MoE(nn.Module):
         token_of_slot = order // self.k  # [N*k]: which token each sorted slot belongs to
         counts = torch.bincount(flat_experts, minlength=self.n_experts).tolist()
         # index_select, not x[token_of_slot]: its backward is an index_add, ~3x faster on CPU than indexing's
-        # accumulating index_put (2048 x 4 slots of 512 wide). y is in the matmuls' dtype (bf16 under autocast).
-        y = self.experts(x.index_select(0, token_of_slot), counts)  # [N*k, d]
-        y = y * weights.reshape(-1, 1)[order].to(y.dtype)
+        # accumulating index_put (2048 x 4 slots of 512 wide). y is in the matmuls' dtype (bf16 under autocast),
+        # each slot already weighted by its gate weight.
+        y = self.experts(x.index_select(0, token_of_slot), counts, weights.reshape(-1)[order])  # [N*k, d]
         return y.new_zeros(N, d).index_add_(0, token_of_slot, y)
 
     @torch.no_grad()
