@@ -1,12 +1,14 @@
-"""RMSNorm's written-out backward against nn.RMSNorm: values, gradients, state_dict, and where it steps aside."""
+"""RMSNorm's written-out backward against nn.RMSNorm (values, gradients, state_dict, and where it steps aside), and
+l2_normalize's against F.normalize."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from k3train.models.norm import RMSNorm, RMSNormFunction
+from k3train.models.norm import RMSNorm, RMSNormFunction, l2_normalize
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -54,3 +56,27 @@ def test_other_dtypes_take_torchs_kernel(monkeypatch):
     x = torch.randn(4, 24)
     torch.testing.assert_close(ours.bfloat16()(x.bfloat16()), reference.bfloat16()(x.bfloat16()))
     torch.testing.assert_close(ours.double()(x.double()), reference.double()(x.double()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_l2_normalize_matches_f_normalize(dtype):
+    """Values and gradients as autograd through F.normalize gives them, a zero row (clamped norm) included."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 3, 16) * torch.rand(2, 5, 3, 1) * 4
+    x[0, 0, 0] = 0
+    upstream = torch.randn(x.shape)
+    results = []
+    for fn in (l2_normalize, lambda t: F.normalize(t, dim=-1)):
+        leaf = x.to(dtype).requires_grad_()
+        y = fn(leaf)
+        y.backward(upstream.to(dtype))
+        assert y.dtype == leaf.grad.dtype == dtype
+        results.append((y.detach().float(), leaf.grad.float()))
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, **tol)
+
+
+def test_l2_normalize_gradcheck():
+    x = torch.randn(4, 3, 8, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(l2_normalize, (x,))

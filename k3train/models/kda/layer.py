@@ -14,7 +14,7 @@ from k3train.models.kda.chunk import chunk_kda
 from k3train.models.kda.fla import fla_chunk_kda, fla_fused_recurrent_kda, require_fla
 from k3train.models.kda.naive import naive_recurrent_kda
 from k3train.models.kda.state import KDAState
-from k3train.models.norm import RMSNorm
+from k3train.models.norm import RMSNorm, l2_normalize
 
 IMPLEMENTATIONS = ("chunk", "recurrent", "fla")
 GATES = ("softplus", "sigmoid")
@@ -98,8 +98,8 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = x.shape
         H, HV, K = self.n_heads, self.n_value_heads, self.head_dim
         q, k, v, f_a, g_a, b = self._input_projections(x)
-        q = F.normalize(self._short_conv(self.q_conv, q).view(B, T, H, K), dim=-1)
-        k = F.normalize(self._short_conv(self.k_conv, k).view(B, T, H, K), dim=-1)
+        q = l2_normalize(self._short_conv(self.q_conv, q).view(B, T, H, K))
+        k = l2_normalize(self._short_conv(self.k_conv, k).view(B, T, H, K))
         v = self._short_conv(self.v_conv, v).view(B, T, HV, K)
         o = self._recurrence(q, k, v, self._forget_gate(f_a), b.sigmoid())  # [B, T, HV, K] in v's dtype
         return self._gated_output(g_a, o)
@@ -129,7 +129,7 @@ class KimiDeltaAttention(nn.Module):
         q, state.conv_q = self._short_conv_continued(self.q_conv, q, state.conv_q)
         k, state.conv_k = self._short_conv_continued(self.k_conv, k, state.conv_k)
         v, state.conv_v = self._short_conv_continued(self.v_conv, v, state.conv_v)
-        q, k = F.normalize(q.view(B, T, H, K), dim=-1), F.normalize(k.view(B, T, H, K), dim=-1)
+        q, k = l2_normalize(q.view(B, T, H, K)), l2_normalize(k.view(B, T, H, K))
         recurrence = self._continued_recurrence(T)
         o, state.recurrent = recurrence(q, k, v.view(B, T, HV, K), self._forget_gate(f_a), b.sigmoid(),
                                         initial_state=state.recurrent, output_final_state=True)
