@@ -52,6 +52,20 @@ def test_loss_and_gradients_equal_the_whole_logits_reference(n, d, v, chunk_size
     assert_matches_reference(*problem(n, d, v), chunk_size=chunk_size)
 
 
+def test_unscaled_backward_twice_through_a_retained_graph_with_grads_edited_in_place_between():
+    """grad_loss == 1 hands back the saved gradients themselves: autograd must copy them, not adopt them, while the
+    graph keeps them, or editing .grad in place (clipping does) would change what the second backward returns."""
+    hidden, weight, targets = problem(64, 16, 50)
+    want = torch.autograd.grad(reference(hidden, weight, targets), (hidden, weight))
+    loss = linear_cross_entropy(hidden, weight, targets, chunk_size=16)
+    loss.backward(retain_graph=True)
+    for t in (hidden, weight):
+        t.grad.mul_(0.5)
+    loss.backward()
+    for t, w in zip((hidden, weight), want):
+        torch.testing.assert_close(t.grad, 1.5 * w, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize("chunk_size", [7, 64])
 def test_ignored_targets_count_neither_in_the_sum_nor_in_the_mean(chunk_size):
     hidden, weight, targets = problem(64, 16, 50, ignored=0.4)
