@@ -77,7 +77,9 @@ def chunk_kda(
             q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
             beta = F.pad(beta, (0, 0, 0, pad))
         N = (T + pad) // C
-        q, k, v, g = (x.transpose(1, 2).reshape(B, HV, N, C, -1) for x in (q, k, v, g))  # [B, HV, N, C, D]
+        # Heads first, contiguous: a view would leave every elementwise result strided, and each matmul would then
+        # copy its operands out again (7 hidden copies per forward + backward on CPU).
+        q, k, v, g = (x.transpose(1, 2).contiguous().view(B, HV, N, C, -1) for x in (q, k, v, g))  # [B, HV, N, C, D]
         beta = beta.transpose(1, 2).reshape(B, HV, N, C, 1)
         S0 = None if initial_state is None else initial_state.to(dtype)
         o, S = _ChunkKDA.apply(q, k, v, g, beta, S0)  # [B, HV, N, C, V], [B, HV, K, V]
