@@ -204,6 +204,7 @@ def test_short_conv_keeps_dtypes_of_bf16_input_and_fp32_weight():
 def test_layer_input_projections_in_one_matmul_equal_each_projection():
     layer, x = make_layer(n_value_heads=4), torch.randn(2, 7, 32)
     separate = [p(x) for p in (layer.q_proj, layer.k_proj, layer.v_proj, layer.f_a_proj, layer.g_a_proj, layer.b_proj)]
+    separate = [torch.cat(separate[:3], dim=-1), *separate[3:]]  # q, k, v side by side
     for fused in (True, False):
         got = layer._input_projections(x, fused=fused)
         assert [t.shape for t in got] == [t.shape for t in separate]
