@@ -49,7 +49,7 @@ from k3train.train.cpu import apply_threads, choose_threads, cpu_description, ke
 from k3train.train.mfu import calibrate_cpu_matmul  # noqa: E402
 
 TARGETS = {"framework_overhead": 0.02, "k3_small_mfu": 0.40, "checkpoint_share": 0.05}
-VERDICT = {True: "yes", False: "NO", "unclear": "unclear: noise over the limit"}
+VERDICT = {True: "yes", False: "NO", "unclear": "unclear: the A/B rounds' quartiles straddle the limit"}
 SMALL_SHAPES = ("train.batch_size=2", "train.seq_len=64")  # --quick
 
 
@@ -136,8 +136,11 @@ def targets(sections: dict) -> dict:
         except (KeyError, TypeError):
             return
         met = value <= limit if below else value >= limit
-        if name.startswith("framework_overhead") and value < -limit:
-            met = "unclear"  # the bare loop slower than the Trainer by more than the limit: noise, not a result
+        if name == "framework_overhead_k3_tiny":
+            # The A/B rounds' own spread decides: when their quartiles lie on both sides of the limit, the rounds
+            # cannot tell 2% from noise either way (on a shared 2-core machine they spread by ~10%).
+            q1, q3 = entry["result"]["overhead_of_rounds_quartiles"]
+            met = True if q3 <= limit else False if q1 > limit else "unclear"
         out[name] = {"value": value, "limit": limit, "met": met, "load_avg": entry["load_avg_before"][0],
                      "section": section}
 
