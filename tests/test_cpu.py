@@ -114,6 +114,7 @@ def test_cli_records_threads_and_dtype_and_reports_the_first_update(run_cli, tmp
     assert env["cpu_threads"] == 1 and env["cpu"]["threads"] == 1 and env["cpu"]["reason"] == "train.cpu_threads"
     assert env["cpu"]["omp_wait_policy"] == "PASSIVE"  # set by `python -m k3train` before torch loaded
     assert env["cpu"]["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert env["cpu"]["denormals"] == "flushed to zero" and "denormals: flushed to zero" in proc.stdout
     muon = [g for g in manifest["optimizer"] if g["kind"] == "muon"]
     assert muon and all(g["ns_dtype"] == "fp32" for g in muon)
     assert "cpu: 1 threads (train.cpu_threads)" in proc.stdout and "ns_dtype=fp32" in proc.stdout
@@ -167,3 +168,32 @@ def test_keep_freed_memory_leaves_a_users_malloc_tuning_alone(monkeypatch):
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # any MALLOC_* variable: the user tunes malloc themselves
     assert cpu.keep_freed_memory() == "as the environment sets it (MALLOC_ARENA_MAX)"
     assert cpu.malloc_setting() == cpu.keep_freed_memory()
+
+
+@pytest.mark.parametrize("pool_started", [False, True], ids=["before_the_thread_pool", "after_it"])
+def test_flush_denormals_reaches_every_thread_only_before_torchs_thread_pool_starts(pool_started):
+    """Called before torch's first parallel op (as build_parts is), each of 2 threads' share of an elementwise op
+    flushes denormal inputs and results; called after, only the main thread's does, and the setting says so.
+    Inputs are made and results counted by their bits: a Python float converts to 0, and a float compare reads a
+    denormal as 0, on a flushing thread."""
+    code = f"""if True:
+        import torch
+        torch.set_num_threads(2)
+        if {pool_started}:
+            torch.full((1 << 22,), 1.0).mul(2)  # a parallel op: torch's OpenMP threads start
+        from k3train.train.cpu import flush_denormals
+        print(flush_denormals())
+        denormal = torch.full((1 << 22,), 1 << 20, dtype=torch.int32).view(torch.float32)  # 2^-129, from its bits
+        for y in (denormal * 1.0, torch.full((1 << 22,), 1e-30) * 1e-10):  # a denormal input; a denormal result
+            print(int((y.view(torch.int32) != 0).sum()))
+    """
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    setting, *kept = proc.stdout.splitlines()
+    if setting.startswith("kept"):
+        pytest.skip(f"this CPU cannot flush denormals: {setting}")
+    if not pool_started:
+        assert setting == "flushed to zero" and kept == ["0", "0"]
+    else:
+        assert setting.startswith("flushed on the main thread only (50% of the probe kept them)"), setting
+        assert kept == [str(1 << 21)] * 2  # the second thread's half

@@ -32,7 +32,7 @@ from k3train.report.sweep_table import write_sweep_summary
 from k3train.train import distributed, rundir, slurm
 from k3train.train.build import RunFinished, build_parts, resolve_resume
 from k3train.train.checkpoint import CheckpointError
-from k3train.train.cpu import ThreadChoice, cpu_runtime, malloc_setting
+from k3train.train.cpu import ThreadChoice, cpu_runtime, denormal_setting, malloc_setting
 from k3train.train.distributed import current_world
 from k3train.train.manifest import RunManifest, environment
 from k3train.train.metrics import MetricsLogger
@@ -265,7 +265,7 @@ def _print_summary(run_dir: Path, trainer: Trainer, threads: ThreadChoice) -> No
         f"  optimizer: {type(optimizer).__name__}",
     ]
     if trainer.device.type == "cpu":
-        lines.insert(2, f"  cpu: {threads.describe()}; malloc: {malloc_setting()}")
+        lines.insert(2, f"  cpu: {threads.describe()}; malloc: {malloc_setting()}; denormals: {denormal_setting()}")
     lines += ["    " + row for row in format_param_groups(optimizer.param_groups).splitlines()]
     lines.append(f"  parallel: {trainer.parallel.describe()}")
     lines.append(f"  schedule: {schedule.describe()}")
