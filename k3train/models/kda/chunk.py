@@ -204,7 +204,8 @@ def _decays(G: Tensor, block: int | None = None) -> _Decays:
     Why the factored form first: one matmul per block instead of log2(block) levels of small batched products and
     their elementwise passes (the levels took ~60% of chunk_kda's time on CPU). Why the levels at all: a chunk
     whose gates decay fast (past e^80 between its rows) would overflow the factors; the levels never multiply a
-    factor above 1. Choosing per call costs one host sync (a CPU-side .item()), fine for this CPU/fallback path.
+    factor above 1. Choosing costs a host sync (.item()) per size tried, in the forward only: fine for this
+    CPU / no-FLA path.
     """
     C = G.shape[-2]
     if block is None:
