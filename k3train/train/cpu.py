@@ -92,8 +92,8 @@ def flush_denormals() -> str:
     Arm's FZ; see the module docstring); returns what was done, as measured.
 
     The setting is per thread, and torch's OpenMP threads copy it from the main thread when they start: called
-    after torch's first parallel op, only the main thread's share of the work flushes. A probe (an elementwise op
-    over 4 MiB of denormals, every thread taking a share) tells which happened."""
+    after torch's first parallel op, only the main thread's share of the work flushes. A probe (4 MiB of products
+    of normal numbers whose results are denormal, every thread taking a share) tells which happened."""
     global _denormals
     import torch
 
