@@ -60,10 +60,12 @@ def test_other_dtypes_take_torchs_kernel(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_l2_normalize_matches_f_normalize(dtype):
-    """Values and gradients as autograd through F.normalize gives them, a zero row (clamped norm) included."""
+    """Values and gradients as autograd through F.normalize gives them, rows whose norm is clamped to eps included
+    (a zero row, and one of norm 1e-13: there the gradient has no projection term)."""
     torch.manual_seed(0)
     x = torch.randn(2, 5, 3, 16) * torch.rand(2, 5, 3, 1) * 4
     x[0, 0, 0] = 0
+    x[1, 0, 0] = torch.nn.functional.normalize(torch.randn(16), dim=0) * 1e-13
     upstream = torch.randn(x.shape)
     results = []
     for fn in (l2_normalize, lambda t: F.normalize(t, dim=-1)):
