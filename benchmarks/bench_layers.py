@@ -33,7 +33,7 @@ from k3train.models.loss import linear_cross_entropy
 from k3train.models.norm import RMSNorm
 from k3train.models.k3.moe import GroupedSwiGLU
 from k3train.models.kda.layer import CausalConvSiLU, causal_depthwise_conv
-from k3train.train.cpu import flush_denormals, keep_freed_memory
+from k3train.train.cpu import prepare_cpu_training
 from results_file import write_results  # benchmarks/, beside this script
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
@@ -70,8 +70,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     args = parser.parse_args()
-    keep_freed_memory()  # as training on a CPU does (k3train/train/build.py)
-    flush_denormals()
+    prepare_cpu_training()  # as training on a CPU does
     torch.manual_seed(0)
     cfg = OmegaConf.load(CONF / "k3_small.yaml")
     cfg.vocab_size = VOCAB

@@ -21,7 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from k3train.train.mfu import calibrate_cpu_matmul
-from k3train.train.cpu import flush_denormals, keep_freed_memory
+from k3train.train.cpu import prepare_cpu_training
 from results_file import write_results  # benchmarks/, beside this script
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
@@ -78,8 +78,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
-    keep_freed_memory()  # as training on a CPU does (k3train/train/build.py)
-    flush_denormals()
+    prepare_cpu_training()  # as training on a CPU does
     out = {
         "benchmark": "train step (fwd + bwd + AdamW), fp32, CPU, random tokens, MFU of the calibrated fp32 peak",
         "torch": torch.__version__, "threads": torch.get_num_threads(), "load_avg_at_start": os.getloadavg(),

@@ -35,7 +35,7 @@ from k3train.config import register_configs
 from k3train.data import TokenData
 from k3train.optim import qk_clip
 from k3train.train.build import _build_named, build_meta
-from k3train.train.cpu import flush_denormals, keep_freed_memory
+from k3train.train.cpu import prepare_cpu_training
 from k3train.train.callbacks import Callback
 from k3train.train.checkpoint import Checkpointer
 from k3train.train.distributed import current_world
@@ -197,8 +197,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    keep_freed_memory()  # as training on a CPU does (k3train/train/build.py)
-    flush_denormals()
+    prepare_cpu_training()  # as training on a CPU does
     data = TokenData.builtin()
     overhead = framework_overhead(data, args.rounds, args.steps)
     result = {"framework_overhead": overhead,

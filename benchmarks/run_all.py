@@ -45,13 +45,7 @@ import bench_moe  # noqa: E402
 import bench_muon  # noqa: E402
 import bench_train  # noqa: E402
 from k3train.data import TokenData  # noqa: E402
-from k3train.train.cpu import (  # noqa: E402
-    apply_threads,
-    choose_threads,
-    cpu_description,
-    flush_denormals,
-    keep_freed_memory,
-)
+from k3train.train.cpu import apply_threads, choose_threads, cpu_description, prepare_cpu_training  # noqa: E402
 from k3train.train.mfu import calibrate_cpu_matmul  # noqa: E402
 
 TARGETS = {"framework_overhead": 0.02, "k3_small_mfu": 0.40, "checkpoint_share": 0.05}
@@ -217,11 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args(argv)
     apply_threads(choose_threads(args.threads))
-    malloc, denormals = keep_freed_memory(), flush_denormals()  # as training on a CPU does (k3train/train/build.py)
+    cpu_setup = prepare_cpu_training()  # as training on a CPU does
     data = TokenData.builtin()
     report = {"quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "malloc": malloc, "denormals": denormals,
-              "machine": cpu_description(), "sections": {}}
+              "threads": torch.get_num_threads(), **cpu_setup, "machine": cpu_description(), "sections": {}}
     for name in args.only or SECTIONS:
         print(f"== {name} (load average {os.getloadavg()[0]:.2f})", flush=True)
         report["sections"][name] = run_section(name, data, args.quick)

@@ -21,7 +21,7 @@ from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConf
 from k3train.models.protocol import missing_members
 from k3train.train.callbacks import Callback
 from k3train.train.checkpoint import Checkpointer, CheckpointError, ShardedCheckpointer
-from k3train.train.cpu import apply_threads, choose_threads, flush_denormals, keep_freed_memory
+from k3train.train.cpu import apply_threads, choose_threads, prepare_cpu_training
 from k3train.train.distributed import World, current_world
 from k3train.train.metrics import MetricsLogger, MetricsSink
 from k3train.train.rng import configure_determinism, seed_everything
@@ -117,8 +117,7 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
                              else None)
     apply_threads(threads)
     if device.type == "cpu":
-        keep_freed_memory()
-        flush_denormals()
+        prepare_cpu_training()
 
     configure_determinism(train_cfg.deterministic)
     seed_everything(train_cfg.seed)

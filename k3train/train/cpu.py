@@ -115,6 +115,13 @@ def denormal_setting() -> str:
     return _denormals
 
 
+def prepare_cpu_training() -> dict[str, str]:
+    """What a CPU training run sets up before its first torch op that runs in parallel: malloc keeps freed memory,
+    denormals flush (on every thread only if no parallel op ran yet). Returns {"malloc", "denormals"}: what was done.
+    build_parts calls it; so do the benchmarks, to time what training runs."""
+    return {"malloc": keep_freed_memory(), "denormals": flush_denormals()}
+
+
 # ---- threads --------------------------------------------------------------------------------------------------
 def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     """The CPU quota of this container's cgroup in CPUs (v2 cpu.max or v1 cfs quota/period); None: no quota."""
