@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from k3train.train.cpu import configure_openmp
+from k3train.runtime.cpu import configure_openmp
 
 if sys.argv[1:3] != ["--probe", "torch_default"]:  # a probe of torch's defaults keeps OpenMP's own policy
     configure_openmp()  # as `python -m k3train` does, before torch loads
@@ -42,7 +42,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from k3train.optim.build import resolve_ns_dtype  # noqa: E402
 from k3train.optim.muon import NS_DTYPES, as_matrices, zeropower_via_newtonschulz5  # noqa: E402
 from k3train.optim.param_groups import partition_parameters  # noqa: E402
-from k3train.train.cpu import apply_threads, choose_threads, cpu_description  # noqa: E402
+from k3train.runtime.cpu import apply_threads, choose_threads, cpu_description  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 257  # the built-in byte-level corpus

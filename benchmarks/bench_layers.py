@@ -33,7 +33,7 @@ from k3train.models.loss import linear_cross_entropy
 from k3train.models.norm import RMSNorm
 from k3train.models.k3.moe import GroupedSwiGLU
 from k3train.models.kda.layer import CausalConvSiLU, causal_depthwise_conv
-from k3train.train.cpu import prepare_cpu_training
+from k3train.runtime.cpu import prepare_cpu_training
 from results_file import write_results  # benchmarks/, beside this script
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"

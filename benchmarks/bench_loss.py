@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from k3train.train.cpu import configure_openmp
+from k3train.runtime.cpu import configure_openmp
 
 configure_openmp()  # as `python -m k3train` does, before torch loads
 

@@ -4,7 +4,7 @@
 Builds each model from its conf/model YAML (vocab 257, the byte-level built-in corpus), times `steps` train steps
 after 2 warm-up steps on random tokens, and writes benchmarks/results/model.json: median step time (forward +
 backward, and the optimizer step), tokens/s, the total/active/embedding parameters, the model's training FLOPs per
-token (k3train/models/k3/flops.py) and MFU against this CPU's calibrated fp32 matmul peak (k3train/train/mfu.py),
+token (k3train/models/k3/flops.py) and MFU against this CPU's calibrated fp32 matmul peak (k3train/observe/mfu.py),
 with and without the optimizer step.
 """
 
@@ -20,8 +20,8 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from k3train.train.mfu import calibrate_cpu_matmul
-from k3train.train.cpu import prepare_cpu_training
+from k3train.observe.mfu import calibrate_cpu_matmul
+from k3train.runtime.cpu import prepare_cpu_training
 from results_file import write_results  # benchmarks/, beside this script
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"

@@ -24,7 +24,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-# As `python -m k3train` does (k3train/train/cpu.py), before torch loads OpenMP: idle threads sleep instead of
+# As `python -m k3train` does (k3train/runtime/cpu.py), before torch loads OpenMP: idle threads sleep instead of
 # spinning, which keeps a 2-thread rank near its fair share on a machine that other processes also use.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

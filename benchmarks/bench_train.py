@@ -34,12 +34,12 @@ from omegaconf import DictConfig, OmegaConf
 from k3train.config import register_configs
 from k3train.data import TokenData
 from k3train.optim import qk_clip
-from k3train.train.build import _build_named, build_meta
-from k3train.train.cpu import prepare_cpu_training
+from k3train.run.build import _build_named, build_meta
+from k3train.runtime.cpu import prepare_cpu_training
 from k3train.train.callbacks import Callback
-from k3train.train.checkpoint import Checkpointer
-from k3train.train.distributed import current_world
-from k3train.train.metrics import MetricsLogger
+from k3train.checkpoint.checkpointer import Checkpointer
+from k3train.runtime.distributed import current_world
+from k3train.observe.metrics import MetricsLogger
 from k3train.train.trainer import Trainer
 from results_file import write_results  # benchmarks/, beside this script
 

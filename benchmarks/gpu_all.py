@@ -1,5 +1,5 @@
 """The whole GPU check on one H200, within 8 minutes: the GPU parity tests, KDA kernel speed, and the k3_small
-train step's tokens/s and MFU (against the datasheet peak, k3train/train/mfu.py).
+train step's tokens/s and MFU (against the datasheet peak, k3train/observe/mfu.py).
 
     python benchmarks/gpu_all.py                # needs CUDA and pip install 'k3train[gpu]'
     python benchmarks/gpu_all.py --dry-run-cpu  # exercises the scripts on CPU (no parity tests): says nothing

@@ -2,7 +2,7 @@
 
 Times the real update (forward, backward, grad clip, MuonAdamW step, QK-Clip) on random tokens after warm-up, for
 each KDA implementation, and reports tokens/s, peak memory and model FLOP utilisation (the model's training FLOPs
-per token, k3train/models/k3/flops.py, against the GPU's datasheet peak for the dtype, k3train/train/mfu.py).
+per token, k3train/models/k3/flops.py, against the GPU's datasheet peak for the dtype, k3train/observe/mfu.py).
 Sized to finish in about 3 minutes on one H200; stops starting new cases past --budget-s.
 
     python benchmarks/gpu_train_step.py                 # needs CUDA (and k3train[gpu] for the fla case)
@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 from k3train.optim import qk_clip
 from k3train.optim.build import muon_adamw
-from k3train.train.mfu import resolve_peak
+from k3train.observe.mfu import resolve_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 

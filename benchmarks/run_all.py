@@ -8,7 +8,7 @@ Sections (each a function of the benchmark script named beside it):
   kda           chunk_kda against the per-step reference (and FLA when installed) bench_kda.compare
   moe           MoE dispatch against a dense SwiGLU of equal active FLOPs         bench_moe.bench_case
   muon          Muon's share of a k3_small train step                             bench_muon.muon_share
-  cpu           matmul GFLOP/s by dtype and thread count; Newton-Schulz dtypes     k3train.train.mfu, bench_cpu
+  cpu           matmul GFLOP/s by dtype and thread count; Newton-Schulz dtypes     k3train.observe.mfu, bench_cpu
   train_step    tokens/s and MFU of k3_tiny and k3_small (seq_len 1024)            bench_model.bench_case
   overhead      the Trainer against a bare loop, k3_tiny at the default batch      bench_train.framework_overhead
   checkpoint    save and resume MB/s, share of wall time at the default interval  bench_train.checkpoint_cost
@@ -31,7 +31,7 @@ from typing import Callable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the bench_* modules beside this file, also when imported by a test
 
-from k3train.train.cpu import configure_openmp  # noqa: E402
+from k3train.runtime.cpu import configure_openmp  # noqa: E402
 
 configure_openmp()  # as `python -m k3train` does, before torch loads
 
@@ -45,8 +45,8 @@ import bench_moe  # noqa: E402
 import bench_muon  # noqa: E402
 import bench_train  # noqa: E402
 from k3train.data import TokenData  # noqa: E402
-from k3train.train.cpu import apply_threads, choose_threads, cpu_description, prepare_cpu_training  # noqa: E402
-from k3train.train.mfu import calibrate_cpu_matmul  # noqa: E402
+from k3train.runtime.cpu import apply_threads, choose_threads, cpu_description, prepare_cpu_training  # noqa: E402
+from k3train.observe.mfu import calibrate_cpu_matmul  # noqa: E402
 
 TARGETS = {"framework_overhead": 0.02, "k3_small_mfu": 0.40, "checkpoint_share": 0.05}
 VERDICT = {True: "yes", False: "NO", "unclear": "unclear: the A/B rounds' quartiles straddle the limit"}

@@ -1,10 +1,10 @@
 """`python -m k3train [overrides]`: compose the config with Hydra and hand it to the runner. Nothing else."""
 
-from k3train.train.cpu import configure_openmp
+from k3train.runtime.cpu import configure_openmp
 
 configure_openmp()  # before anything imports torch: OpenMP reads its wait policy once, when it loads
 
-from k3train.train.signals import catch_early  # noqa: E402
+from k3train.runtime.signals import catch_early  # noqa: E402
 
 catch_early()  # a stop signal during start-up (imports, data, model) stops the run after its first update
 
@@ -15,14 +15,14 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from k3train.config import register_configs  # noqa: E402
-from k3train.train import distributed  # noqa: E402
+from k3train.runtime import distributed  # noqa: E402
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="pkg://k3train.conf", config_name="config")
 def compose_and_run(cfg: DictConfig) -> None:
-    from k3train.train.runner import run
+    from k3train.run.runner import run
 
     try:
         run(cfg)

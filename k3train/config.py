@@ -19,9 +19,9 @@ from typing import Any, Optional, get_type_hints
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from k3train.train.cpu import parse_threads
-from k3train.train.distributed import run_start
-from k3train.train.slurm import run_name
+from k3train.runtime.cpu import parse_threads
+from k3train.runtime.distributed import run_start
+from k3train.runtime.slurm import run_name
 
 
 @dataclass
@@ -46,12 +46,12 @@ class TrainConfig:
     overfit_batch: bool = False  # repeat the first (accumulated) batch forever: a plumbing check
     compile: bool = False
     progress: str = "auto"  # auto (a bar on a terminal, log lines otherwise) | bar | lines
-    cpu_threads: str = "auto"  # torch threads: auto (usable CPUs / local jobs, k3train/train/cpu.py) or a count
+    cpu_threads: str = "auto"  # torch threads: auto (usable CPUs / local jobs, k3train/runtime/cpu.py) or a count
     # End this session after this many updates (counted from where the session started) with a checkpoint,
     # leaving the plan (and so the schedule) unchanged; the same command with resume=auto does the next slice.
     stop_after: Optional[int] = None
     # Per-device peak FLOP/s that `mfu` divides by; null: a known GPU's datasheet peak, or a CPU calibration matmul
-    # (k3train/train/mfu.py).
+    # (k3train/observe/mfu.py).
     peak_flops: Optional[float] = None
 
     def __post_init__(self) -> None:
@@ -143,7 +143,7 @@ def check_known_keys(cfg, schema: type = Config, prefix: str = "") -> None:
 
 def register_configs() -> None:
     ConfigStore.instance().store(name="config_schema", node=Config)
-    # hydra.run.dir's timestamp: the same in every process of a multi-process run (k3train/train/distributed.py)
+    # hydra.run.dir's timestamp: the same in every process of a multi-process run (k3train/runtime/distributed.py)
     OmegaConf.register_new_resolver("run_start", run_start, replace=True)
     # hydra.run.dir's name: the job id in a SLURM job (a requeued job finds its run), else the start time
     OmegaConf.register_new_resolver("run_name", run_name, replace=True)

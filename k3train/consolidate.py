@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from k3train.train.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from k3train.checkpoint.checkpointer import CheckpointError, load_checkpoint, save_checkpoint
 
 
 def sharded_checkpoint(path: Path) -> Path:

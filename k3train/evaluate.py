@@ -5,7 +5,7 @@ the checkpoint. The loss is k3train/train/evaluate.py's, the one training report
 
 from __future__ import annotations
 
-from k3train.train.cpu import configure_openmp
+from k3train.runtime.cpu import configure_openmp
 
 configure_openmp()  # before torch loads OpenMP: idle threads sleep rather than spin (README, CPU speed)
 

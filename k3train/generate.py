@@ -6,7 +6,7 @@ recurrent state, MLA's latent cache: k3train/inference/sampling.py) and streamed
 
 from __future__ import annotations
 
-from k3train.train.cpu import configure_openmp
+from k3train.runtime.cpu import configure_openmp
 
 configure_openmp()  # before torch loads OpenMP: idle threads sleep rather than spin (README, CPU speed)
 

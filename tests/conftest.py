@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# As `python -m k3train` does (k3train/train/cpu.py): this file loads before any test imports torch, so the suite's
+# As `python -m k3train` does (k3train/runtime/cpu.py): this file loads before any test imports torch, so the suite's
 # own threads sleep instead of spinning when another job holds a core.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

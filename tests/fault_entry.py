@@ -43,7 +43,7 @@ def _is_checkpoint_temp(path) -> bool:
 
 
 def install(faults: dict[str, int]) -> None:
-    from k3train.train import metrics
+    from k3train.observe import metrics
 
     counts = {"replace": 0, "save": 0}
 

@@ -130,8 +130,8 @@ def checkpoint_step(run_dir: Path) -> int:
 
 def check_loadable(run_dir: Path) -> list[str]:
     """Every checkpoint loads with the product's loader (weights_only), run.json parses, metrics.jsonl reads."""
-    from k3train.train.checkpoint import load_checkpoint
-    from k3train.train.metrics import read_metrics
+    from k3train.checkpoint.checkpointer import load_checkpoint
+    from k3train.observe.metrics import read_metrics
 
     problems = []
     for path in sorted(run_dir.glob("*.pt")):
@@ -165,7 +165,7 @@ def _equal(a, b) -> bool:
 
 def final_losses(run_dir: Path) -> dict[int, float]:
     """step -> loss of each step's counting train event; raises if a step has none or two."""
-    from k3train.train.metrics import read_metrics
+    from k3train.observe.metrics import read_metrics
 
     events = read_metrics(run_dir / "metrics.jsonl", final_only=True)
     steps = [e["step"] for e in events if e["event"] == "train"]
@@ -389,7 +389,7 @@ def run_signal_trial(trial: SignalTrial, baseline: Baseline, work: Path, cache: 
     if checkpoint_step(run_dir) != want_step:
         result.problems.append(f"last.pt at step {checkpoint_step(run_dir)}, want {want_step}")
     if not second:
-        from k3train.train.metrics import read_metrics
+        from k3train.observe.metrics import read_metrics
 
         end = read_metrics(run_dir / "metrics.jsonl")[-1]
         if end.get("event") != "end" or end.get("reason") != f"signal:{sig.name}":

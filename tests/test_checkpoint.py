@@ -6,7 +6,7 @@ import textwrap
 import pytest
 import torch
 
-from k3train.train.checkpoint import (FORMAT_VERSION, Checkpointer, CheckpointError, check_compatible, keep_last,
+from k3train.checkpoint.checkpointer import (FORMAT_VERSION, Checkpointer, CheckpointError, check_compatible, keep_last,
                                       load_checkpoint, save_checkpoint)
 
 
@@ -61,7 +61,7 @@ def test_kill_between_write_and_rename_leaves_previous_checkpoint(tmp_path):
     save_checkpoint(path, payload(1.0))
     script = textwrap.dedent(f"""
         import os, signal, torch
-        from k3train.train import checkpoint
+        from k3train.checkpoint import checkpointer as checkpoint
         def die(src, dst):
             os.kill(os.getpid(), signal.SIGKILL)
         checkpoint.os.replace = die

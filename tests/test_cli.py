@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 
-from k3train.train.checkpoint import load_checkpoint
-from k3train.train.metrics import read_metrics
+from k3train.checkpoint.checkpointer import load_checkpoint
+from k3train.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

@@ -107,7 +107,7 @@ def test_unknown_group_option_lists_the_choices():
     assert "adamw" in str(err.value)
 
 
-# Every option is built as the runner builds it (k3train/train/runner.py), shrunk to widths that run in milliseconds:
+# Every option is built as the runner builds it (k3train/run/runner.py), shrunk to widths that run in milliseconds:
 # the shrink applies to the keys a model config has, so a new model YAML needs no entry here.
 TINY_MODEL = {"d_model": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
               "kda_head_dim": 8, "kda_chunk_size": 16, "n_routed_experts": 8, "expert_ffn_dim": 16, "dense_ffn_dim": 32}
@@ -279,7 +279,7 @@ def test_every_parallel_option_leaves_one_process_as_it_is(option):
 @pytest.mark.parametrize("group,option", [(g, o) for g in NAMED_GROUPS for o in options(g)])
 def test_every_callbacks_and_logger_option_builds_what_the_runner_checks(group, option, tmp_path):
     from k3train.train.callbacks import Callback
-    from k3train.train.metrics import MetricsSink
+    from k3train.observe.metrics import MetricsSink
 
     kind, kwargs = (Callback, {}) if group == "callbacks" else (MetricsSink, {"run_dir": str(tmp_path)})
     for name, node in with_option(group, option)[group].items():

@@ -1,4 +1,4 @@
-"""CPU runtime choices (k3train/train/cpu.py): usable CPUs, each local job's share, train.cpu_threads, OpenMP's
+"""CPU runtime choices (k3train/runtime/cpu.py): usable CPUs, each local job's share, train.cpu_threads, OpenMP's
 wait policy, and the first update's feedback; through the CLI, what run.json records."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from k3train.config import TrainConfig
-from k3train.train import cpu
-from k3train.train.progress import Progress, format_duration
+from k3train.runtime import cpu
+from k3train.observe.progress import Progress, format_duration
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ def _python(code: str, **env: str) -> str:
 
 @pytest.mark.slow
 def test_openmp_wait_policy_is_passive_unless_chosen_and_only_before_torch() -> None:
-    setup = "from k3train.train.cpu import configure_openmp; print(configure_openmp())"
+    setup = "from k3train.runtime.cpu import configure_openmp; print(configure_openmp())"
     assert _python(setup) == "PASSIVE"
     assert _python(setup, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"  # the user's choice stands
     # after torch (and OpenMP) loaded, setting it would change nothing but the record: it is left alone
@@ -137,7 +137,7 @@ def test_keep_freed_memory_stops_the_page_faults_of_repeated_steps():
     code = textwrap.dedent("""
         import json, resource, torch
         from k3train.models.k3.moe import MoE
-        from k3train.train.cpu import keep_freed_memory, malloc_setting
+        from k3train.runtime.cpu import keep_freed_memory, malloc_setting
         torch.set_num_threads(1)
         torch.manual_seed(0)
         moe, x = MoE(512, 64, 4, 192), torch.randn(2, 1024, 512, requires_grad=True)
@@ -181,7 +181,7 @@ def test_flush_denormals_reaches_every_thread_only_before_torchs_thread_pool_sta
         torch.set_num_threads(2)
         if {pool_started}:
             torch.full((1 << 22,), 1.0).mul(2)  # a parallel op: torch's OpenMP threads start
-        from k3train.train.cpu import flush_denormals
+        from k3train.runtime.cpu import flush_denormals
         print(flush_denormals())
         denormal = torch.full((1 << 22,), 1 << 20, dtype=torch.int32).view(torch.float32)  # 2^-129, from its bits
         for y in (denormal * 1.0, torch.full((1 << 22,), 1e-30) * 1e-10):  # a denormal input; a denormal result

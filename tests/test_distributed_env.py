@@ -1,9 +1,9 @@
-"""Which process of which run this is, from a launcher's environment (k3train/train/distributed.py)."""
+"""Which process of which run this is, from a launcher's environment (k3train/runtime/distributed.py)."""
 
 import pytest
 
-from k3train.train import distributed
-from k3train.train.distributed import LaunchError, World, failure_line, world_from_env
+from k3train.runtime import distributed
+from k3train.runtime.distributed import LaunchError, World, failure_line, world_from_env
 
 
 def test_no_launcher_is_one_process():

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from k3train.models.protocol import missing_members
-from k3train.train.metrics import read_metrics
+from k3train.observe.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -13,9 +13,9 @@ import torch.distributed.checkpoint as dcp
 from k3train import export
 from k3train.consolidate import consolidate
 from k3train.inference.loading import load as load_for_inference
-from k3train.train.checkpoint import FORMAT_VERSION, CheckpointError, ShardedCheckpointer, load_checkpoint
-from k3train.train.metrics import read_metrics
-from k3train.train.sharded_checkpoint import EXTRA, PLACEHOLDER, read_sharded, whole_tensor
+from k3train.checkpoint.checkpointer import FORMAT_VERSION, CheckpointError, ShardedCheckpointer, load_checkpoint
+from k3train.observe.metrics import read_metrics
+from k3train.checkpoint.dcp import EXTRA, PLACEHOLDER, read_sharded, whole_tensor
 from test_distributed import K3, SMOKE, kill_a_rank_then_resume, launch, steps
 
 FSDP = ["parallel=fsdp"]
@@ -160,7 +160,7 @@ def test_a_failed_sharded_write_is_the_failing_ranks_own_error():
     """DCP raises a BaseException holding each rank's error; the runner reports an OSError (a full disk) itself."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from k3train.train.sharded_checkpoint import rank_error
+    from k3train.checkpoint.dcp import rank_error
 
     full = OSError(28, "No space left on device", "/run/dcp/x/__1_0.distcp")
     assert rank_error(CheckpointException("save", {1: (full, None)})) is full

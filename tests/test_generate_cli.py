@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from k3train import evaluate, export, generate
-from k3train.train.metrics import read_metrics
+from k3train.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 

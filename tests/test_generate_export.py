@@ -13,7 +13,7 @@ from k3train import export, generate
 from k3train.data import TokenData
 from k3train.inference.loading import load
 from k3train.models.k3 import KimiK3, KimiK3Config
-from k3train.train.checkpoint import FORMAT_VERSION
+from k3train.checkpoint.checkpointer import FORMAT_VERSION
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -2,7 +2,7 @@
 
 import json
 
-from k3train.train.metrics import MetricsLogger, read_metrics
+from k3train.observe.metrics import MetricsLogger, read_metrics
 
 
 def test_a_torn_last_line_is_closed_before_the_next_event_and_counted_by_readers(tmp_path):

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from k3train.config import TrainConfig
-from k3train.train import mfu as mfu_module
-from k3train.train.metrics import read_metrics
-from k3train.train.mfu import MFU, Peak, calibrate_cpu_matmul, cpu_peak, gpu_peak
+from k3train.observe import mfu as mfu_module
+from k3train.observe.metrics import read_metrics
+from k3train.observe.mfu import MFU, Peak, calibrate_cpu_matmul, cpu_peak, gpu_peak
 from test_trainer import WrapsSmoke, make_trainer
 
 

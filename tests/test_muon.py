@@ -267,7 +267,7 @@ def test_ns_dtype_auto_follows_the_hardware(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_native_bf16_detection_without_bf16_hardware(monkeypatch: pytest.MonkeyPatch) -> None:
-    from k3train.train import cpu
+    from k3train.runtime import cpu
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
@@ -343,7 +343,7 @@ def test_orthogonality_error_survives_state_dict_round_trip() -> None:
 
 @pytest.mark.slow
 def test_resumed_run_logs_the_same_optimizer_diagnostics(run_cli, tmp_path) -> None:
-    from k3train.train.metrics import read_metrics
+    from k3train.observe.metrics import read_metrics
 
     shape = ["model=k3_tiny", "model.d_model=32", "model.n_layers=2", "model.expert_ffn_dim=16",
              "model.dense_ffn_dim=32", "model.kda_chunk_size=16", "train.batch_size=2", "train.seq_len=32",

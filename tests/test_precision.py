@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from k3train.train import precision as precision_module
-from k3train.train.cpu import matmul_slowdown
+from k3train.runtime.cpu import matmul_slowdown
 from k3train.train.precision import Precision
 
 

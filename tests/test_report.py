@@ -14,7 +14,7 @@ import pytest
 from k3train.report.cli import main, write_report
 from k3train.report.figures import RUN_CHARTS, throughput_chart
 from k3train.report.runs import load_run, series
-from k3train.train.metrics import read_metrics
+from k3train.observe.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -161,7 +161,7 @@ def test_without_matplotlib_the_report_says_how_to_install_it_and_training_never
     assert proc.returncode == 2 and not (run_dir / "report").exists()
     assert proc.stderr == ("k3train.report: error: the report draws with matplotlib, which is not installed: "
                            "pip install 'k3train[report]'\n")
-    proc = _python("import sys, k3train.__main__, k3train.train.runner, k3train.report.sweep_table\n"
+    proc = _python("import sys, k3train.__main__, k3train.run.runner, k3train.report.sweep_table\n"
                    "assert 'matplotlib' not in sys.modules, 'training imported matplotlib'")
     assert proc.returncode == 0, proc.stderr
 

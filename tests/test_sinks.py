@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from k3train.train.metrics import MetricsLogger, read_metrics
-from k3train.train.sinks import TensorBoardSink, WandbSink, scalars
+from k3train.observe.metrics import MetricsLogger, read_metrics
+from k3train.observe.sinks import TensorBoardSink, WandbSink, scalars
 
 
 def _session(path, sinks, start, losses):

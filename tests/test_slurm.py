@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from k3train.train.metrics import read_metrics
+from k3train.observe.metrics import read_metrics
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the launcher presets need pip install '.[slurm]'")
 

@@ -1,4 +1,4 @@
-"""What k3train/train/slurm.py decides from a SLURM job's environment, without a cluster: the run directory's name,
+"""What k3train/runtime/slurm.py decides from a SLURM job's environment, without a cluster: the run directory's name,
 resuming a requeued job, and what a job does after a signal stopped its run (`scontrol` is a stand-in script that
 answers like SLURM's and records the calls)."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from k3train.train import slurm
-from k3train.train.signals import StopSignals
+from k3train.runtime import slurm
+from k3train.runtime.signals import StopSignals
 
 JOB = {"SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "node[1-2]"}
 ARRAY_TASK = {"SLURM_JOB_ID": "45", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TASK_ID": "3", "SLURM_RESTART_COUNT": "2"}
@@ -165,7 +165,7 @@ def test_a_warning_during_start_up_stops_the_run_after_its_first_update(k3_cache
     import subprocess
     import sys
 
-    from k3train.train.metrics import read_metrics
+    from k3train.observe.metrics import read_metrics
 
     pytest.importorskip("torch")
     code = ("import os, signal, sys; sys.argv = ['k3train'] + sys.argv[1:]\n"

@@ -12,8 +12,8 @@ from k3train.models.smoke import SmokeTestLM, SmokeTestConfig
 from k3train.optim.schedule import LRSchedule
 from k3train.optim.qk_clip import QKClip
 from k3train.train.callbacks import Callback
-from k3train.train.checkpoint import Checkpointer, load_checkpoint
-from k3train.train.metrics import MetricsLogger, read_metrics
+from k3train.checkpoint.checkpointer import Checkpointer, load_checkpoint
+from k3train.observe.metrics import MetricsLogger, read_metrics
 from k3train.train.precision import Precision
 from k3train.train.trainer import Trainer, TrainingDiverged
 

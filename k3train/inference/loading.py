@@ -19,8 +19,8 @@ from torch import nn
 
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 from k3train.models.kda.fla import require_fla
-from k3train.train.build import resolve_resume
-from k3train.train.checkpoint import SHARDED_STORE, load_checkpoint
+from k3train.run.build import resolve_resume
+from k3train.checkpoint.checkpointer import SHARDED_STORE, load_checkpoint
 
 EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 # The class of a model whose run directory is gone, by its config's model_type.

@@ -42,7 +42,7 @@ class LanguageModel(Protocol):
 
 @runtime_checkable
 class CountsFlops(Protocol):
-    """Optional: a model that knows its own FLOPs per token, so the Trainer can log `mfu` (k3train/train/mfu.py)."""
+    """Optional: a model that knows its own FLOPs per token, so the Trainer can log `mfu` (k3train/observe/mfu.py)."""
 
     def flops_per_token(self, seq_len: int) -> dict[str, float]:
         """{"forward": ..., "training": ...}: FLOPs per token of a [*, seq_len] batch; training is forward plus

@@ -16,7 +16,7 @@ from torch import nn
 from k3train.optim.checks import check_adamw_settings, check_muon_settings
 from k3train.optim.muon import NS_DTYPES, MuonAdamW
 from k3train.optim.param_groups import GROUPS, check_partition, partition_parameters
-from k3train.train.cpu import native_bf16
+from k3train.runtime.cpu import native_bf16
 
 
 def adamw(model: nn.Module, *, lr: float, weight_decay: float, betas: Sequence[float],

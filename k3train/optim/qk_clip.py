@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.train.callbacks import Callback
-from k3train.train.distributed import several_ranks
+from k3train.runtime.distributed import several_ranks
 
 
 @runtime_checkable

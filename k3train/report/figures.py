@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass
 
 from k3train.report.runs import Run, has_values, keys_of, series
-from k3train.train.sinks import scalar
+from k3train.observe.sinks import scalar
 
 INSTALL_HINT = "pip install 'k3train[report]'"
 MOE_KEY = re.compile(r"moe/(?P<layer>[^/]+)/(?P<metric>.+)")

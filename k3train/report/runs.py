@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3train.report.sweep_table import JobRow, find_jobs, read_job, table_order, varying_keys
-from k3train.train.metrics import read_metrics
-from k3train.train.sinks import scalar
+from k3train.observe.metrics import read_metrics
+from k3train.observe.sinks import scalar
 
 
 class NotARunError(ValueError):

@@ -23,8 +23,8 @@ from pathlib import Path
 import yaml
 
 from k3train.files import write_atomic
-from k3train.train.metrics import read_metrics
-from k3train.train.rundir import LOCK_NAME
+from k3train.observe.metrics import read_metrics
+from k3train.run.rundir import LOCK_NAME
 
 SUMMARY_STEM = "sweep_summary"
 
@@ -156,7 +156,7 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _is_running(run_dir: Path) -> bool:
-    """A live k3train process holds the run directory's lock (train/rundir.py)."""
+    """A live k3train process holds the run directory's lock (run/rundir.py)."""
     try:
         with open(run_dir / LOCK_NAME, "rb") as lock:
             try:

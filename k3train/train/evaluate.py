@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from k3train.data import EndOfData
-from k3train.train.distributed import mean_across_ranks
+from k3train.runtime.distributed import mean_across_ranks
 from k3train.train.rng import capture_rng_state, restore_rng_state
 
 

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from k3train.train.distributed import several_ranks
+from k3train.runtime.distributed import several_ranks
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:

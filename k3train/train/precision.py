@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from k3train.train.cpu import cpu_description, matmul_slowdown
+from k3train.runtime.cpu import cpu_description, matmul_slowdown
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # Warn when a half-precision matmul is this many times slower than fp32 on the CPU (measured at start-up): on

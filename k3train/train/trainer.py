@@ -25,18 +25,18 @@ from k3train.config import ProfileConfig, TrainConfig
 from k3train.data import EndOfData
 from k3train.models.protocol import LanguageModel
 from k3train.train.callbacks import Callback
-from k3train.train.checkpoint import Checkpointer
-from k3train.train.distributed import any_across_ranks, current_world, mean_across_ranks
+from k3train.checkpoint.checkpointer import Checkpointer
+from k3train.runtime.distributed import any_across_ranks, current_world, mean_across_ranks
 from k3train.train.evaluate import evaluate
-from k3train.train.metrics import MetricsLogger
-from k3train.train.mfu import MFU
+from k3train.observe.metrics import MetricsLogger
+from k3train.observe.mfu import MFU
 from k3train.train.parallel import DDP, full_value
 from k3train.train.plan import TrainingPlan
 from k3train.train.precision import Precision
-from k3train.train.profile import make_profiler
-from k3train.train.progress import Progress, Window, peak_memory_mb, say
+from k3train.observe.profile import make_profiler
+from k3train.observe.progress import Progress, Window, peak_memory_mb, say
 from k3train.train.rng import RNGState
-from k3train.train.signals import StopSignals
+from k3train.runtime.signals import StopSignals
 from k3train.train.state import ConfiguredOptimizer, TrainState
 
 

@@ -27,7 +27,7 @@ import torch.distributed.tensor as distributed_tensor
 from torch.distributed.tensor import Shard
 
 from k3train.files import write_atomic
-from k3train.train.sharded_checkpoint import MakeShard, point_to, read_sharded, whole_tensor, write_sharded
+from k3train.checkpoint.dcp import MakeShard, point_to, read_sharded, whole_tensor, write_sharded
 
 SHARDED_STORE = "dcp"  # <run dir>/dcp/step_<N>-<random>/: the sharded checkpoints an FSDP2 run wrote
 FORMAT_VERSION = 2  # 2: named Stateful parts (train_loader, val_loader, rng, trainer, plan); 1 had fixed entries

@@ -29,14 +29,15 @@ from omegaconf.errors import MissingMandatoryValue
 from k3train.files import remove_stale_temp_files
 from k3train.optim.summary import format_param_groups, summarize_param_groups
 from k3train.report.sweep_table import write_sweep_summary
-from k3train.train import distributed, rundir, slurm
-from k3train.train.build import RunFinished, build_parts, resolve_resume
-from k3train.train.checkpoint import CheckpointError
-from k3train.train.cpu import ThreadChoice, cpu_runtime, denormal_setting, malloc_setting
-from k3train.train.distributed import current_world
-from k3train.train.manifest import RunManifest, environment
-from k3train.train.metrics import MetricsLogger
-from k3train.train.rundir import RunDirError
+from k3train.run import rundir
+from k3train.runtime import distributed, slurm
+from k3train.run.build import RunFinished, build_parts, resolve_resume
+from k3train.checkpoint.checkpointer import CheckpointError
+from k3train.runtime.cpu import ThreadChoice, cpu_runtime, denormal_setting, malloc_setting
+from k3train.runtime.distributed import current_world
+from k3train.observe.run_manifest import RunManifest, environment
+from k3train.observe.metrics import MetricsLogger
+from k3train.run.rundir import RunDirError
 from k3train.train.trainer import Trainer, TrainingDiverged
 
 

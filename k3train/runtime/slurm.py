@@ -32,8 +32,8 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from k3train.train.distributed import current_world, run_start
-from k3train.train.signals import StopSignals
+from k3train.runtime.distributed import current_world, run_start
+from k3train.runtime.signals import StopSignals
 
 
 @dataclass(frozen=True)

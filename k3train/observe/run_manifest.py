@@ -77,7 +77,7 @@ class RunManifest:
             "overrides": overrides,
             "resume_from": resume_from,
             "resume_step": resume_step,
-            "slurm": slurm,  # job id, array task, node list, restart count (k3train/train/slurm.py)
+            "slurm": slurm,  # job id, array task, node list, restart count (k3train/runtime/slurm.py)
             "end": None,
             "end_reason": None,
         }

@@ -13,7 +13,7 @@ class StopSignals:
     sbatch script's `--signal=B:USR1@N`) and SIGUSR2 (submitit's time-limit and preemption warning) only raise a
     flag: the loop stops at the next update boundary and the run checkpoints. On exit the previous handlers come
     back and `redeliver()` sends them the first signal (the default ends the process; submitit's requeues the job;
-    k3train/train/slurm.py decides which). The same signal a second time does not wait: the previous handlers take
+    k3train/runtime/slurm.py decides which). The same signal a second time does not wait: the previous handlers take
     it at once (a step may be stuck). Another of them is only noted in `received_all` (a preemption may send SIGTERM
     and then the warning signal)."""
 

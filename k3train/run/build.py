@@ -20,10 +20,10 @@ from omegaconf import DictConfig, OmegaConf
 from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig, check_known_keys
 from k3train.models.protocol import missing_members
 from k3train.train.callbacks import Callback
-from k3train.train.checkpoint import Checkpointer, CheckpointError, ShardedCheckpointer
-from k3train.train.cpu import apply_threads, choose_threads, prepare_cpu_training
-from k3train.train.distributed import World, current_world
-from k3train.train.metrics import MetricsLogger, MetricsSink
+from k3train.checkpoint.checkpointer import Checkpointer, CheckpointError, ShardedCheckpointer
+from k3train.runtime.cpu import apply_threads, choose_threads, prepare_cpu_training
+from k3train.runtime.distributed import World, current_world
+from k3train.observe.metrics import MetricsLogger, MetricsSink
 from k3train.train.rng import configure_determinism, seed_everything
 from k3train.train.trainer import Trainer
 
