@@ -70,8 +70,11 @@ def build_optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
 def newton_schulz_step_s(model_name: str, reps: int) -> dict:
     model = build_model(model_name)
     gen = torch.Generator().manual_seed(0)
-    views = [as_matrices(torch.randn(a.shape, generator=gen), a.head_split)
-             for a in partition_parameters(model) if a.kind == "muon"]
+    views = [
+        as_matrices(torch.randn(a.shape, generator=gen), a.head_split)
+        for a in partition_parameters(model)
+        if a.kind == "muon"
+    ]
     out = {"muon_matrices": sum(v.shape[0] for v in views), "muon_params": sum(v.numel() for v in views)}
     for name, dtype in NS_DTYPES.items():
         times = []
@@ -104,8 +107,13 @@ def probe(optim: str, steps: int, budget_s: float) -> dict:
         times.append(time.perf_counter() - t0)
         if i >= 1 and time.perf_counter() - start > budget_s:  # beside spinning threads a step can take a minute
             break
-    return {"median_s": statistics.median(times[1:]), "steps": len(times) - 1, "first_s": times[0],
-            "threads": torch.get_num_threads(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default")}
+    return {
+        "median_s": statistics.median(times[1:]),
+        "steps": len(times) - 1,
+        "first_s": times[0],
+        "threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+    }
 
 
 def run_probe(mode: str, optim: str, competitors: int, args) -> dict:
@@ -113,9 +121,13 @@ def run_probe(mode: str, optim: str, competitors: int, args) -> dict:
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(competitors)]
     try:
         time.sleep(0.5 if competitors else 0)  # let them take their cores before the process decides anything
-        proc = subprocess.run([sys.executable, __file__, "--probe", mode, optim, str(args.steps),
-                               str(args.probe_budget)], env=env, capture_output=True, text=True,
-                              timeout=args.probe_budget + 300)
+        proc = subprocess.run(
+            [sys.executable, __file__, "--probe", mode, optim, str(args.steps), str(args.probe_budget)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.probe_budget + 300,
+        )
     finally:
         for p in busy:
             p.kill()
@@ -150,9 +162,17 @@ def _timed(fn) -> float:
 def quickstart(steps: int, planned_steps: int = 200) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        cmd = [sys.executable, "-m", "k3train", "+experiment=quickstart", f"train.max_steps={steps}",
-               "train.eval_interval=0", f"train.log_interval={steps // 2}", "train.progress=lines",
-               f"hydra.run.dir={tmp}/run"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "k3train",
+            "+experiment=quickstart",
+            f"train.max_steps={steps}",
+            "train.eval_interval=0",
+            f"train.log_interval={steps // 2}",
+            "train.progress=lines",
+            f"hydra.run.dir={tmp}/run",
+        ]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         wall = time.perf_counter() - t0
         if proc.returncode != 0:
@@ -164,15 +184,20 @@ def quickstart(steps: int, planned_steps: int = 200) -> dict:
     torch.set_num_threads(manifest["environment"]["cpu_threads"])
     peak = matmul_peak_gflops(torch.float32)
     first = next(line for line in proc.stdout.splitlines() if "first update took" in line)
-    return {"updates": steps, "wall_s": round(wall, 1), "tokens_per_s": round(last["tokens_per_s"]),
-            "step_time_s": round(last["step_time_s"], 3), "first_update_line": first,
-            "model_gflop_per_token": flops_per_token / 1e9,
-            "achieved_gflop_per_s": round(last["tokens_per_s"] * flops_per_token / 1e9, 2),
-            "fp32_matmul_peak_gflop_per_s": round(peak, 1),
-            "mfu": round(last["tokens_per_s"] * flops_per_token / 1e9 / peak, 4),
-            "threads": manifest["environment"]["cpu_threads"],
-            "ns_dtype": sorted({g["ns_dtype"] for g in manifest["optimizer"] if "ns_dtype" in g}),
-            f"estimated_{planned_steps}_update_s": round(wall + (planned_steps - steps) * last["step_time_s"], 1)}
+    return {
+        "updates": steps,
+        "wall_s": round(wall, 1),
+        "tokens_per_s": round(last["tokens_per_s"]),
+        "step_time_s": round(last["step_time_s"], 3),
+        "first_update_line": first,
+        "model_gflop_per_token": flops_per_token / 1e9,
+        "achieved_gflop_per_s": round(last["tokens_per_s"] * flops_per_token / 1e9, 2),
+        "fp32_matmul_peak_gflop_per_s": round(peak, 1),
+        "mfu": round(last["tokens_per_s"] * flops_per_token / 1e9 / peak, 4),
+        "threads": manifest["environment"]["cpu_threads"],
+        "ns_dtype": sorted({g["ns_dtype"] for g in manifest["optimizer"] if "ns_dtype" in g}),
+        f"estimated_{planned_steps}_update_s": round(wall + (planned_steps - steps) * last["step_time_s"], 1),
+    }
 
 
 # ---- report ---------------------------------------------------------------------------------------------------
@@ -194,9 +219,11 @@ def main() -> None:
     threads = choose_threads("auto")
     apply_threads(threads)
     result["auto_threads"] = threads.as_dict()
-    print(f"CPU: {result['machine']['cpu_model']} | torch {torch.__version__} capability "
-          f"{result['machine']['torch_cpu_capability']} | native bf16: {result['machine']['native_bf16']} | "
-          f"auto threads: {threads.threads} | load average at start: {result['machine']['load_average']}")
+    print(
+        f"CPU: {result['machine']['cpu_model']} | torch {torch.__version__} capability "
+        f"{result['machine']['torch_cpu_capability']} | native bf16: {result['machine']['native_bf16']} | "
+        f"auto threads: {threads.threads} | load average at start: {result['machine']['load_average']}"
+    )
 
     print("\n(a) Newton-Schulz, one optimizer step over every Muon matrix, seconds")
     print(f"{'model':<10} {'matrices':>8} {'bf16':>9} {'fp32':>9}  auto")
@@ -204,46 +231,64 @@ def main() -> None:
     for name in ["k3_tiny"] + ([] if args.no_small else ["k3_small"]):
         r = newton_schulz_step_s(name, args.ns_reps if name == "k3_tiny" else 0)
         result["newton_schulz"][name] = r
-        print(f"{name:<10} {r['muon_matrices']:>8} {r['bf16']:>9.3f} {r['fp32']:>9.3f}  {r['auto']} "
-              f"({r['auto_s']:.3f})", flush=True)
+        print(
+            f"{name:<10} {r['muon_matrices']:>8} {r['bf16']:>9.3f} {r['fp32']:>9.3f}  {r['auto']} ({r['auto_s']:.3f})",
+            flush=True,
+        )
 
-    print(f"\n(b) k3_tiny train step (batch 8 x 256), median seconds; load average "
-          f"{[round(x, 2) for x in os.getloadavg()]}")
+    print(
+        f"\n(b) k3_tiny train step (batch 8 x 256), median seconds; load average "
+        f"{[round(x, 2) for x in os.getloadavg()]}"
+    )
     print(f"{'optimizer':<15} {'settings':<14} {'alone':>8} {'+1 busy':>8} {'+2 busy':>8}  threads, wait policy")
     result["train_step"] = {}
-    for optim, mode, levels in [("muon_adamw", "k3train", (0, 1, 2)), ("muon_adamw", "torch_default", (0, 1, 2)),
-                                ("muon_adamw:fp32", "k3train", (0,)), ("adamw", "k3train", (0,))]:
+    for optim, mode, levels in [
+        ("muon_adamw", "k3train", (0, 1, 2)),
+        ("muon_adamw", "torch_default", (0, 1, 2)),
+        ("muon_adamw:fp32", "k3train", (0,)),
+        ("adamw", "k3train", (0,)),
+    ]:
         row = {f"{n}_busy": run_probe(mode, optim, n, args) for n in levels}
         result["train_step"][f"{optim}/{mode}"] = row
         cells = [f"{row[f'{n}_busy']['median_s']:>8.3f}" if f"{n}_busy" in row else f"{'-':>8}" for n in (0, 1, 2)]
-        print(f"{optim:<15} {mode:<14} {' '.join(cells)}  {row['0_busy']['threads']}, "
-              f"{row['0_busy']['omp_wait_policy']}", flush=True)
+        print(
+            f"{optim:<15} {mode:<14} {' '.join(cells)}  {row['0_busy']['threads']}, {row['0_busy']['omp_wait_policy']}",
+            flush=True,
+        )
 
     print(f"\n(c) quickstart (python -m k3train, {args.quickstart_steps} updates)")
     q = quickstart(args.quickstart_steps)
     result["quickstart"] = q
-    print(f"{q['tokens_per_s']:,} tokens/s, {q['step_time_s']} s/update, {q['achieved_gflop_per_s']} GFLOP/s model "
-          f"= MFU {q['mfu']:.1%} of a {q['fp32_matmul_peak_gflop_per_s']} GFLOP/s fp32 matmul peak "
-          f"({q['threads']} threads, Newton-Schulz {q['ns_dtype']}); 200 updates: ~{q['estimated_200_update_s']} s")
+    print(
+        f"{q['tokens_per_s']:,} tokens/s, {q['step_time_s']} s/update, {q['achieved_gflop_per_s']} GFLOP/s model "
+        f"= MFU {q['mfu']:.1%} of a {q['fp32_matmul_peak_gflop_per_s']} GFLOP/s fp32 matmul peak "
+        f"({q['threads']} threads, Newton-Schulz {q['ns_dtype']}); 200 updates: ~{q['estimated_200_update_s']} s"
+    )
     print(f"  {q['first_update_line']}")
 
     steps = result["train_step"]
     alone = steps["muon_adamw/k3train"]["0_busy"]["median_s"]
     result["targets"] = {
         "muon_over_adamw_step": round(alone / steps["adamw/k3train"]["0_busy"]["median_s"], 2),  # <= 1.5
-        "muon_fp32_ns_over_adamw_step": round(steps["muon_adamw:fp32/k3train"]["0_busy"]["median_s"]
-                                              / steps["adamw/k3train"]["0_busy"]["median_s"], 2),
+        "muon_fp32_ns_over_adamw_step": round(
+            steps["muon_adamw:fp32/k3train"]["0_busy"]["median_s"] / steps["adamw/k3train"]["0_busy"]["median_s"], 2
+        ),
         "one_busy_over_alone": round(steps["muon_adamw/k3train"]["1_busy"]["median_s"] / alone, 2),  # <= 2.5
-        "one_busy_over_alone_torch_default": round(steps["muon_adamw/torch_default"]["1_busy"]["median_s"]
-                                                   / steps["muon_adamw/torch_default"]["0_busy"]["median_s"], 2),
+        "one_busy_over_alone_torch_default": round(
+            steps["muon_adamw/torch_default"]["1_busy"]["median_s"]
+            / steps["muon_adamw/torch_default"]["0_busy"]["median_s"],
+            2,
+        ),
         "quickstart_estimated_s": q["estimated_200_update_s"],  # < 180 on 2 idle cores of an AVX2-only CPU
     }
     result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     t = result["targets"]
-    print(f"\ntargets: Muon+AdamW / AdamW step {t['muon_over_adamw_step']} (<= 1.5; Newton-Schulz in fp32: "
-          f"{t['muon_fp32_ns_over_adamw_step']}); beside 1 busy / alone "
-          f"{t['one_busy_over_alone']} (<= 2.5; torch defaults: {t['one_busy_over_alone_torch_default']}); "
-          f"quickstart ~{t['quickstart_estimated_s']} s (< 180); load average at end {result['load_average_at_end']}")
+    print(
+        f"\ntargets: Muon+AdamW / AdamW step {t['muon_over_adamw_step']} (<= 1.5; Newton-Schulz in fp32: "
+        f"{t['muon_fp32_ns_over_adamw_step']}); beside 1 busy / alone "
+        f"{t['one_busy_over_alone']} (<= 2.5; torch defaults: {t['one_busy_over_alone_torch_default']}); "
+        f"quickstart ~{t['quickstart_estimated_s']} s (< 180); load average at end {result['load_average_at_end']}"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -24,10 +24,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from results_file import write_results  # benchmarks/, beside this script
+
 from k3train.data import EndOfData, HFTokenizer, ShardedTokenDataset, TokenDataLoader, prepare_dataset
 from k3train.data.builtin import builtin_documents
 from k3train.data.prepare import usable_cores
-from results_file import write_results  # benchmarks/, beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results" / "data.json"
 
@@ -48,8 +49,12 @@ def train_bpe(path: Path, vocab_size: int = 4096) -> Path:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(builtin_documents(), trainer)
     tok.save(str(path))
     return path
@@ -60,8 +65,12 @@ def time_prepare(corpus: Path, out: Path, text_bytes: int, **kwargs) -> dict:
     manifest = prepare_dataset([corpus], out, overwrite=True, **kwargs)
     seconds = time.perf_counter() - start
     tokens = sum(s["num_tokens"] for s in manifest["splits"].values())
-    return {"seconds": seconds, "mb_per_s": text_bytes / seconds / 1e6, "tokens": tokens,
-            "bytes_per_token": text_bytes / tokens}
+    return {
+        "seconds": seconds,
+        "mb_per_s": text_bytes / seconds / 1e6,
+        "tokens": tokens,
+        "bytes_per_token": text_bytes / tokens,
+    }
 
 
 def time_loader(data_dir: Path, batches: int, B: int = 8, T: int = 1024) -> dict:
@@ -75,8 +84,14 @@ def time_loader(data_dir: Path, batches: int, B: int = 8, T: int = 1024) -> dict
             loader.reset()
             loader.next_batch()
     seconds = time.perf_counter() - start
-    return {"batch_size": B, "seq_len": T, "batches": batches, "batches_per_pass": per_pass, "seconds": seconds,
-            "tokens_per_s": batches * B * T / seconds}
+    return {
+        "batch_size": B,
+        "seq_len": T,
+        "batches": batches,
+        "batches_per_pass": per_pass,
+        "seconds": seconds,
+        "tokens_per_s": batches * B * T / seconds,
+    }
 
 
 def main() -> None:
@@ -85,8 +100,13 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=20000)
     args = p.parse_args()
     cores = usable_cores()
-    results: dict = {"benchmark": "data prepare MB/s and loader tokens/s", "python": platform.python_version(),
-                     "cores": cores, "load_avg_at_start": list(os.getloadavg()), "repeats": args.repeats}
+    results: dict = {
+        "benchmark": "data prepare MB/s and loader tokens/s",
+        "python": platform.python_version(),
+        "cores": cores,
+        "load_avg_at_start": list(os.getloadavg()),
+        "repeats": args.repeats,
+    }
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         corpus = tmp / "corpus.jsonl"
@@ -105,11 +125,15 @@ def main() -> None:
         for name, kwargs in cases.items():
             out = tmp / name
             results["prepare"][name] = time_prepare(corpus, out, text_bytes, shard_tokens=1 << 20, **kwargs)
-            print(f"prepare {name:>20}: {results['prepare'][name]['mb_per_s']:8.2f} MB/s "
-                  f"({results['prepare'][name]['seconds']:.2f} s, {results['prepare'][name]['tokens']:,} tokens)")
+            print(
+                f"prepare {name:>20}: {results['prepare'][name]['mb_per_s']:8.2f} MB/s "
+                f"({results['prepare'][name]['seconds']:.2f} s, {results['prepare'][name]['tokens']:,} tokens)"
+            )
         results["loader"] = time_loader(tmp / "byte_in_process", args.batches)
-        print(f"loader B=8 T=1024: {results['loader']['tokens_per_s'] / 1e6:.1f} M tokens/s "
-              f"({args.batches} batches in {results['loader']['seconds']:.3f} s)")
+        print(
+            f"loader B=8 T=1024: {results['loader']['tokens_per_s'] / 1e6:.1f} M tokens/s "
+            f"({args.batches} batches in {results['loader']['seconds']:.3f} s)"
+        )
     write_results(RESULTS, results)
 
 

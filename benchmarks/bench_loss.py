@@ -65,8 +65,13 @@ def bench_case(n: int, d: int, v: int, repeats: int, chunks=CHUNKS) -> dict:
         for name, fn, c in runs:
             times[name].append(fwd_bwd_seconds(fn, hidden, weight, targets, c))
     medians = {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
-    result = {"rows": n, "d_model": d, "vocab": v, "median_ms": {k: 1e3 * s for k, s in medians.items()},
-              "speedup_over_old": {k: medians["old"] / s for k, s in medians.items() if k != "old"}}
+    result = {
+        "rows": n,
+        "d_model": d,
+        "vocab": v,
+        "median_ms": {k: 1e3 * s for k, s in medians.items()},
+        "speedup_over_old": {k: medians["old"] / s for k, s in medians.items() if k != "old"},
+    }
     print(f"N={n} d={d} V={v}: " + "  ".join(f"{k} {1e3 * s:6.1f} ms" for k, s in medians.items()))
     return result
 
@@ -74,8 +79,12 @@ def bench_case(n: int, d: int, v: int, repeats: int, chunks=CHUNKS) -> dict:
 def peak_rss_mb(mode: str, n: int, d: int, v: int, chunk_size: int) -> float:
     """The peak resident memory of a fresh child that builds the inputs and runs `mode` (old / new / none) once, in
     MiB. VmHWM, not ru_maxrss: a child's ru_maxrss starts at its parent's, which has held every benchmark's tensors."""
-    proc = subprocess.run([sys.executable, __file__, "--child", mode, str(n), str(d), str(v), str(chunk_size)],
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", mode, str(n), str(d), str(v), str(chunk_size)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return float(proc.stdout.split()[-1])
 
 
@@ -97,8 +106,10 @@ def main() -> None:
         return child(mode, *map(int, shape))
     out = {
         "benchmark": "LM head + cross-entropy fwd+bwd, fp32: whole logits (old) vs linear_cross_entropy by chunk "
-                     "size (median of repeats); peak RSS above the inputs, one fresh process per path",
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "load_avg_at_start": os.getloadavg(),
+        "size (median of repeats); peak RSS above the inputs, one fresh process per path",
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "load_avg_at_start": os.getloadavg(),
         "cases": {name: bench_case(n, d, v, args.repeats) for name, n, d, v in CASES},
     }
     for name, n, d, v in CASES:
@@ -107,8 +118,10 @@ def main() -> None:
         base = peak_rss_mb("none", n, d, v, chunk)
         peak = {mode: peak_rss_mb(mode, n, d, v, chunk) - base for mode in ("old", "new")}
         out["cases"][name]["peak_rss_above_inputs_mib"] = peak
-        print(f"{name}: peak RSS above the inputs: old {peak['old']:.0f} MiB, new (default chunk, {chunk} rows) "
-              f"{peak['new']:.0f} MiB")
+        print(
+            f"{name}: peak RSS above the inputs: old {peak['old']:.0f} MiB, new (default chunk, {chunk} rows) "
+            f"{peak['new']:.0f} MiB"
+        )
     out["load_avg_at_end"] = os.getloadavg()
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "loss.json").write_text(json.dumps(out, indent=2) + "\n")

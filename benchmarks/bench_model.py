@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from results_file import write_results  # benchmarks/, beside this script
 
 from k3train.observe.mfu import calibrate_cpu_matmul
 from k3train.runtime.cpu import prepare_cpu_training
-from results_file import write_results  # benchmarks/, beside this script
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 RESULTS = Path(__file__).resolve().parent / "results" / "model.json"
@@ -59,18 +59,33 @@ def bench_case(name: str, vocab: int, B: int, T: int, steps: int, optimizer: str
     fwd_bwd_s, opt_s = statistics.median(fwd_bwd), statistics.median(step)
     flops = model.flops_per_token(T)["training"]
     peak = statistics.median(peaks[2:])  # medians of both: measured side by side, under the same load
-    result = {"batch": B, "seq_len": T, "vocab_size": vocab, "optimizer": optimizer, "steps_timed": steps,
-              "fwd_bwd_s_median": fwd_bwd_s, "optimizer_step_s_median": opt_s,
-              "step_seconds_median": fwd_bwd_s + opt_s, "tokens_per_s": B * T / (fwd_bwd_s + opt_s),
-              "training_flops_per_token": flops, "peak_flops_per_s": peak,
-              "peak_source": "fp32 matmul calibrated before each timed step, median", "peak_flops_per_s_all": peaks,
-              "mfu": B * T * flops / (fwd_bwd_s + opt_s) / peak,
-              "mfu_fwd_bwd_only": B * T * flops / fwd_bwd_s / peak,
-              "threads": torch.get_num_threads(), "load_avg": os.getloadavg(), **model.param_counts()}
-    print(f"{name:9s} B={B} T={T} {optimizer}: {fwd_bwd_s:.3f} + {opt_s:.3f} s/step, "
-          f"{result['tokens_per_s']:8.0f} tokens/s, MFU {result['mfu']:.1%} ({result['mfu_fwd_bwd_only']:.1%} "
-          f"without the optimizer step) of {peak / 1e9:.1f} GFLOP/s; params total "
-          f"{result['total'] / 1e6:.2f}M, active {result['active'] / 1e6:.2f}M", flush=True)
+    result = {
+        "batch": B,
+        "seq_len": T,
+        "vocab_size": vocab,
+        "optimizer": optimizer,
+        "steps_timed": steps,
+        "fwd_bwd_s_median": fwd_bwd_s,
+        "optimizer_step_s_median": opt_s,
+        "step_seconds_median": fwd_bwd_s + opt_s,
+        "tokens_per_s": B * T / (fwd_bwd_s + opt_s),
+        "training_flops_per_token": flops,
+        "peak_flops_per_s": peak,
+        "peak_source": "fp32 matmul calibrated before each timed step, median",
+        "peak_flops_per_s_all": peaks,
+        "mfu": B * T * flops / (fwd_bwd_s + opt_s) / peak,
+        "mfu_fwd_bwd_only": B * T * flops / fwd_bwd_s / peak,
+        "threads": torch.get_num_threads(),
+        "load_avg": os.getloadavg(),
+        **model.param_counts(),
+    }
+    print(
+        f"{name:9s} B={B} T={T} {optimizer}: {fwd_bwd_s:.3f} + {opt_s:.3f} s/step, "
+        f"{result['tokens_per_s']:8.0f} tokens/s, MFU {result['mfu']:.1%} ({result['mfu_fwd_bwd_only']:.1%} "
+        f"without the optimizer step) of {peak / 1e9:.1f} GFLOP/s; params total "
+        f"{result['total'] / 1e6:.2f}M, active {result['active'] / 1e6:.2f}M",
+        flush=True,
+    )
     return result
 
 
@@ -81,7 +96,9 @@ def main() -> None:
     prepare_cpu_training()  # as training on a CPU does
     out = {
         "benchmark": "train step (fwd + bwd + AdamW), fp32, CPU, random tokens, MFU of the calibrated fp32 peak",
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "load_avg_at_start": os.getloadavg(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "load_avg_at_start": os.getloadavg(),
         "cases": {name: bench_case(name, vocab, B, T, args.steps) for name, vocab, B, T in CASES},
     }
     write_results(RESULTS, out)

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import torch
+from results_file import write_results  # benchmarks/, beside this script
 
 from k3train.models.k3.moe import MoE, SwiGLU
-from results_file import write_results  # benchmarks/, beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results" / "moe.json"
 # (name, d_model, n_experts, top-k, n_shared, expert_ffn_dim, tokens): the MoE shapes of k3_tiny and k3_small.
@@ -48,14 +48,23 @@ def bench_case(name, d, n, k, shared, ffn, tokens, repeats):
         t_dense.append(fwd_bwd_seconds(dense, x))
     moe_s, dense_s = sorted(t_moe)[repeats // 2], sorted(t_dense)[repeats // 2]  # medians
     result = {
-        "d_model": d, "n_experts": n, "top_k": k, "n_shared": shared, "expert_ffn_dim": ffn, "tokens": tokens,
-        "moe_seconds": moe_s, "dense_seconds": dense_s,
-        "moe_gflops_per_s": moe_flops / moe_s / 1e9, "dense_gflops_per_s": expert_flops / dense_s / 1e9,
+        "d_model": d,
+        "n_experts": n,
+        "top_k": k,
+        "n_shared": shared,
+        "expert_ffn_dim": ffn,
+        "tokens": tokens,
+        "moe_seconds": moe_s,
+        "dense_seconds": dense_s,
+        "moe_gflops_per_s": moe_flops / moe_s / 1e9,
+        "dense_gflops_per_s": expert_flops / dense_s / 1e9,
     }
     result["ratio_moe_over_dense"] = result["moe_gflops_per_s"] / result["dense_gflops_per_s"]
-    print(f"{name:9s} MoE {result['moe_gflops_per_s']:7.1f} GFLOP/s ({moe_s * 1e3:6.1f} ms)  dense "
-          f"{result['dense_gflops_per_s']:7.1f} GFLOP/s ({dense_s * 1e3:6.1f} ms)  ratio "
-          f"{result['ratio_moe_over_dense']:.2f}")
+    print(
+        f"{name:9s} MoE {result['moe_gflops_per_s']:7.1f} GFLOP/s ({moe_s * 1e3:6.1f} ms)  dense "
+        f"{result['dense_gflops_per_s']:7.1f} GFLOP/s ({dense_s * 1e3:6.1f} ms)  ratio "
+        f"{result['ratio_moe_over_dense']:.2f}"
+    )
     return result
 
 
@@ -65,7 +74,9 @@ def main() -> None:
     args = parser.parse_args()
     out = {
         "benchmark": "MoE fwd+bwd achieved FLOP/s vs dense SwiGLU with equal active FLOPs (median of repeats)",
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "load_avg_at_start": os.getloadavg(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "load_avg_at_start": os.getloadavg(),
         "cases": {name: bench_case(name, *shape, args.repeats) for name, *shape in CASES},
     }
     write_results(RESULTS, out)

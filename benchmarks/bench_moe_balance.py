@@ -25,9 +25,9 @@ import statistics
 from pathlib import Path
 
 import torch
+from results_file import write_results  # benchmarks/, beside this script
 
 from k3train.models.k3.moe import quantile_bias, required_bias
-from results_file import write_results  # benchmarks/, beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results" / "moe_balance.json"
 CASES = [(256, 16, 2), (2048, 8, 2), (2048, 16, 2)]  # (tokens, experts, top-k)
@@ -143,15 +143,19 @@ def bench_case(n_tokens: int, n_experts: int, k: int, seeds: int, steps: int) ->
     print(f"N={n_tokens:5d} n={n_experts:2d} k={k} m={result['m']}")
     for name in RULES:
         f = result[name]["fresh_stream"]
-        print(f"  {name:6s} tied<= {max(f['tied_at_old_bias_max']):4d}  quantile in a tie "
-              f"{statistics.mean(f['quantile_in_tie_share']):5.1%}  admitted {min(f['admitted_min'])}-"
-              f"{max(f['admitted_max'])}  same-batch worst {statistics.mean(f['same_batch_median_worst_dev']):.3f}  "
-              f"fresh worst {statistics.mean(f['median_worst_dev']):.3f} cv {statistics.mean(f['median_load_cv']):.3f}"
-              f"  within 20% {statistics.mean(f['share_within_20pct']):5.1%}  settled {f['settled_step']}  "
-              f"fixed-batch step10 {result[name]['fixed_batch']['load_min_max_step10']}")
+        print(
+            f"  {name:6s} tied<= {max(f['tied_at_old_bias_max']):4d}  quantile in a tie "
+            f"{statistics.mean(f['quantile_in_tie_share']):5.1%}  admitted {min(f['admitted_min'])}-"
+            f"{max(f['admitted_max'])}  same-batch worst {statistics.mean(f['same_batch_median_worst_dev']):.3f}  "
+            f"fresh worst {statistics.mean(f['median_worst_dev']):.3f} cv {statistics.mean(f['median_load_cv']):.3f}"
+            f"  within 20% {statistics.mean(f['share_within_20pct']):5.1%}  settled {f['settled_step']}  "
+            f"fixed-batch step10 {result[name]['fixed_batch']['load_min_max_step10']}"
+        )
     floor = result["noise_floor_fixed_bias"]
-    print(f"  floor  fresh worst {statistics.mean(floor['median_worst_dev']):.3f}  "
-          f"within 20% {statistics.mean(floor['share_within_20pct']):5.1%}")
+    print(
+        f"  floor  fresh worst {statistics.mean(floor['median_worst_dev']):.3f}  "
+        f"within 20% {statistics.mean(floor['share_within_20pct']):5.1%}"
+    )
     return result
 
 
@@ -162,7 +166,10 @@ def main() -> None:
     args = parser.parse_args()
     out = {
         "benchmark": __doc__.split("\n\n")[0],
-        "torch": torch.__version__, "seeds": args.seeds, "steps": args.steps, "logit_skew": SKEW,
+        "torch": torch.__version__,
+        "seeds": args.seeds,
+        "steps": args.steps,
+        "logit_skew": SKEW,
         "load_avg_at_start": os.getloadavg(),
         "cases": [bench_case(*case, args.seeds, args.steps) for case in CASES],
     }

@@ -22,10 +22,10 @@ from pathlib import Path
 import hydra
 import torch
 from omegaconf import OmegaConf
+from results_file import write_results  # benchmarks/, beside this script
 
 from k3train.optim.muon import MuonAdamW, as_matrices
 from k3train.optim.summary import format_param_groups
-from results_file import write_results  # benchmarks/, beside this script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -61,8 +61,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--vocab-size", type=int, default=257, help="the built-in byte-level corpus has 257")
     ap.add_argument("--steps", type=int, default=5, help="timed steps, after 2 warm-up steps")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch threads; 1 keeps numbers stable on a shared machine")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads; 1 keeps numbers stable on a shared machine")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "muon.json")
     args = ap.parse_args()
     path = ROOT / "conf" / "model" / f"{args.model}.yaml"
@@ -100,7 +99,7 @@ def muon_share(model_name: str, batch_size: int, seq_len: int, vocab_size: int, 
         sample = {"fwd_bwd": _timed(fwd_bwd), "step_muon_adamw": _timed(opt.step)}
         with torch.no_grad():
             for g in opt.param_groups:
-                sample[f"group/{g['name']}"] = _timed(lambda: group_update(g))
+                sample[f"group/{g['name']}"] = _timed(lambda g=g: group_update(g))
         sample["step_adamw_baseline"] = _timed(baseline.step)
         if i >= 2:
             for k, v in sample.items():
@@ -112,11 +111,18 @@ def muon_share(model_name: str, batch_size: int, seq_len: int, vocab_size: int, 
     n_muon = sum(p.numel() for g in opt.param_groups if g["kind"] == "muon" for p in g["params"])
     n_total = sum(p.numel() for p in model.parameters())
     result = {
-        "model": model_name, "batch_size": batch_size, "seq_len": seq_len, "timed_steps": steps,
-        "torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
-        "params_total": n_total, "params_muon": n_muon,
+        "model": model_name,
+        "batch_size": batch_size,
+        "seq_len": seq_len,
+        "timed_steps": steps,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "params_total": n_total,
+        "params_muon": n_muon,
         "median_s": {k: round(v, 5) for k, v in med.items()},
-        "muon_groups_s": round(muon, 5), "adamw_groups_s": round(adamw, 5),
+        "muon_groups_s": round(muon, 5),
+        "adamw_groups_s": round(adamw, 5),
         "muon_newton_schulz_gflop": round(newton_schulz_flops(opt) / 1e9, 2),
         "muon_achieved_gflop_per_s": round(newton_schulz_flops(opt) / 1e9 / muon, 1),
         "muon_share_of_train_step": round(muon / train_step, 4),

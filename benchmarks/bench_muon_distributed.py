@@ -60,8 +60,9 @@ def _muon_optimizer(args: argparse.Namespace) -> MuonAdamW:
     cfg.vocab_size = args.vocab_size
     torch.manual_seed(0)
     model = hydra.utils.instantiate(cfg)
-    opt = hydra.utils.instantiate(OmegaConf.load(ROOT / "conf" / "optim" / "muon_adamw.yaml"),
-                                  ns_dtype=args.ns_dtype)(model)
+    opt = hydra.utils.instantiate(OmegaConf.load(ROOT / "conf" / "optim" / "muon_adamw.yaml"), ns_dtype=args.ns_dtype)(
+        model
+    )
     gen = torch.Generator().manual_seed(1)
     for group in opt.param_groups:
         for p in group["params"]:
@@ -91,8 +92,9 @@ def _time_steps(opt: MuonAdamW, steps: int) -> dict[str, float]:
 def _rank_main(rank: int, world_size: int, args: argparse.Namespace, init_file: str, out_dir: str) -> None:
     torch.set_num_threads(args.threads_per_rank)
     if world_size > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                                timeout=timedelta(minutes=10))
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(minutes=10)
+        )
     try:
         opt = _muon_optimizer(args)
         if world_size > 1:
@@ -112,10 +114,14 @@ def _measure(world_size: int, args: argparse.Namespace) -> dict:
         load_after = os.getloadavg()
         ranks = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world_size)]
     slowest = {k: round(max(r[k] for r in ranks), 4) for k in ("muon_update_s", "newton_schulz_s", "all_gather_s")}
-    return {"ranks": world_size, "threads_per_rank": args.threads_per_rank, **slowest,
-            "newton_schulz_s_per_rank": [round(r["newton_schulz_s"], 4) for r in ranks],
-            "load_average_1_5_15_before": [round(x, 2) for x in load_before],
-            "load_average_1_5_15_after": [round(x, 2) for x in load_after]}
+    return {
+        "ranks": world_size,
+        "threads_per_rank": args.threads_per_rank,
+        **slowest,
+        "newton_schulz_s_per_rank": [round(r["newton_schulz_s"], 4) for r in ranks],
+        "load_average_1_5_15_before": [round(x, 2) for x in load_before],
+        "load_average_1_5_15_after": [round(x, 2) for x in load_after],
+    }
 
 
 def main() -> None:
@@ -125,8 +131,12 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="world sizes to compare")
     ap.add_argument("--steps", type=int, default=3, help="timed steps, after 1 warm-up step")
     ap.add_argument("--cores", type=int, default=os.cpu_count(), help="cores shared out among the ranks")
-    ap.add_argument("--ns-dtype", default="fp32", choices=["fp32", "bf16"],
-                    help="fp32: what optim.ns_dtype=auto picks on a CPU without native bf16")
+    ap.add_argument(
+        "--ns-dtype",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="fp32: what optim.ns_dtype=auto picks on a CPU without native bf16",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "muon_distributed.json")
     args = ap.parse_args()
     if not (ROOT / "conf" / "model" / f"{args.model}.yaml").exists():
@@ -135,17 +145,24 @@ def main() -> None:
     runs = []
     for world_size in args.ranks:
         args.threads_per_rank = max(1, args.cores // world_size)
-        print(f"{args.model}: {world_size} rank(s) x {args.threads_per_rank} torch thread(s) "
-              f"(threads = {args.cores} cores / {world_size} ranks, so every configuration uses the same cores)")
+        print(
+            f"{args.model}: {world_size} rank(s) x {args.threads_per_rank} torch thread(s) "
+            f"(threads = {args.cores} cores / {world_size} ranks, so every configuration uses the same cores)"
+        )
         runs.append(_measure(world_size, args))
         print(json.dumps(runs[-1]))
     base = runs[0]["muon_update_s"]
     result = {
-        "model": args.model, "ns_dtype": args.ns_dtype, "timed_steps": args.steps, "cores": args.cores,
-        "torch": torch.__version__, "machine": platform.machine(), "backend": "gloo",
+        "model": args.model,
+        "ns_dtype": args.ns_dtype,
+        "timed_steps": args.steps,
+        "cores": args.cores,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "backend": "gloo",
         "omp_wait_policy": os.environ["OMP_WAIT_POLICY"],
         "what": "seconds per step of MuonAdamW's Muon groups (momentum, Newton-Schulz, all-gather, apply), the "
-                "slowest rank, median; newton_schulz_s is that rank's own Newton-Schulz compute",
+        "slowest rank, median; newton_schulz_s is that rank's own Newton-Schulz compute",
         "runs": runs,
         "speedup_vs_first": {str(r["ranks"]): round(base / r["muon_update_s"], 2) for r in runs},
     }

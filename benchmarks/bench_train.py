@@ -23,25 +23,25 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from results_file import write_results  # benchmarks/, beside this script
 
+from k3train.checkpoint.checkpointer import Checkpointer
 from k3train.config import register_configs
 from k3train.data import TokenData
+from k3train.observe.metrics import MetricsLogger
 from k3train.optim import qk_clip
 from k3train.run.build import _build_named, build_meta
 from k3train.runtime.cpu import prepare_cpu_training
-from k3train.train.callbacks import Callback
-from k3train.checkpoint.checkpointer import Checkpointer
 from k3train.runtime.distributed import current_world
-from k3train.observe.metrics import MetricsLogger
+from k3train.train.callbacks import Callback
 from k3train.train.trainer import Trainer
-from results_file import write_results  # benchmarks/, beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train.json"
 
@@ -63,11 +63,19 @@ def build_trainer(cfg: DictConfig, run_dir: Path, data: TokenData) -> Trainer:
     train_loader, val_loader = data.loaders(train_cfg.batch_size, train_cfg.seq_len)
     run_dir.mkdir(parents=True, exist_ok=True)
     meta = build_meta(model, optimizer, train_cfg, precision, data, current_world())
-    return Trainer(model=model, optimizer=optimizer, schedule_factory=instantiate(cfg.schedule),
-                   precision=precision, train_loader=train_loader, val_loader=val_loader, config=train_cfg,
-                   device=torch.device("cpu"), metrics=MetricsLogger(run_dir / "metrics.jsonl"),
-                   checkpointer=Checkpointer(run_dir, meta, train_cfg.keep_last_k),
-                   callbacks=_build_named(cfg.callbacks, Callback, "callbacks"))
+    return Trainer(
+        model=model,
+        optimizer=optimizer,
+        schedule_factory=instantiate(cfg.schedule),
+        precision=precision,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        config=train_cfg,
+        device=torch.device("cpu"),
+        metrics=MetricsLogger(run_dir / "metrics.jsonl"),
+        checkpointer=Checkpointer(run_dir, meta, train_cfg.keep_last_k),
+        callbacks=_build_named(cfg.callbacks, Callback, "callbacks"),
+    )
 
 
 def trainer_round(trainer: Trainer, steps: int) -> float:
@@ -100,8 +108,13 @@ def bare_round(trainer: Trainer, steps: int, tau: float | None) -> float:
 
 
 def framework_overhead(data: TokenData, rounds: int, steps: int, overrides: tuple[str, ...] = ()) -> dict:
-    cfg = composed("train.eval_interval=0", "train.checkpoint_interval=0", "train.max_steps=1000000",
-                   "train.progress=lines", *overrides)
+    cfg = composed(
+        "train.eval_interval=0",
+        "train.checkpoint_interval=0",
+        "train.max_steps=1000000",
+        "train.progress=lines",
+        *overrides,
+    )
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp:
         trainer = build_trainer(cfg, Path(tmp), data)
@@ -114,14 +127,21 @@ def framework_overhead(data: TokenData, rounds: int, steps: int, overrides: tupl
             times["bare"].append(bare_round(trainer, steps, tau))
         accounting = trainer_accounting(trainer, steps * 2)
     ratios = sorted(t / b - 1 for t, b in zip(times["trainer"], times["bare"]))
-    return {"overrides": list(overrides), "batch_size": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
-            "rounds": rounds, "steps_per_round": steps, "step_s": times,
-            "trainer_step_s_median": statistics.median(times["trainer"]),
-            "bare_step_s_median": statistics.median(times["bare"]),
-            "overhead_median_of_rounds": statistics.median(ratios),
-            "overhead_of_rounds_quartiles": [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]],
-            "overhead_best_over_best": min(times["trainer"]) / min(times["bare"]) - 1,
-            "accounting": accounting, "load_avg": [load_before, os.getloadavg()]}
+    return {
+        "overrides": list(overrides),
+        "batch_size": cfg.train.batch_size,
+        "seq_len": cfg.train.seq_len,
+        "rounds": rounds,
+        "steps_per_round": steps,
+        "step_s": times,
+        "trainer_step_s_median": statistics.median(times["trainer"]),
+        "bare_step_s_median": statistics.median(times["bare"]),
+        "overhead_median_of_rounds": statistics.median(ratios),
+        "overhead_of_rounds_quartiles": [ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]],
+        "overhead_best_over_best": min(times["trainer"]) / min(times["bare"]) - 1,
+        "accounting": accounting,
+        "load_avg": [load_before, os.getloadavg()],
+    }
 
 
 def trainer_accounting(trainer: Trainer, steps: int) -> dict:
@@ -139,12 +159,20 @@ def trainer_accounting(trainer: Trainer, steps: int) -> dict:
                 return fn(*args, **kwargs)
             finally:
                 shared["s"] += time.perf_counter() - t0
+
         return wrapper
 
-    patches = [(trainer, "forward"), (trainer.train_loader, "next_batch"), (trainer.optimizer, "step"),
-               (trainer.optimizer, "zero_grad"), (trainer.schedule, "apply"), (torch.autograd, "backward"),
-               (torch.nn.utils, "get_total_norm"), (torch.nn.utils, "clip_grads_with_norm_"),
-               *((callback, "after_optimizer_step") for callback in trainer.callbacks.values())]
+    patches = [
+        (trainer, "forward"),
+        (trainer.train_loader, "next_batch"),
+        (trainer.optimizer, "step"),
+        (trainer.optimizer, "zero_grad"),
+        (trainer.schedule, "apply"),
+        (torch.autograd, "backward"),
+        (torch.nn.utils, "get_total_norm"),
+        (torch.nn.utils, "clip_grads_with_norm_"),
+        *((callback, "after_optimizer_step") for callback in trainer.callbacks.values()),
+    ]
     originals = [(obj, name, obj.__dict__[name] if name in vars(obj) else None) for obj, name in patches]
     for obj, name in patches:
         setattr(obj, name, timed(getattr(obj, name)))
@@ -157,8 +185,13 @@ def trainer_accounting(trainer: Trainer, steps: int) -> dict:
             else:
                 setattr(obj, name, original)
     own_s = step_s - shared["s"] / steps
-    return {"steps": steps, "step_s": step_s, "shared_work_s_per_step": shared["s"] / steps,
-            "trainer_own_s_per_step": own_s, "trainer_own_share": own_s / step_s}
+    return {
+        "steps": steps,
+        "step_s": step_s,
+        "shared_work_s_per_step": shared["s"] / steps,
+        "trainer_own_s_per_step": own_s,
+        "trainer_own_share": own_s / step_s,
+    }
 
 
 def checkpoint_cost(data: TokenData, model: str, overrides: tuple[str, ...] = ()) -> dict:
@@ -185,11 +218,19 @@ def checkpoint_cost(data: TokenData, model: str, overrides: tuple[str, ...] = ()
         resume_s = time.perf_counter() - t0
     interval = cfg.train.checkpoint_interval
     save_s = statistics.median(saves)
-    return {"model": model, "overrides": list(overrides), "bytes": size, "save_s": saves, "resume_s": resume_s,
-            "save_mb_per_s": size / save_s / 1e6, "load_mb_per_s": size / resume_s / 1e6,
-            "checkpoint_interval": interval, "step_s": step_s,
-            "share_of_wall": (save_s + resume_s) / (interval * step_s),
-            "load_avg": [load_before, os.getloadavg()]}
+    return {
+        "model": model,
+        "overrides": list(overrides),
+        "bytes": size,
+        "save_s": saves,
+        "resume_s": resume_s,
+        "save_mb_per_s": size / save_s / 1e6,
+        "load_mb_per_s": size / resume_s / 1e6,
+        "checkpoint_interval": interval,
+        "step_s": step_s,
+        "share_of_wall": (save_s + resume_s) / (interval * step_s),
+        "load_avg": [load_before, os.getloadavg()],
+    }
 
 
 def main() -> None:
@@ -200,8 +241,7 @@ def main() -> None:
     prepare_cpu_training()  # as training on a CPU does
     data = TokenData.builtin()
     overhead = framework_overhead(data, args.rounds, args.steps)
-    result = {"framework_overhead": overhead,
-              "checkpoint_k3_tiny": checkpoint_cost(data, "k3_tiny")}
+    result = {"framework_overhead": overhead, "checkpoint_k3_tiny": checkpoint_cost(data, "k3_tiny")}
     write_results(RESULTS, result, echo=True)
 
 

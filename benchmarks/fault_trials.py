@@ -41,11 +41,11 @@ def main() -> None:
     cache = work / "cache"
     started = time.monotonic()
 
-    trials = [*fh.kill_trials(range(args.first_seed, args.first_seed + args.seeds)), *fh.SIGNAL_TRIALS,
-              *fh.DISK_TRIALS]
+    trials = [*fh.kill_trials(range(args.first_seed, args.first_seed + args.seeds)), *fh.SIGNAL_TRIALS, *fh.DISK_TRIALS]
     results = fh.run_trials(trials, work, cache, jobs=args.jobs)
-    inputs = {case.name: fi.run_bad_input(case, work / "bad-input", cache) for case in fi.BAD_INPUTS
-              if not case.missing()}
+    inputs = {
+        case.name: fi.run_bad_input(case, work / "bad-input", cache) for case in fi.BAD_INPUTS if not case.missing()
+    }
 
     ran = [r for r in results.values() if not r.skipped]
     kill_names = {t.name for t in trials if isinstance(t, fh.KillTrial)}
@@ -63,14 +63,18 @@ def main() -> None:
         "bad_input_classes_tried": len(inputs),
         "bad_input_classes_refused_cleanly": sum(not v for v, _ in inputs.values()),
         "files_damaged": sum(r.damaged for r in ran) + sum(damaged for _, damaged in inputs.values()),
-        "skipped": {**{r.name: r.skipped for r in results.values() if r.skipped},
-                    **{c.name: c.missing() for c in fi.BAD_INPUTS if c.missing()}},
+        "skipped": {
+            **{r.name: r.skipped for r in results.values() if r.skipped},
+            **{c.name: c.missing() for c in fi.BAD_INPUTS if c.missing()},
+        },
         "failures": failed,
         "wall_s": round(time.monotonic() - started, 1),
         "jobs": args.jobs,
         "seeds": [args.first_seed, args.first_seed + args.seeds - 1],
-        "trials": {r.name: {"landed": r.kills_landed, "tried": r.kills_tried, "bitwise": r.bitwise,
-                            "notes": r.notes} for r in results.values()},
+        "trials": {
+            r.name: {"landed": r.kills_landed, "tried": r.kills_tried, "bitwise": r.bitwise, "notes": r.notes}
+            for r in results.values()
+        },
     }
     for key, value in figures.items():
         if key not in ("trials", "failures"):

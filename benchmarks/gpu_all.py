@@ -39,8 +39,7 @@ def plan(dry_run_cpu: bool) -> list[tuple[str, list[str], int]]:
     """The commands to run, in order; on CPU the scripts' dry runs (the parity tests need a GPU)."""
     if not dry_run_cpu:
         return [(name, [sys.executable, *args], limit) for name, args, limit in PARTS]
-    return [(name, [sys.executable, *args, "--dry-run-cpu"], limit) for name, args, limit in PARTS
-            if args[0] != "-m"]
+    return [(name, [sys.executable, *args, "--dry-run-cpu"], limit) for name, args, limit in PARTS if args[0] != "-m"]
 
 
 def run_part(command: list[str], limit_s: int) -> dict:
@@ -51,8 +50,12 @@ def run_part(command: list[str], limit_s: int) -> dict:
     except subprocess.TimeoutExpired as exc:
         status = "timeout"
         output = "".join(x.decode() if isinstance(x, bytes) else (x or "") for x in (exc.stdout, exc.stderr))
-    return {"command": command[1:], "status": status, "seconds": round(time.perf_counter() - t0, 1),
-            "output_tail": output[-3000:]}
+    return {
+        "command": command[1:],
+        "status": status,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "output_tail": output[-3000:],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

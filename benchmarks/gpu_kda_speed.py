@@ -21,7 +21,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-
 from bench_kda import make_inputs  # benchmarks/ is on sys.path when a script there runs
 
 from k3train.models.kda import chunk_kda, fla_chunk_kda, naive_recurrent_kda

@@ -27,9 +27,9 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from k3train.observe.mfu import resolve_peak
 from k3train.optim import qk_clip
 from k3train.optim.build import muon_adamw
-from k3train.observe.mfu import resolve_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,14 +39,32 @@ def build(model_name: str, vocab: int, implementation: str, device: torch.device
     cfg.vocab_size, cfg.kda_implementation = vocab, implementation
     torch.manual_seed(0)
     model = instantiate(cfg).to(device).train()
-    optimizer = muon_adamw(model, lr=3e-3, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8, momentum=0.95,
-                           nesterov=True, ns_steps=5, rms_match=0.2, head_wise=True,
-                           orthogonality_check_interval=10**9)  # diagnostics off: time the update alone
+    optimizer = muon_adamw(
+        model,
+        lr=3e-3,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+        momentum=0.95,
+        nesterov=True,
+        ns_steps=5,
+        rms_match=0.2,
+        head_wise=True,
+        orthogonality_check_interval=10**9,
+    )  # diagnostics off: time the update alone
     return model, optimizer
 
 
-def run_case(model_name: str, vocab: int, B: int, T: int, implementation: str, device: torch.device,
-             steps: int, dtype: torch.dtype) -> dict:
+def run_case(
+    model_name: str,
+    vocab: int,
+    B: int,
+    T: int,
+    implementation: str,
+    device: torch.device,
+    steps: int,
+    dtype: torch.dtype,
+) -> dict:
     model, optimizer = build(model_name, vocab, implementation, device)
     qk_clip.set_max_logit_tracking(model, True)
     x = torch.randint(0, vocab, (B, T), device=device)
@@ -73,18 +91,31 @@ def run_case(model_name: str, vocab: int, B: int, T: int, implementation: str, d
         times.append(time.perf_counter() - t0)
     median = sorted(times)[len(times) // 2]
     tokens_per_s = B * T / median
-    result = {"model": model_name, "kda_implementation": implementation, "B": B, "T": T, "dtype": str(dtype),
-              "step_s_median": median, "step_s_all": times, "tokens_per_s": tokens_per_s,
-              "params": model.param_counts(), "model_flops_per_token": model.flops_per_token(T)["training"]}
+    result = {
+        "model": model_name,
+        "kda_implementation": implementation,
+        "B": B,
+        "T": T,
+        "dtype": str(dtype),
+        "step_s_median": median,
+        "step_s_all": times,
+        "tokens_per_s": tokens_per_s,
+        "params": model.param_counts(),
+        "model_flops_per_token": model.flops_per_token(T)["training"],
+    }
     peak = resolve_peak(None, device, {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32"))
     result.update(peak_flops_per_s=peak.flops_per_s, peak_source=peak.source)
     if peak.flops_per_s:
         result["mfu"] = tokens_per_s * result["model_flops_per_token"] / peak.flops_per_s
     if device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    print(f"{model_name} kda={implementation:9s} B={B} T={T}: {median * 1e3:8.1f} ms/step  "
-          f"{tokens_per_s:10,.0f} tok/s" + (f"  MFU {result['mfu']:.1%}" if "mfu" in result else "")
-          + (f"  peak {result['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in result else ""), flush=True)
+    print(
+        f"{model_name} kda={implementation:9s} B={B} T={T}: {median * 1e3:8.1f} ms/step  "
+        f"{tokens_per_s:10,.0f} tok/s"
+        + (f"  MFU {result['mfu']:.1%}" if "mfu" in result else "")
+        + (f"  peak {result['peak_memory_gib']:.1f} GiB" if "peak_memory_gib" in result else ""),
+        flush=True,
+    )
     return result
 
 

@@ -25,8 +25,8 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # the bench_* modules beside this file, also when imported by a test
@@ -35,8 +35,6 @@ from k3train.runtime.cpu import configure_openmp  # noqa: E402
 
 configure_openmp()  # as `python -m k3train` does, before torch loads
 
-import torch  # noqa: E402
-
 import bench_cpu  # noqa: E402
 import bench_data  # noqa: E402
 import bench_kda  # noqa: E402
@@ -44,9 +42,11 @@ import bench_model  # noqa: E402
 import bench_moe  # noqa: E402
 import bench_muon  # noqa: E402
 import bench_train  # noqa: E402
+import torch  # noqa: E402
+
 from k3train.data import TokenData  # noqa: E402
-from k3train.runtime.cpu import apply_threads, choose_threads, cpu_description, prepare_cpu_training  # noqa: E402
 from k3train.observe.mfu import calibrate_cpu_matmul  # noqa: E402
+from k3train.runtime.cpu import apply_threads, choose_threads, cpu_description, prepare_cpu_training  # noqa: E402
 
 TARGETS = {"framework_overhead": 0.02, "k3_small_mfu": 0.40, "checkpoint_share": 0.05}
 VERDICT = {True: "yes", False: "NO", "unclear": "unclear: the A/B rounds' quartiles straddle the limit"}
@@ -65,8 +65,10 @@ def kda(data: TokenData, quick: bool) -> dict:
 
 def moe(data: TokenData, quick: bool) -> dict:
     cases = bench_moe.CASES[:1] if quick else bench_moe.CASES
-    return {name: bench_moe.bench_case(name, d, n, k, shared, ffn, 256 if quick else tokens, 1 if quick else 5)
-            for name, d, n, k, shared, ffn, tokens in cases}
+    return {
+        name: bench_moe.bench_case(name, d, n, k, shared, ffn, 256 if quick else tokens, 1 if quick else 5)
+        for name, d, n, k, shared, ffn, tokens in cases
+    }
 
 
 def muon(data: TokenData, quick: bool) -> dict:
@@ -108,8 +110,14 @@ def checkpoint(data: TokenData, quick: bool) -> dict:
 
 
 SECTIONS: dict[str, Callable[[TokenData, bool], dict]] = {
-    "loader": loader, "kda": kda, "moe": moe, "muon": muon, "cpu": cpu, "train_step": train_step,
-    "overhead": overhead, "checkpoint": checkpoint,
+    "loader": loader,
+    "kda": kda,
+    "moe": moe,
+    "muon": muon,
+    "cpu": cpu,
+    "train_step": train_step,
+    "overhead": overhead,
+    "checkpoint": checkpoint,
 }
 
 
@@ -120,9 +128,12 @@ def run_section(name: str, data: TokenData, quick: bool) -> dict:
     except Exception as exc:  # noqa: BLE001 - record it and go on: one failure must not hide the other figures
         traceback.print_exc()
         result = {"error": f"{type(exc).__name__}: {exc}"}
-    return {**result, "seconds": time.perf_counter() - t0,
-            "load_avg_before": [round(x, 2) for x in load_before],
-            "load_avg_after": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        **result,
+        "seconds": time.perf_counter() - t0,
+        "load_avg_before": [round(x, 2) for x in load_before],
+        "load_avg_after": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def targets(sections: dict) -> dict:
@@ -141,34 +152,60 @@ def targets(sections: dict) -> dict:
             # cannot tell 2% from noise either way (on a shared 2-core machine they spread by ~10%).
             q1, q3 = entry["result"]["overhead_of_rounds_quartiles"]
             met = True if q3 <= limit else False if q1 > limit else "unclear"
-        out[name] = {"value": value, "limit": limit, "met": met, "load_avg": entry["load_avg_before"][0],
-                     "section": section}
+        out[name] = {
+            "value": value,
+            "limit": limit,
+            "met": met,
+            "load_avg": entry["load_avg_before"][0],
+            "section": section,
+        }
 
-    add("framework_overhead_k3_tiny", "overhead", lambda r: r["overhead_median_of_rounds"],
-        TARGETS["framework_overhead"], below=True)
+    add(
+        "framework_overhead_k3_tiny",
+        "overhead",
+        lambda r: r["overhead_median_of_rounds"],
+        TARGETS["framework_overhead"],
+        below=True,
+    )
     # The same target measured directly (the Trainer's own seconds over its step time): the A/B rounds' noise on
     # a shared machine is several percent, this figure's is not.
-    add("framework_overhead_k3_tiny_accounting", "overhead", lambda r: r["accounting"]["trainer_own_share"],
-        TARGETS["framework_overhead"], below=True)
+    add(
+        "framework_overhead_k3_tiny_accounting",
+        "overhead",
+        lambda r: r["accounting"]["trainer_own_share"],
+        TARGETS["framework_overhead"],
+        below=True,
+    )
     add("k3_small_mfu_seq1024", "train_step", lambda r: r["k3_small"]["mfu"], TARGETS["k3_small_mfu"], below=False)
     for model in ("k3_tiny", "k3_small"):
-        add(f"checkpoint_share_{model}", "checkpoint", lambda r, m=model: r[m]["share_of_wall"],
-            TARGETS["checkpoint_share"], below=True)
+        add(
+            f"checkpoint_share_{model}",
+            "checkpoint",
+            lambda r, m=model: r[m]["share_of_wall"],
+            TARGETS["checkpoint_share"],
+            below=True,
+        )
     return out
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# Benchmark suite{' (--quick)' if report['quick'] else ''}", "",
-             f"{report['machine']['cpu_model']}, torch {report['torch']}, {report['threads']} threads, "
-             f"started {report['started']}", "",
-             "| target | value | limit | met | load avg (1 min) |", "| --- | --- | --- | --- | --- |"]
+    lines = [
+        f"# Benchmark suite{' (--quick)' if report['quick'] else ''}",
+        "",
+        f"{report['machine']['cpu_model']}, torch {report['torch']}, {report['threads']} threads, "
+        f"started {report['started']}",
+        "",
+        "| target | value | limit | met | load avg (1 min) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
     for name, t in report["targets"].items():
         lines.append(f"| {name} | {t['value']:.4g} | {t['limit']} | {VERDICT[t['met']]} | {t['load_avg']} |")
     lines += ["", "| section | seconds | load avg before -> after | key figures |", "| --- | --- | --- | --- |"]
     for name, s in report["sections"].items():
         figures = s.get("error") or key_figures(name, s["result"])
-        lines.append(f"| {name} | {s['seconds']:.1f} | {s['load_avg_before'][0]} -> {s['load_avg_after'][0]} | "
-                     f"{figures} |")
+        lines.append(
+            f"| {name} | {s['seconds']:.1f} | {s['load_avg_before'][0]} -> {s['load_avg_after'][0]} | {figures} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -178,28 +215,40 @@ def key_figures(name: str, r: dict) -> str:
         return f"{r['tokens_per_s'] / 1e6:.1f} M tokens/s"
     if name == "kda":
         rec = r["vs_naive_recurrent"]
-        return f"chunk fwd+bwd {r['fwd_bwd_seconds_median']['chunk_kda'] * 1e3:.1f} ms; {rec['speedup']:.1f}x the " \
-               f"per-step reference at T={rec['T']}"
+        return (
+            f"chunk fwd+bwd {r['fwd_bwd_seconds_median']['chunk_kda'] * 1e3:.1f} ms; {rec['speedup']:.1f}x the "
+            f"per-step reference at T={rec['T']}"
+        )
     if name == "moe":
         return "; ".join(f"{k}: {v['ratio_moe_over_dense']:.2f}x dense FLOP/s" for k, v in r.items())
     if name == "muon":
-        return f"{r['model']}: Muon {r['muon_share_of_train_step']:.0%} of the train step, " \
-               f"{r['muon_achieved_gflop_per_s']} GFLOP/s"
+        return (
+            f"{r['model']}: Muon {r['muon_share_of_train_step']:.0%} of the train step, "
+            f"{r['muon_achieved_gflop_per_s']} GFLOP/s"
+        )
     if name == "cpu":
         return "; ".join(f"{k} {v:.1f} GFLOP/s" for k, v in r["matmul_gflop_per_s"].items())
     if name == "train_step":
-        return "; ".join(f"{k} {v['batch']}x{v['seq_len']}: {v['tokens_per_s']:.0f} tok/s, MFU {v['mfu']:.1%} "
-                         f"({v['mfu_fwd_bwd_only']:.1%} fwd+bwd)" for k, v in r.items())
+        return "; ".join(
+            f"{k} {v['batch']}x{v['seq_len']}: {v['tokens_per_s']:.0f} tok/s, MFU {v['mfu']:.1%} "
+            f"({v['mfu_fwd_bwd_only']:.1%} fwd+bwd)"
+            for k, v in r.items()
+        )
     if name == "overhead":
         q1, q3 = r["overhead_of_rounds_quartiles"]
         own = r["accounting"]
-        return f"Trainer {r['trainer_step_s_median']:.3f} s vs bare {r['bare_step_s_median']:.3f} s per step: " \
-               f"{r['overhead_median_of_rounds']:+.1%} (rounds' quartiles {q1:+.1%} / {q3:+.1%}); the Trainer's " \
-               f"own time {own['trainer_own_s_per_step'] * 1e3:.1f} ms of {own['step_s']:.3f} s per step " \
-               f"({own['trainer_own_share']:.2%})"
+        return (
+            f"Trainer {r['trainer_step_s_median']:.3f} s vs bare {r['bare_step_s_median']:.3f} s per step: "
+            f"{r['overhead_median_of_rounds']:+.1%} (rounds' quartiles {q1:+.1%} / {q3:+.1%}); the Trainer's "
+            f"own time {own['trainer_own_s_per_step'] * 1e3:.1f} ms of {own['step_s']:.3f} s per step "
+            f"({own['trainer_own_share']:.2%})"
+        )
     if name == "checkpoint":
-        return "; ".join(f"{k}: {v['bytes'] / 1e6:.0f} MB, save {v['save_mb_per_s']:.0f} MB/s, load "
-                         f"{v['load_mb_per_s']:.0f} MB/s, {v['share_of_wall']:.2%} of wall" for k, v in r.items())
+        return "; ".join(
+            f"{k}: {v['bytes'] / 1e6:.0f} MB, save {v['save_mb_per_s']:.0f} MB/s, load "
+            f"{v['load_mb_per_s']:.0f} MB/s, {v['share_of_wall']:.2%} of wall"
+            for k, v in r.items()
+        )
     return ""
 
 
@@ -213,8 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     apply_threads(choose_threads(args.threads))
     cpu_setup = prepare_cpu_training()  # as training on a CPU does
     data = TokenData.builtin()
-    report = {"quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), **cpu_setup, "machine": cpu_description(), "sections": {}}
+    report = {
+        "quick": args.quick,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        **cpu_setup,
+        "machine": cpu_description(),
+        "sections": {},
+    }
     for name in args.only or SECTIONS:
         print(f"== {name} (load average {os.getloadavg()[0]:.2f})", flush=True)
         report["sections"][name] = run_section(name, data, args.quick)

@@ -31,8 +31,15 @@ def main() -> None:
 
     sweep_dir = REPO / "outputs" / "sweeps" / f"muon_vs_adamw-{time.strftime('%Y%m%d-%H%M%S')}"
     given = {"model": args.model, "optim.lr": args.lrs, "train.max_steps": args.steps}
-    cmd = [sys.executable, "-m", "k3train", "-m", "+experiment=muon_vs_adamw",
-           *(f"{key}={value}" for key, value in given.items() if value is not None), f"hydra.sweep.dir={sweep_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "k3train",
+        "-m",
+        "+experiment=muon_vs_adamw",
+        *(f"{key}={value}" for key, value in given.items() if value is not None),
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
     print(" ".join(cmd), flush=True)
     t0 = time.time()
     subprocess.run(cmd, cwd=REPO, check=True)
@@ -46,14 +53,16 @@ def main() -> None:
         events = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
         evals = [e for e in events if e["event"] == "eval"]
         trains = [e for e in events if e["event"] == "train"]
-        rows.append({
-            "optimizer": config["optim"]["_target_"].rsplit(".", 1)[-1],
-            "lr": config["optim"]["lr"],
-            "steps": trains[-1]["step"],
-            "final_train_loss": trains[-1]["loss"],
-            "val_loss": evals[-1]["loss"],
-            "mean_step_time_s": sum(e["step_time_s"] for e in trains) / len(trains),
-        })
+        rows.append(
+            {
+                "optimizer": config["optim"]["_target_"].rsplit(".", 1)[-1],
+                "lr": config["optim"]["lr"],
+                "steps": trains[-1]["step"],
+                "final_train_loss": trains[-1]["loss"],
+                "val_loss": evals[-1]["loss"],
+                "mean_step_time_s": sum(e["step_time_s"] for e in trains) / len(trains),
+            }
+        )
     best = {}
     for r in rows:
         if r["optimizer"] not in best or r["val_loss"] < best[r["optimizer"]]["val_loss"]:
@@ -61,13 +70,22 @@ def main() -> None:
     print(f"\n{'optimizer':<12}{'lr':>8}{'steps':>7}{'train loss':>12}{'val loss':>10}{'s/step':>8}")
     for r in sorted(rows, key=lambda r: (r["optimizer"], r["lr"])):
         mark = "  <- best" if best[r["optimizer"]] is r else ""
-        print(f"{r['optimizer']:<12}{r['lr']:>8g}{r['steps']:>7}{r['final_train_loss']:>12.4f}{r['val_loss']:>10.4f}"
-              f"{r['mean_step_time_s']:>8.3f}{mark}")
+        print(
+            f"{r['optimizer']:<12}{r['lr']:>8g}{r['steps']:>7}{r['final_train_loss']:>12.4f}{r['val_loss']:>10.4f}"
+            f"{r['mean_step_time_s']:>8.3f}{mark}"
+        )
     # What ran, as the jobs composed it (the experiment's values unless given above).
     model = OmegaConf.load(sweep_dir / "0" / ".hydra" / "hydra.yaml").hydra.runtime.choices.model
     lrs = ",".join(f"{lr:g}" for lr in sorted({r["lr"] for r in rows}))
-    result = {"model": model, "steps": max(r["steps"] for r in rows), "lrs": lrs, "wall_s": round(wall, 1),
-              "runs": rows, "best": best, "sweep_dir": str(sweep_dir)}
+    result = {
+        "model": model,
+        "steps": max(r["steps"] for r in rows),
+        "lrs": lrs,
+        "wall_s": round(wall, 1),
+        "runs": rows,
+        "best": best,
+        "sweep_dir": str(sweep_dir),
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any, Optional, get_type_hints
+from typing import Any, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
@@ -31,14 +31,14 @@ class TrainConfig:
     batch_size: int = 8  # sequences per micro-batch, per process
     seq_len: int = 256
     gradient_accumulation_steps: int = 1  # micro-batches per optimizer update
-    max_steps: Optional[int] = 200  # optimizer updates; null: until the token budget or the data runs out
-    max_tokens: Optional[int] = None  # token budget; the run stops at whichever limit comes first
+    max_steps: int | None = 200  # optimizer updates; null: until the token budget or the data runs out
+    max_tokens: int | None = None  # token budget; the run stops at whichever limit comes first
     eval_interval: int = 50  # updates between evaluations (0: only the final one)
     eval_batches: int = 8  # val batches per evaluation, always the same prefix of the val split
     log_interval: int = 10
     checkpoint_interval: int = 100  # updates between checkpoints (0: only the final one)
     keep_last_k: int = 0  # besides last.pt, keep step-numbered copies of the last k checkpoints
-    grad_clip: Optional[float] = 1.0  # max global grad norm; null or 0 disables clipping (the norm is still logged)
+    grad_clip: float | None = 1.0  # max global grad norm; null or 0 disables clipping (the norm is still logged)
     max_consecutive_skips: int = 10  # non-finite loss/grad updates in a row before the run stops
     seed: int = 1337
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -49,10 +49,10 @@ class TrainConfig:
     cpu_threads: str = "auto"  # torch threads: auto (usable CPUs / local jobs, k3train/runtime/cpu.py) or a count
     # End this session after this many updates (counted from where the session started) with a checkpoint,
     # leaving the plan (and so the schedule) unchanged; the same command with resume=auto does the next slice.
-    stop_after: Optional[int] = None
+    stop_after: int | None = None
     # Per-device peak FLOP/s that `mfu` divides by; null: a known GPU's datasheet peak, or a CPU calibration matmul
     # (k3train/observe/mfu.py).
-    peak_flops: Optional[float] = None
+    peak_flops: float | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -82,7 +82,7 @@ class TrainConfig:
             raise ValueError(f"train.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
 
     @property
-    def clip_norm(self) -> Optional[float]:
+    def clip_norm(self) -> float | None:
         return self.grad_clip if self.grad_clip else None
 
 
@@ -122,7 +122,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     # null: a fresh run | auto: continue from this output directory's checkpoint if there is one | a path
-    resume: Optional[str] = None
+    resume: str | None = None
 
 
 def check_known_keys(cfg, schema: type = Config, prefix: str = "") -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Optional
 
 from k3train.checkpoint.checkpointer import CheckpointError, load_checkpoint, save_checkpoint
 
@@ -24,11 +23,13 @@ def sharded_checkpoint(path: Path) -> Path:
         return path / "last.dcp"
     if path.is_dir() and (path / "extra.pt").is_file():
         return path
-    raise CheckpointError(f"{path} is neither a sharded checkpoint (a .dcp directory) nor a run directory holding "
-                          "last.dcp: pass one of those")
+    raise CheckpointError(
+        f"{path} is neither a sharded checkpoint (a .dcp directory) nor a run directory holding "
+        "last.dcp: pass one of those"
+    )
 
 
-def consolidate(path: Path, out: Optional[Path] = None) -> Path:
+def consolidate(path: Path, out: Path | None = None) -> Path:
     """Write the sharded checkpoint at `path` (or a run directory's last.dcp) as one file; returns its path."""
     checkpoint = sharded_checkpoint(path)
     payload = load_checkpoint(checkpoint)  # whole tensors, read in this process
@@ -40,11 +41,12 @@ def consolidate(path: Path, out: Optional[Path] = None) -> Path:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m k3train.consolidate", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", type=Path, help="a .dcp checkpoint directory, or a run directory")
-    parser.add_argument("out", type=Path, nargs="?", help="the file to write (default: consolidated_step_<N>.pt "
-                                                          "beside the checkpoint)")
+    parser.add_argument(
+        "out", type=Path, nargs="?", help="the file to write (default: consolidated_step_<N>.pt beside the checkpoint)"
+    )
     args = parser.parse_args(argv)
     try:
         out = consolidate(args.checkpoint, args.out)

@@ -14,7 +14,6 @@ import json  # noqa: E402
 import math  # noqa: E402
 import sys  # noqa: E402
 
-import numpy as np  # noqa: E402
 from hydra import compose, initialize_config_module  # noqa: E402
 from hydra.errors import HydraException  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
@@ -32,7 +31,9 @@ from k3train.train.precision import Precision  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m k3train.evaluate", description=__doc__.split("\n")[0])
-    p.add_argument("source", help="a run directory (its last.pt or last.dcp), a checkpoint (.pt or .dcp), or an export directory")
+    p.add_argument(
+        "source", help="a run directory (its last.pt or last.dcp), a checkpoint (.pt or .dcp), or an export directory"
+    )
     p.add_argument("overrides", nargs="*", help="data overrides as in training: data=prepared data.path=DIR")
     p.add_argument("--split", choices=("val", "train"), default="val", help="which split of the dataset")
     p.add_argument("--batch-size", type=int, default=8)
@@ -56,8 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     if loaded.path.is_dir():  # an export: the result goes inside it
         out = loaded.path / f"eval.{args.split}.{result['data']['fingerprint'][:12]}.json"
     write_atomic(out, lambda f: f.write(json.dumps(result, indent=2).encode() + b"\n"))
-    print(f"{args.split}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
-          f"bits/byte {result['bits_per_byte']:.4f} | {result['tokens']:,} tokens -> {out}")
+    print(
+        f"{args.split}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
+        f"bits/byte {result['bits_per_byte']:.4f} | {result['tokens']:,} tokens -> {out}"
+    )
     return 0
 
 
@@ -65,8 +68,9 @@ def data_config(loaded: Loaded, overrides: list[str]) -> dict:
     """The data node the model trained on, or the one these overrides compose (as `python -m k3train` would)."""
     if not overrides:
         if loaded.data is None:
-            raise ValueError(f"{loaded.path} does not say which data it trained on: name a dataset, e.g. "
-                             "data=prepared data.path=DIR")
+            raise ValueError(
+                f"{loaded.path} does not say which data it trained on: name a dataset, e.g. data=prepared data.path=DIR"
+            )
         return loaded.data
     foreign = [o for o in overrides if not o.lstrip("+~").startswith("data")]
     if foreign:
@@ -82,8 +86,10 @@ def evaluate_split(loaded: Loaded, data, args: argparse.Namespace) -> dict:
         if getattr(args, option) is not None and getattr(args, option) < 1:
             raise ValueError(f"--{option.replace('_', '-')}={getattr(args, option)} must be >= 1")
     if data.identity()["tokenizer"] != tokenizer.identity():
-        raise ValueError(f"{data.path} was prepared with tokenizer {data.identity()['tokenizer']}, the model with "
-                         f"{tokenizer.identity()}: prepare it with the model's tokenizer")
+        raise ValueError(
+            f"{data.path} was prepared with tokenizer {data.identity()['tokenizer']}, the model with "
+            f"{tokenizer.identity()}: prepare it with the model's tokenizer"
+        )
     seq_len = args.seq_len or loaded.seq_len or model.config.max_seq_len
     model.check_data(data.vocab_size, seq_len)
     loader = dict(zip(("train", "val"), data.loaders(args.batch_size, seq_len)))[args.split]
@@ -91,16 +97,25 @@ def evaluate_split(loaded: Loaded, data, args: argparse.Namespace) -> dict:
     if args.max_batches is not None:
         batches = min(batches, args.max_batches)
     if batches < 1:
-        raise ValueError(f"the {args.split} split of {data.path} holds fewer than {args.batch_size} x {seq_len} "
-                         "tokens: lower --batch-size or --seq-len")
+        raise ValueError(
+            f"the {args.split} split of {data.path} holds fewer than {args.batch_size} x {seq_len} "
+            "tokens: lower --batch-size or --seq-len"
+        )
     device = next(model.parameters()).device
     result = evaluate(model, loader, batches, Precision("fp32"), device)
     tokens, text_bytes = result["val_tokens"], count_text_bytes(loader, batches, tokenizer)
     return {
-        "source": str(loaded.path), "step": loaded.step, "split": args.split,
+        "source": str(loaded.path),
+        "step": loaded.step,
+        "split": args.split,
         "data": {k: v for k, v in data.identity().items() if k in ("fingerprint", "val_fingerprint", "tokenizer")},
-        "batch_size": args.batch_size, "seq_len": seq_len, "batches": result["batches"], "tokens": tokens,
-        "bytes": text_bytes, "loss": result["loss"], "perplexity": math.exp(result["loss"]),
+        "batch_size": args.batch_size,
+        "seq_len": seq_len,
+        "batches": result["batches"],
+        "tokens": tokens,
+        "bytes": text_bytes,
+        "loss": result["loss"],
+        "perplexity": math.exp(result["loss"]),
         # Nats per token times tokens per byte, in bits: comparable across tokenizers.
         "bits_per_byte": result["loss"] * tokens / (math.log(2) * text_bytes),
     }

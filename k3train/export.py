@@ -41,8 +41,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k3train.export: error: {exc}", file=sys.stderr)
         return 2
     size = sum(f.stat().st_size for f in args.out_dir.iterdir())
-    print(f"exported {loaded.path} (step {loaded.step}) -> {args.out_dir} ({size / 2**20:.1f} MiB; the checkpoint "
-          f"is {loaded.path.stat().st_size / 2**20:.1f} MiB)")
+    print(
+        f"exported {loaded.path} (step {loaded.step}) -> {args.out_dir} ({size / 2**20:.1f} MiB; the checkpoint "
+        f"is {loaded.path.stat().st_size / 2**20:.1f} MiB)"
+    )
     return 0
 
 

@@ -10,9 +10,9 @@ import contextlib
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO
 
 TEMP_GLOB = ".*.tmp-*"
 

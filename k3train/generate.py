@@ -23,7 +23,9 @@ from k3train.inference.sampling import Sampler, generate, supports_cache  # noqa
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m k3train.generate", description=__doc__.split("\n")[0])
-    p.add_argument("source", help="a run directory (its last.pt or last.dcp), a checkpoint (.pt or .dcp), or an export directory")
+    p.add_argument(
+        "source", help="a run directory (its last.pt or last.dcp), a checkpoint (.pt or .dcp), or an export directory"
+    )
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="the text to continue")
     prompts.add_argument("--prompt-file", type=Path, help="a file of prompts, one per line, each continued in turn")
@@ -61,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def continue_prompt(loaded: Loaded, prompt: str, args: argparse.Namespace, sampler: Sampler,
-                    generator: torch.Generator) -> None:
+def continue_prompt(
+    loaded: Loaded, prompt: str, args: argparse.Namespace, sampler: Sampler, generator: torch.Generator
+) -> None:
     model, tokenizer = loaded.model, loaded.tokenizer
     device = next(model.parameters()).device
     ids = torch.from_numpy(tokenizer.encode_batch([prompt])[0].astype("int64")).to(device)
@@ -86,8 +89,12 @@ def continue_prompt(loaded: Loaded, prompt: str, args: argparse.Namespace, sampl
     decoded = args.num_samples * (len(stamps) - 1)
     rate = f"{decoded / (stamps[-1] - stamps[0]):,.1f}" if decoded else "-"
     way = "incremental (KDA state + MLA latent cache)" if use_cache and supports_cache(model) else "full recompute"
-    print(f"[{len(ids)} prompt tokens in {stamps[0] - start:.2f} s; {args.num_samples} x {args.max_new_tokens} new "
-          f"tokens, {rate} tok/s decoding, {way}, {device}]", file=sys.stderr, flush=True)
+    print(
+        f"[{len(ids)} prompt tokens in {stamps[0] - start:.2f} s; {args.num_samples} x {args.max_new_tokens} new "
+        f"tokens, {rate} tok/s decoding, {way}, {device}]",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 class StreamPrinter:
@@ -100,21 +107,26 @@ class StreamPrinter:
         self.ids.append(token)
         text = self.tokenizer.decode(self.ids)
         if not text.endswith("\ufffd"):  # an unfinished character decodes as U+FFFD until its last byte comes
-            print(text[self.printed:], end="", flush=True)
+            print(text[self.printed :], end="", flush=True)
             self.printed = len(text)
 
     def finish(self) -> None:
-        print(self.tokenizer.decode(self.ids)[self.printed:], flush=True)
+        print(self.tokenizer.decode(self.ids)[self.printed :], flush=True)
 
 
 def check_length(loaded: Loaded, total: int) -> None:
     config = loaded.model.config
     if getattr(config, "mla_rope", False) and total > config.max_seq_len:
-        raise ValueError(f"prompt + --max-new-tokens = {total} positions exceeds the model's max_seq_len="
-                         f"{config.max_seq_len} (its rotary table): shorten the prompt or lower --max-new-tokens")
+        raise ValueError(
+            f"prompt + --max-new-tokens = {total} positions exceeds the model's max_seq_len="
+            f"{config.max_seq_len} (its rotary table): shorten the prompt or lower --max-new-tokens"
+        )
     if total > config.max_seq_len:
-        print(f"[note: {total} positions is beyond the {config.max_seq_len} the model was built for; "
-              "KDA and NoPE MLA run past it, untrained]", file=sys.stderr)
+        print(
+            f"[note: {total} positions is beyond the {config.max_seq_len} the model was built for; "
+            "KDA and NoPE MLA run past it, untrained]",
+            file=sys.stderr,
+        )
 
 
 def read_prompts(path: Path) -> list[str]:

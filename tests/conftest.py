@@ -31,8 +31,14 @@ def run_cli(k3_cache):
 
     def run(*overrides: str, timeout: float = 300) -> subprocess.CompletedProcess:
         env = {**os.environ, "K3TRAIN_CACHE": str(k3_cache), "PYTHONUNBUFFERED": "1"}
-        return subprocess.run([sys.executable, "-m", "k3train", *overrides], cwd=REPO, env=env,
-                              capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, "-m", "k3train", *overrides],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     return run
 
@@ -66,8 +72,13 @@ def _gloo_rank(rank: int, fn, world_size: int, workdir: Path, args: tuple) -> No
 
     torch.set_num_threads(1)  # 2 ranks on 2 cores
     # A collective that one rank never reaches raises after this long instead of blocking.
-    dist.init_process_group("gloo", init_method=f"file://{workdir / 'store'}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=30))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{workdir / 'store'}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=30),
+    )
     try:
         result = fn(rank, world_size, *args)
     finally:

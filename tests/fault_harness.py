@@ -30,15 +30,30 @@ REPO = Path(__file__).resolve().parents[1]
 ENTRY = REPO / "tests" / "fault_entry.py"
 
 MAX_STEPS = 8
-SHAPE = ["train.batch_size=2", "train.seq_len=32", "train.log_interval=1", "train.eval_interval=0",
-         "train.eval_batches=1", "train.progress=lines", "schedule.warmup_steps=2", "train.deterministic=true",
-         f"train.max_steps={MAX_STEPS}"]
+SHAPE = [
+    "train.batch_size=2",
+    "train.seq_len=32",
+    "train.log_interval=1",
+    "train.eval_interval=0",
+    "train.eval_batches=1",
+    "train.progress=lines",
+    "schedule.warmup_steps=2",
+    "train.deterministic=true",
+    f"train.max_steps={MAX_STEPS}",
+]
 # k3_tiny shrunk, with Muon + AdamW and a QK-Clip threshold that clips: optimizer state, Quantile Balancing
 # buffers and QK-Clip's weight edits all have to survive a kill.
 MODELS = {
     "smoke_test_lm": ["model=smoke_test_lm"],
-    "k3_tiny": ["model=k3_tiny", "optim=muon_adamw", "model.d_model=64", "model.expert_ffn_dim=32",
-                "model.dense_ffn_dim=64", "model.kda_chunk_size=16", "callbacks.qk_clip.tau=0.05"],
+    "k3_tiny": [
+        "model=k3_tiny",
+        "optim=muon_adamw",
+        "model.d_model=64",
+        "model.expert_ffn_dim=32",
+        "model.dense_ffn_dim=64",
+        "model.kda_chunk_size=16",
+        "callbacks.qk_clip.tau=0.05",
+    ],
 }
 KILL_KINDS = ("random", "after_step", "temp_file")
 TIMEOUT = 300
@@ -56,16 +71,29 @@ def temp_files(run_dir: Path) -> list[Path]:
 class Proc:
     """A k3train process with its output in files (a pipe nobody reads could block it)."""
 
-    def __init__(self, args: list[str], log: Path, cache: Path, fault: str = "", handshake: Path | None = None,
-                 env: dict | None = None):
+    def __init__(
+        self,
+        args: list[str],
+        log: Path,
+        cache: Path,
+        fault: str = "",
+        handshake: Path | None = None,
+        env: dict | None = None,
+    ):
         self.log = log
-        env = {**os.environ, "K3TRAIN_CACHE": str(cache), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1",
-               "K3TRAIN_FAULT": fault, "K3TRAIN_FAULT_DIR": str(handshake or ""), **(env or {})}
+        env = {
+            **os.environ,
+            "K3TRAIN_CACHE": str(cache),
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "K3TRAIN_FAULT": fault,
+            "K3TRAIN_FAULT_DIR": str(handshake or ""),
+            **(env or {}),
+        }
         entry = [str(ENTRY)] if fault else ["-m", "k3train"]
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
-            self.popen = subprocess.Popen([sys.executable, *entry, *args], cwd=REPO, env=env, stdout=out,
-                                          stderr=err)
+            self.popen = subprocess.Popen([sys.executable, *entry, *args], cwd=REPO, env=env, stdout=out, stderr=err)
         self.started = time.monotonic()
 
     def alive(self) -> bool:
@@ -154,8 +182,7 @@ def check_loadable(run_dir: Path) -> list[str]:
 
 def _equal(a, b) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
-            and torch.equal(a, b)
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -234,7 +261,7 @@ class KillTrial:
     def name(self) -> str:
         return f"{self.model}-ckpt{self.interval}-{self.kind}-seed{self.seed}"
 
-    def run(self, baseline: "Baseline", work: Path, cache: Path) -> "TrialResult":
+    def run(self, baseline: Baseline, work: Path, cache: Path) -> TrialResult:
         return run_kill_trial(self, baseline, work, cache)
 
 
@@ -259,8 +286,16 @@ def _checkpoints_ahead(step: int, interval: int) -> int:
     return sum(1 for s in range(step + 1, MAX_STEPS) if s % interval == 0) + 1
 
 
-def _kill_once(trial: KillTrial, rng: random.Random, baseline: Baseline, run_dir: Path, work: Path,
-               cache: Path, n: int, result: TrialResult) -> None:
+def _kill_once(
+    trial: KillTrial,
+    rng: random.Random,
+    baseline: Baseline,
+    run_dir: Path,
+    work: Path,
+    cache: Path,
+    n: int,
+    result: TrialResult,
+) -> None:
     args = [*command(trial.model, trial.interval), "resume=auto", f"hydra.run.dir={run_dir}"]
     log = work / "logs" / f"{trial.name}-kill{n}"
     resumed_at = checkpoint_step(run_dir)
@@ -312,8 +347,9 @@ def run_kill_trial(trial: KillTrial, baseline: Baseline, work: Path, cache: Path
     return finish_and_compare(args, baseline, run_dir, work / "logs" / f"{trial.name}-final", cache, result)
 
 
-def finish_and_compare(args: list[str], baseline: Baseline, run_dir: Path, log: Path, cache: Path,
-                       result: TrialResult) -> TrialResult:
+def finish_and_compare(
+    args: list[str], baseline: Baseline, run_dir: Path, log: Path, cache: Path, result: TrialResult
+) -> TrialResult:
     """resume=auto to the end, then the comparison with the uninterrupted run."""
     final = run(args, log, cache)
     if final.popen.returncode != 0:
@@ -444,19 +480,32 @@ class DiskTrial:
         mount.mkdir()
         size = (baseline.run_dir / "last.pt").stat().st_size * 3 // 2 + 128 * 1024  # one checkpoint, not two
         try:
-            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], check=True,
-                           capture_output=True, text=True)
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
         except (OSError, subprocess.CalledProcessError) as exc:
-            result.skipped = f"cannot mount a tmpfs here ({getattr(exc, 'stderr', '') or exc}); the enospc trial " \
-                             "covers a full disk"
+            result.skipped = (
+                f"cannot mount a tmpfs here ({getattr(exc, 'stderr', '') or exc}); the enospc trial covers a full disk"
+            )
             return result
         try:
             return self._fill(mount / "run", baseline, work, cache, result, remount=str(mount))
         finally:
             subprocess.run(["umount", str(mount)], check=False)
 
-    def _fill(self, run_dir: Path, baseline: Baseline, work: Path, cache: Path, result: TrialResult,
-              fault: str = "", remount: str = "") -> TrialResult:
+    def _fill(
+        self,
+        run_dir: Path,
+        baseline: Baseline,
+        work: Path,
+        cache: Path,
+        result: TrialResult,
+        fault: str = "",
+        remount: str = "",
+    ) -> TrialResult:
         args = [*command(self.model, self.interval), "resume=auto", f"hydra.run.dir={run_dir}"]
         proc = Proc(args, work / "logs" / self.name, cache, fault=fault, handshake=work)
         rc, err = proc.wait(), proc.stderr()

@@ -12,25 +12,35 @@ import pickle
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
-
-import torch
 
 import fault_harness as fh
+import torch
 
 # The finished run every "existing" case starts from (a copy of it): smoke_test_lm, 2 steps.
-TEMPLATE = ["model=smoke_test_lm", "train.batch_size=2", "train.seq_len=32", "train.log_interval=1",
-            "train.eval_batches=1", "train.progress=lines", "schedule.warmup_steps=1", "train.max_steps=2"]
+TEMPLATE = [
+    "model=smoke_test_lm",
+    "train.batch_size=2",
+    "train.seq_len=32",
+    "train.log_interval=1",
+    "train.eval_batches=1",
+    "train.progress=lines",
+    "schedule.warmup_steps=1",
+    "train.max_steps=2",
+]
 
 
 def snapshot(root: Path) -> dict[str, str]:
     """relative path -> sha256 of every file under root (hidden files and .hydra/ included)."""
     if not root.exists():
         return {}
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 class _RunsCode:
@@ -68,7 +78,7 @@ class BadInput:
     status: int
     words: list[str]  # each must appear in stderr (or stdout, for a run that exits 0)
     existing: bool = False  # start from a copy of a finished run (else: a run directory that does not exist)
-    damage: Optional[Callable[[Path, Path], None]] = None  # edits the copied run before the attempt
+    damage: Callable[[Path, Path], None] | None = None  # edits the copied run before the attempt
     env: dict = field(default_factory=dict)
     template: list[str] = field(default_factory=lambda: list(TEMPLATE))
     locked: bool = False  # a live writer holds the run directory during the attempt
@@ -98,22 +108,39 @@ BAD_INPUTS = [
     BadInput("seq_len over the model's max_seq_len", ["train.seq_len=8192"], 2, ["max_seq_len"]),
     BadInput("malformed kda_mla_ratio", ["model=k3_tiny", "model.kda_mla_ratio=abc"], 2, ["must look like '3:1'"]),
     BadInput("WORLD_SIZE=2 without RANK", [], 2, ["WORLD_SIZE=2 is set but RANK is not"], env={"WORLD_SIZE": "2"}),
-    BadInput("corrupt checkpoint", ["resume=auto"], 2, ["last.pt", "cannot be read"], existing=True,
-             damage=_corrupt),
-    BadInput("truncated checkpoint", ["resume=auto"], 2, ["last.pt", "cannot be read"], existing=True,
-             damage=_truncate),
-    BadInput("foreign checkpoint", ["resume=auto"], 2, ["not a k3train checkpoint"], existing=True,
-             damage=_foreign),
-    BadInput("checkpoint whose unpickling runs code", ["resume=auto"], 2, ["last.pt"], existing=True,
-             damage=_malicious),
-    BadInput("incompatible checkpoint (model and recipe)", ["resume=auto", "model.d_model=32", "train.batch_size=3"],
-             2, ["d_model was 64, now 32", "global_batch_size was 2, now 3"], existing=True),
-    BadInput("fresh run into an existing run's directory", [], 2, ["already holds a run", "resume=auto"],
-             existing=True),
-    BadInput("another run's checkpoint into an existing run's directory", ["resume={other}/last.pt"], 2,
-             ["already holds a run"], existing=True),
-    BadInput("second writer on a locked run directory", ["resume=auto", "train.max_steps=4"], 2, ["{run}"],
-             existing=True, locked=True),
+    BadInput("corrupt checkpoint", ["resume=auto"], 2, ["last.pt", "cannot be read"], existing=True, damage=_corrupt),
+    BadInput(
+        "truncated checkpoint", ["resume=auto"], 2, ["last.pt", "cannot be read"], existing=True, damage=_truncate
+    ),
+    BadInput("foreign checkpoint", ["resume=auto"], 2, ["not a k3train checkpoint"], existing=True, damage=_foreign),
+    BadInput(
+        "checkpoint whose unpickling runs code", ["resume=auto"], 2, ["last.pt"], existing=True, damage=_malicious
+    ),
+    BadInput(
+        "incompatible checkpoint (model and recipe)",
+        ["resume=auto", "model.d_model=32", "train.batch_size=3"],
+        2,
+        ["d_model was 64, now 32", "global_batch_size was 2, now 3"],
+        existing=True,
+    ),
+    BadInput(
+        "fresh run into an existing run's directory", [], 2, ["already holds a run", "resume=auto"], existing=True
+    ),
+    BadInput(
+        "another run's checkpoint into an existing run's directory",
+        ["resume={other}/last.pt"],
+        2,
+        ["already holds a run"],
+        existing=True,
+    ),
+    BadInput(
+        "second writer on a locked run directory",
+        ["resume=auto", "train.max_steps=4"],
+        2,
+        ["{run}"],
+        existing=True,
+        locked=True,
+    ),
     BadInput("resume=auto of a finished run", ["resume=auto"], 0, ["finished"], existing=True),
 ]
 
@@ -177,8 +204,13 @@ def _hold(run_dir: Path, home: Path, cache: Path) -> fh.Proc:
     """A live writer of run_dir, paused at step 3 (it holds the run directory as any running run would)."""
     handshake = home.parent / "handshake" / home.name
     handshake.mkdir(parents=True)
-    writer = fh.Proc([*TEMPLATE, "train.max_steps=4", "resume=auto", f"hydra.run.dir={run_dir}"],
-                     home.parent / "logs" / f"{home.name}-writer", cache, fault="pause_step:3", handshake=handshake)
+    writer = fh.Proc(
+        [*TEMPLATE, "train.max_steps=4", "resume=auto", f"hydra.run.dir={run_dir}"],
+        home.parent / "logs" / f"{home.name}-writer",
+        cache,
+        fault="pause_step:3",
+        handshake=handshake,
+    )
     if not fh.wait_until(lambda: (handshake / "paused-step-3").exists(), writer):
         raise RuntimeError(f"the first writer never reached step 3:\n{writer.stderr()}")
     time.sleep(0.1)

@@ -14,9 +14,14 @@ pytestmark = pytest.mark.slow
 
 
 def test_run_all_quick_writes_every_section_and_the_targets(tmp_path, k3_cache):
-    proc = subprocess.run([sys.executable, "benchmarks/run_all.py", "--quick", "--out", str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
-                                                                              "K3TRAIN_CACHE": str(k3_cache)})
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/run_all.py", "--quick", "--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "K3TRAIN_CACHE": str(k3_cache)},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "suite.json").read_text())
     import run_all
@@ -34,8 +39,11 @@ def test_run_all_quick_writes_every_section_and_the_targets(tmp_path, k3_cache):
     assert 0 < accounting["trainer_own_s_per_step"] < accounting["step_s"]
     assert 0 < accounting["shared_work_s_per_step"] < accounting["step_s"]
     # --quick has no k3_small: three of the five targets
-    assert set(report["targets"]) == {"framework_overhead_k3_tiny", "framework_overhead_k3_tiny_accounting",
-                                      "checkpoint_share_k3_tiny"}
+    assert set(report["targets"]) == {
+        "framework_overhead_k3_tiny",
+        "framework_overhead_k3_tiny_accounting",
+        "checkpoint_share_k3_tiny",
+    }
     summary = (tmp_path / "suite.md").read_text()
     assert "| framework_overhead_k3_tiny |" in summary and "| checkpoint |" in summary
 

@@ -6,8 +6,15 @@ import textwrap
 import pytest
 import torch
 
-from k3train.checkpoint.checkpointer import (FORMAT_VERSION, Checkpointer, CheckpointError, check_compatible, keep_last,
-                                      load_checkpoint, save_checkpoint)
+from k3train.checkpoint.checkpointer import (
+    FORMAT_VERSION,
+    Checkpointer,
+    CheckpointError,
+    check_compatible,
+    keep_last,
+    load_checkpoint,
+    save_checkpoint,
+)
 
 
 def payload(value: float) -> dict:
@@ -74,8 +81,12 @@ def test_kill_between_write_and_rename_leaves_previous_checkpoint(tmp_path):
 
 
 def test_compatibility_names_each_mismatch(tmp_path):
-    saved = {"model_config": {"d_model": 64, "n_layers": 2}, "recipe": {"batch_size": 8},
-             "optimizer_layout": {"adamw": "3 tensors"}, "data": {"fingerprint": "abc"}}
+    saved = {
+        "model_config": {"d_model": 64, "n_layers": 2},
+        "recipe": {"batch_size": 8},
+        "optimizer_layout": {"adamw": "3 tensors"},
+        "data": {"fingerprint": "abc"},
+    }
     check_compatible(saved, saved, tmp_path / "x.pt")
     current = {**saved, "model_config": {"d_model": 128, "n_layers": 2}, "data": {"fingerprint": "def"}}
     with pytest.raises(CheckpointError) as err:

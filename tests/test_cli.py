@@ -11,8 +11,14 @@ from k3train.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
-SHAPE = ["train.batch_size=2", "train.seq_len=32", "train.log_interval=1", "train.eval_batches=2",
-         "train.progress=lines", "schedule.warmup_steps=2"]
+SHAPE = [
+    "train.batch_size=2",
+    "train.seq_len=32",
+    "train.log_interval=1",
+    "train.eval_batches=2",
+    "train.progress=lines",
+    "schedule.warmup_steps=2",
+]
 TINY = ["model=smoke_test_lm", *SHAPE]  # the plumbing model keeps CLI tests fast
 
 
@@ -22,13 +28,13 @@ def events(run_dir):
 
 def test_smoke_run_writes_ordered_events_manifest_and_checkpoint(run_cli, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli(*TINY, "train.max_steps=6", "train.eval_interval=3", "train.checkpoint_interval=3",
-                   f"hydra.run.dir={run_dir}")
+    proc = run_cli(
+        *TINY, "train.max_steps=6", "train.eval_interval=3", "train.checkpoint_interval=3", f"hydra.run.dir={run_dir}"
+    )
     assert proc.returncode == 0, proc.stderr
     assert "[plumbing: smoke_test_lm]" in proc.stdout  # never passed off as model results
     kinds = [e["event"] for e in events(run_dir)]
-    assert kinds == ["session"] + ["train"] * 3 + ["eval", "checkpoint"] + ["train"] * 3 + \
-        ["eval", "checkpoint", "end"]
+    assert kinds == ["session"] + ["train"] * 3 + ["eval", "checkpoint"] + ["train"] * 3 + ["eval", "checkpoint", "end"]
     train = [e for e in events(run_dir) if e["event"] == "train"]
     assert [e["step"] for e in train] == [1, 2, 3, 4, 5, 6]
     assert [e["tokens"] for e in train] == [64 * s for s in range(1, 7)]
@@ -52,21 +58,36 @@ def test_smoke_run_writes_ordered_events_manifest_and_checkpoint(run_cli, tmp_pa
     assert ckpt["meta"]["data"]["fingerprint"] == manifest["data"]["fingerprint"]
 
 
-# The Kimi K3 case shrinks k3_tiny and uses Muon + AdamW with QK-Clip at a threshold under the initial max logits (~0.09), so the optimizer
-# state, the Quantile Balancing buffers and QK-Clip's weight edits all have to survive the resume.
-K3_RESUME = ["model=k3_tiny", "optim=muon_adamw", "model.d_model=64", "model.expert_ffn_dim=32",
-             "model.dense_ffn_dim=64", "model.kda_chunk_size=16", "callbacks.qk_clip.tau=0.05"]
+# The Kimi K3 case shrinks k3_tiny and uses Muon + AdamW with QK-Clip at a threshold under the initial max logits
+# (~0.09), so the optimizer state, the Quantile Balancing buffers and QK-Clip's weight edits all have to survive
+# the resume.
+K3_RESUME = [
+    "model=k3_tiny",
+    "optim=muon_adamw",
+    "model.d_model=64",
+    "model.expert_ffn_dim=32",
+    "model.dense_ffn_dim=64",
+    "model.kda_chunk_size=16",
+    "callbacks.qk_clip.tau=0.05",
+]
 
 
 # fp16 on CPU with accumulation, until a small dataset runs out: the GradScaler's state, the micro-batch cursors
 # and the schedule's plan must survive too. The scale doubles after every clean update, so it overflows, skips
 # updates (which consume data but not steps) and differs from its initial value at the resume.
-FP16_ACCUM = ["model=smoke_test_lm", "precision=fp16", "precision.growth_interval=1",
-              "precision.init_scale=1048576", "train.gradient_accumulation_steps=2", "data=prepared"]
+FP16_ACCUM = [
+    "model=smoke_test_lm",
+    "precision=fp16",
+    "precision.growth_interval=1",
+    "precision.init_scale=1048576",
+    "train.gradient_accumulation_steps=2",
+    "data=prepared",
+]
 
 
-@pytest.mark.parametrize("model", [["model=smoke_test_lm"], K3_RESUME, FP16_ACCUM],
-                         ids=["smoke_test_lm", "k3_tiny", "fp16_accum"])
+@pytest.mark.parametrize(
+    "model", [["model=smoke_test_lm"], K3_RESUME, FP16_ACCUM], ids=["smoke_test_lm", "k3_tiny", "fp16_accum"]
+)
 def test_exact_resume_in_a_new_process(run_cli, tmp_path, model, tiny_data_dir):
     """N steps straight == N/2 steps, exit, resume in a NEW process, N/2 more: bitwise on CPU.
 
@@ -74,8 +95,14 @@ def test_exact_resume_in_a_new_process(run_cli, tmp_path, model, tiny_data_dir):
     (N rounded up to even, so the second slice reaches the end)."""
     n = 8
     limit = [f"data.path={tiny_data_dir}", "train.max_steps=null"] if model is FP16_ACCUM else [f"train.max_steps={n}"]
-    common = [*SHAPE, *model, *limit, "train.eval_interval=3",
-              "train.checkpoint_interval=0", "train.deterministic=true"]
+    common = [
+        *SHAPE,
+        *model,
+        *limit,
+        "train.eval_interval=3",
+        "train.checkpoint_interval=0",
+        "train.deterministic=true",
+    ]
     straight, split = tmp_path / "straight", tmp_path / "split"
     assert run_cli(*common, f"hydra.run.dir={straight}").returncode == 0
     n = load_checkpoint(straight / "last.pt")["trainer"]["step"]  # 8, or wherever the data ran out
@@ -127,8 +154,9 @@ def test_resume_refuses_an_incompatible_checkpoint_and_touches_nothing(run_cli, 
     run_dir = tmp_path / "run"
     assert run_cli(*TINY, "train.max_steps=2", f"hydra.run.dir={run_dir}").returncode == 0
     before = {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()}
-    proc = run_cli(*TINY, "train.max_steps=4", "model.d_model=32", "train.batch_size=3", "resume=auto",
-                   f"hydra.run.dir={run_dir}")
+    proc = run_cli(
+        *TINY, "train.max_steps=4", "model.d_model=32", "train.batch_size=3", "resume=auto", f"hydra.run.dir={run_dir}"
+    )
     assert proc.returncode == 2
     assert "d_model was 64, now 32" in proc.stderr and "global_batch_size was 2, now 3" in proc.stderr
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
@@ -151,18 +179,24 @@ def test_a_fresh_run_never_overwrites_an_existing_one(run_cli, tmp_path):
     assert {p.name: p.read_bytes() for p in run_dir.iterdir() if p.is_file()} == before
 
 
-@pytest.mark.parametrize("override,message", [
-    ("train.batch_szie=4", "batch_szie"),
-    ("optim=sgd", "optim"),
-    ("resume=/nonexistent/last.pt", "no such checkpoint"),
-    ("train.device=cuda:0", "CUDA is not available") if not torch.cuda.is_available() else ("train.seed=x", "seed"),
-    ("train.seq_len=8192", "max_seq_len"),
-    ("data=prepared data.path=/nonexistent/data", "does not exist"),
-    ("model=k3_tiny model.kda_mla_ratio=abc", "must look like '3:1'"),
-    ("model=k3_tiny model.kda_implementation=fla",
-     "k3train: error: ImportError: KDA implementation='fla' needs flash-linear-attention")
-    if importlib.util.find_spec("fla") is None else ("train.seed=x", "seed"),
-])
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.batch_szie=4", "batch_szie"),
+        ("optim=sgd", "optim"),
+        ("resume=/nonexistent/last.pt", "no such checkpoint"),
+        ("train.device=cuda:0", "CUDA is not available") if not torch.cuda.is_available() else ("train.seed=x", "seed"),
+        ("train.seq_len=8192", "max_seq_len"),
+        ("data=prepared data.path=/nonexistent/data", "does not exist"),
+        ("model=k3_tiny model.kda_mla_ratio=abc", "must look like '3:1'"),
+        (
+            "model=k3_tiny model.kda_implementation=fla",
+            "k3train: error: ImportError: KDA implementation='fla' needs flash-linear-attention",
+        )
+        if importlib.util.find_spec("fla") is None
+        else ("train.seed=x", "seed"),
+    ],
+)
 def test_bad_input_fails_before_any_work_with_a_clear_message(run_cli, tmp_path, override, message):
     run_dir = tmp_path / "run"
     proc = run_cli(*TINY, "train.max_steps=2", *override.split(), f"hydra.run.dir={run_dir}")
@@ -173,8 +207,9 @@ def test_bad_input_fails_before_any_work_with_a_clear_message(run_cli, tmp_path,
 
 def test_divergence_stops_with_a_clear_message(run_cli, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli(*TINY, "train.max_steps=20", "optim.lr=1e30", "train.max_consecutive_skips=3",
-                   f"hydra.run.dir={run_dir}")
+    proc = run_cli(
+        *TINY, "train.max_steps=20", "optim.lr=1e30", "train.max_consecutive_skips=3", f"hydra.run.dir={run_dir}"
+    )
     assert proc.returncode == 1
     assert "non-finite updates in a row" in proc.stderr
     log = events(run_dir)
@@ -184,8 +219,15 @@ def test_divergence_stops_with_a_clear_message(run_cli, tmp_path):
 
 def test_profiler_writes_a_trace(run_cli, tmp_path):
     run_dir = tmp_path / "run"
-    proc = run_cli(*TINY, "train.max_steps=4", "profile.enabled=true", "profile.wait=1", "profile.warmup=1",
-                   "profile.active=1", f"hydra.run.dir={run_dir}")
+    proc = run_cli(
+        *TINY,
+        "train.max_steps=4",
+        "profile.enabled=true",
+        "profile.wait=1",
+        "profile.warmup=1",
+        "profile.active=1",
+        f"hydra.run.dir={run_dir}",
+    )
     assert proc.returncode == 0, proc.stderr
     traces = list((run_dir / "profile").glob("*.json"))
     assert traces and traces[0].stat().st_size > 0
@@ -201,8 +243,7 @@ def test_kimi_k3_run_records_diagnostics_and_changes_every_weight(run_cli, tmp_p
     proc = run_cli(*SHAPE, *K3_RESUME[:-1], "train.max_steps=3", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr
     assert "plumbing" not in proc.stdout
-    assert [e["event"] for e in events(run_dir)] == ["session", "train", "train", "train", "eval", "checkpoint",
-                                                      "end"]
+    assert [e["event"] for e in events(run_dir)] == ["session", "train", "train", "train", "eval", "checkpoint", "end"]
     train = [e for e in events(run_dir) if e["event"] == "train"]
     assert any(k.startswith("moe/") and k.endswith("/load_max") for k in train[-1]["model"])
     assert any(k.endswith("/update_rms") for k in train[-1]["optimizer"])
@@ -216,8 +257,11 @@ def test_kimi_k3_run_records_diagnostics_and_changes_every_weight(run_cli, tmp_p
     seed_everything(manifest["config"]["train"]["seed"])
     initial = KimiK3.from_fields(**manifest["model"]["config"]).state_dict()
     trained = load_checkpoint(run_dir / "last.pt")["model"]
-    unchanged = [n for n, p in KimiK3.from_fields(**manifest["model"]["config"]).named_parameters()
-                 if torch.equal(initial[n], trained[n])]
+    unchanged = [
+        n
+        for n, p in KimiK3.from_fields(**manifest["model"]["config"]).named_parameters()
+        if torch.equal(initial[n], trained[n])
+    ]
     assert not unchanged, f"parameters never updated: {unchanged}"
 
 
@@ -247,10 +291,18 @@ def test_a_diverged_job_does_not_end_the_sweep(run_cli, tmp_path, monkeypatch):
 
 def test_optimizer_settings_may_change_on_resume(run_cli, tmp_path):
     run_dir = tmp_path / "run"
-    assert run_cli(*TINY, "optim=adamw", "train.max_steps=2", "optim.lr=1e-3",
-                   f"hydra.run.dir={run_dir}").returncode == 0
-    proc = run_cli(*TINY, "optim=adamw", "train.max_steps=4", "optim.lr=2e-3", "optim.weight_decay=0.0", "resume=auto",
-                   f"hydra.run.dir={run_dir}")
+    assert (
+        run_cli(*TINY, "optim=adamw", "train.max_steps=2", "optim.lr=1e-3", f"hydra.run.dir={run_dir}").returncode == 0
+    )
+    proc = run_cli(
+        *TINY,
+        "optim=adamw",
+        "train.max_steps=4",
+        "optim.lr=2e-3",
+        "optim.weight_decay=0.0",
+        "resume=auto",
+        f"hydra.run.dir={run_dir}",
+    )
     assert proc.returncode == 0, proc.stderr
     resume = next(e for e in events(run_dir) if e["event"] == "resume")
     assert resume["changed_settings"]["decay.initial_lr"] == [1e-3, 2e-3]
@@ -272,13 +324,24 @@ def test_sigterm_checkpoints_at_an_update_boundary_and_resume_continues_exactly(
 
     from conftest import REPO
 
-    common = [*TINY, "schedule=warmup_constant", "train.log_interval=1", "train.eval_interval=0",
-              "train.checkpoint_interval=0", "train.deterministic=true"]
+    common = [
+        *TINY,
+        "schedule=warmup_constant",
+        "train.log_interval=1",
+        "train.eval_interval=0",
+        "train.checkpoint_interval=0",
+        "train.deterministic=true",
+    ]
     run_dir, straight = tmp_path / "run", tmp_path / "straight"
     env = {**os.environ, "K3TRAIN_CACHE": str(k3_cache), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "k3train", *common, "train.max_steps=1000000",
-                             f"hydra.run.dir={run_dir}"], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "k3train", *common, "train.max_steps=1000000", f"hydra.run.dir={run_dir}"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stdout:  # the first step line: training is under way; the run is far from its end
         if "| loss " in line:
             proc.send_signal(signal.SIGTERM)
@@ -308,8 +371,12 @@ def test_a_refused_run_leaves_the_existing_runs_hydra_files_alone(run_cli, tmp_p
 
 def test_resume_from_an_earlier_checkpoint_of_the_same_run(run_cli, tmp_path):
     run_dir = tmp_path / "run"
-    assert run_cli(*TINY, "train.max_steps=4", "train.checkpoint_interval=2", "train.keep_last_k=2",
-                   f"hydra.run.dir={run_dir}").returncode == 0
+    assert (
+        run_cli(
+            *TINY, "train.max_steps=4", "train.checkpoint_interval=2", "train.keep_last_k=2", f"hydra.run.dir={run_dir}"
+        ).returncode
+        == 0
+    )
     assert (run_dir / "step_0000002.pt").exists()
     proc = run_cli(*TINY, "train.max_steps=4", f"resume={run_dir / 'step_0000002.pt'}", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr

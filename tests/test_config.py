@@ -68,12 +68,15 @@ def test_misspelt_key_fails_naming_it():
     assert "batch_szie" in str(err.value)
 
 
-@pytest.mark.parametrize("override,key,hint", [
-    ("+train.max_stpes=5", "train.max_stpes", "train.max_steps"),  # the form Hydra's own error hint suggests
-    ("++train.max_stpes=5", "train.max_stpes", "train.max_steps"),
-    ("+profile.activ=2", "profile.activ", "profile.active"),
-    ("+resum=auto", "resum", "resume"),
-])
+@pytest.mark.parametrize(
+    "override,key,hint",
+    [
+        ("+train.max_stpes=5", "train.max_stpes", "train.max_steps"),  # the form Hydra's own error hint suggests
+        ("++train.max_stpes=5", "train.max_stpes", "train.max_steps"),
+        ("+profile.activ=2", "profile.activ", "profile.active"),
+        ("+resum=auto", "resum", "resume"),
+    ],
+)
 def test_a_key_added_with_plus_is_refused_naming_it(override, key, hint):
     cfg = composed(override)  # Hydra lets it into the structured config...
     with pytest.raises(ValueError) as err:
@@ -109,8 +112,18 @@ def test_unknown_group_option_lists_the_choices():
 
 # Every option is built as the runner builds it (k3train/run/runner.py), shrunk to widths that run in milliseconds:
 # the shrink applies to the keys a model config has, so a new model YAML needs no entry here.
-TINY_MODEL = {"d_model": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 8,
-              "kda_head_dim": 8, "kda_chunk_size": 16, "n_routed_experts": 8, "expert_ffn_dim": 16, "dense_ffn_dim": 32}
+TINY_MODEL = {
+    "d_model": 32,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "kda_head_dim": 8,
+    "kda_chunk_size": 16,
+    "n_routed_experts": 8,
+    "expert_ffn_dim": 16,
+    "dense_ffn_dim": 32,
+}
 V, B, T = 97, 2, 16
 
 
@@ -278,8 +291,8 @@ def test_every_parallel_option_leaves_one_process_as_it_is(option):
 
 @pytest.mark.parametrize("group,option", [(g, o) for g in NAMED_GROUPS for o in options(g)])
 def test_every_callbacks_and_logger_option_builds_what_the_runner_checks(group, option, tmp_path):
-    from k3train.train.callbacks import Callback
     from k3train.observe.metrics import MetricsSink
+    from k3train.train.callbacks import Callback
 
     kind, kwargs = (Callback, {}) if group == "callbacks" else (MetricsSink, {"run_dir": str(tmp_path)})
     for name, node in with_option(group, option)[group].items():

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from k3train.config import TrainConfig
-from k3train.runtime import cpu
 from k3train.observe.progress import Progress, format_duration
+from k3train.runtime import cpu
 
 
 @pytest.fixture
@@ -62,12 +62,12 @@ def test_auto_threads_share_the_cpus_among_local_jobs(clean_env) -> None:
     clean_env.delenv("PYTEST_XDIST_WORKER_COUNT")
     joblib = {"_target_": "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher", "n_jobs": 2}
     assert cpu.choose_threads("auto", joblib).threads == 4
-    submitit = {"_target_": "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher",
-                "cpus_per_task": 3}
+    submitit = {"_target_": "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher", "cpus_per_task": 3}
     assert cpu.choose_threads("auto", submitit).threads == 3
     # an explicit count wins over everything
-    assert cpu.choose_threads("5", joblib) == cpu.ThreadChoice(5, "train.cpu_threads",
-                                                              os.environ.get("OMP_WAIT_POLICY", "default"))
+    assert cpu.choose_threads("5", joblib) == cpu.ThreadChoice(
+        5, "train.cpu_threads", os.environ.get("OMP_WAIT_POLICY", "default")
+    )
 
 
 @pytest.mark.parametrize("bad", ["0", "-2", "many", "1.5"])
@@ -78,8 +78,9 @@ def test_bad_cpu_threads_are_refused_naming_the_key(bad: str) -> None:
 
 def _python(code: str, **env: str) -> str:
     base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
-                          check=True, timeout=120).stdout.strip()
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True, timeout=120
+    ).stdout.strip()
 
 
 @pytest.mark.slow
@@ -104,10 +105,22 @@ def test_first_update_feedback(capsys: pytest.CaptureFixture) -> None:
 @pytest.mark.slow
 def test_cli_records_threads_and_dtype_and_reports_the_first_update(run_cli, tmp_path) -> None:
     run_dir = tmp_path / "run"
-    proc = run_cli("model=k3_tiny", "model.d_model=32", "model.n_layers=2", "model.expert_ffn_dim=16",
-                   "model.dense_ffn_dim=32", "model.kda_chunk_size=16", "train.batch_size=2", "train.seq_len=32",
-                   "train.max_steps=2", "train.eval_batches=1", "train.progress=lines", "train.cpu_threads=1",
-                   "optim.ns_dtype=fp32", f"hydra.run.dir={run_dir}")
+    proc = run_cli(
+        "model=k3_tiny",
+        "model.d_model=32",
+        "model.n_layers=2",
+        "model.expert_ffn_dim=16",
+        "model.dense_ffn_dim=32",
+        "model.kda_chunk_size=16",
+        "train.batch_size=2",
+        "train.seq_len=32",
+        "train.max_steps=2",
+        "train.eval_batches=1",
+        "train.progress=lines",
+        "train.cpu_threads=1",
+        "optim.ns_dtype=fp32",
+        f"hydra.run.dir={run_dir}",
+    )
     assert proc.returncode == 0, proc.stderr
     manifest = json.loads((run_dir / "run.json").read_text())
     env = manifest["environment"]
@@ -127,7 +140,8 @@ def test_cli_refuses_bad_cpu_threads(run_cli, tmp_path) -> None:
     proc = run_cli("model=smoke_test_lm", "train.cpu_threads=0", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "k3train: error: ValueError: train.cpu_threads=0 must be auto or a positive number of threads"]
+        "k3train: error: ValueError: train.cpu_threads=0 must be auto or a positive number of threads"
+    ]
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="keep_freed_memory tunes glibc's malloc only")
@@ -153,8 +167,9 @@ def test_keep_freed_memory_stops_the_page_faults_of_repeated_steps():
         print(json.dumps({"setting": setting, "default": default, "kept": kept}))
     """)
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
-    result = json.loads(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                                       env=env).stdout)
+    result = json.loads(
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env).stdout
+    )
     assert result["setting"].startswith("glibc, keeps freed memory"), result
     default, kept = (sum(counts[1:]) / len(counts[1:]) for counts in (result["default"], result["kept"]))
     if default < 5000:

@@ -177,8 +177,11 @@ def test_an_out_of_vocab_id_anywhere_in_a_shard_is_refused_at_open(large_shard_d
     assert ShardedTokenDataset(large_shard_dir, "train").num_tokens > 200_000
     poke(large_shard_dir / "train_000000.bin", 200_123, 300)
     poke(large_shard_dir / "train_000000.bin", 250_000, 400)  # only the first bad id is named
-    with pytest.raises(ValueError, match=r"train_000000.bin holds token id 300 >= vocab_size 257 at token offset "
-                                         r"200,123 .*--overwrite.*right --tokenizer"):
+    with pytest.raises(
+        ValueError,
+        match=r"train_000000.bin holds token id 300 >= vocab_size 257 at token offset "
+        r"200,123 .*--overwrite.*right --tokenizer",
+    ):
         TokenData(large_shard_dir)
 
 
@@ -186,8 +189,15 @@ def test_an_out_of_vocab_id_anywhere_in_a_shard_is_refused_at_open(large_shard_d
 def test_cli_refuses_an_out_of_vocab_shard_in_one_line(large_shard_dir, run_cli, tmp_path):
     poke(large_shard_dir / "train_000000.bin", 200_123, 300)
     run_dir = tmp_path / "run"
-    proc = run_cli("model=smoke_test_lm", "data=prepared", f"data.path={large_shard_dir}", "train.max_steps=1",
-                   "train.batch_size=2", "train.seq_len=32", f"hydra.run.dir={run_dir}")
+    proc = run_cli(
+        "model=smoke_test_lm",
+        "data=prepared",
+        f"data.path={large_shard_dir}",
+        "train.max_steps=1",
+        "train.batch_size=2",
+        "train.seq_len=32",
+        f"hydra.run.dir={run_dir}",
+    )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()] and "Traceback" not in proc.stderr
     assert "train_000000.bin holds token id 300 >= vocab_size 257 at token offset 200,123" in proc.stderr

@@ -36,8 +36,14 @@ def test_formats_folders_globs_and_gz(tmp_path, monkeypatch):
     write_jsonl(tmp_path / "x2.jsonl", [DOCS[9], ""], field="body")  # the empty document is skipped
     (corpus / "notes.md").write_text("not an input")  # unsupported types inside a folder are ignored
     val = write_jsonl(tmp_path / "val.jsonl", VAL_DOCS, field="body")
-    manifest = prepare_dataset([corpus, str(tmp_path / "x*.jsonl")], tmp_path / "out", val_inputs=[val],
-                               text_field="body", shard_tokens=50, workers=1)
+    manifest = prepare_dataset(
+        [corpus, str(tmp_path / "x*.jsonl")],
+        tmp_path / "out",
+        val_inputs=[val],
+        text_field="body",
+        shard_tokens=50,
+        workers=1,
+    )
     # Folder files are sorted by path: a.txt, c.txt.gz, sub/b.jsonl.gz; then the glob's x1, x2.
     expected = [DOCS[0] + "\nsecond line\n" + DOCS[1], DOCS[6], *DOCS[2:6], DOCS[7], DOCS[8], DOCS[9]]
     assert np.array_equal(tokens(tmp_path / "out", "train"), byte_stream(expected))
@@ -80,8 +86,13 @@ def test_val_fraction_holds_on_a_handful_of_files(tmp_path, capsys):
     for i, text in enumerate(texts):
         (tmp_path / f"f{i}.txt").write_text(text)
     # In process (test_cli runs the real command): main() parses the same arguments and prints the same report.
-    argv = [*(str(tmp_path / f"f{i}.txt") for i in range(len(texts))), "--output", str(tmp_path / "out"),
-            "--val-fraction", "0.05"]
+    argv = [
+        *(str(tmp_path / f"f{i}.txt") for i in range(len(texts))),
+        "--output",
+        str(tmp_path / "out"),
+        "--val-fraction",
+        "0.05",
+    ]
     assert prepare_mod.main(argv) == 0
     splits = json.loads((tmp_path / "out" / MANIFEST_NAME).read_text())["splits"]
     val, train = splits["val"]["num_tokens"], splits["train"]["num_tokens"]
@@ -114,7 +125,8 @@ def test_bpe_tokenizer_json(tmp_path, monkeypatch):
     assert np.array_equal(tokens(tmp_path / "bpe", "train"), expected)
     data = TokenData(tmp_path / "bpe")
     assert data.tokenizer().decode(tokens(tmp_path / "bpe", "val").tolist()) == "".join(
-        d + "<|endoftext|>" for d in VAL_DOCS)
+        d + "<|endoftext|>" for d in VAL_DOCS
+    )
 
 
 def test_bad_inputs_name_the_file(tmp_path):
@@ -207,8 +219,9 @@ def test_killed_prepare_never_looks_complete(tmp_path):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "k3train.prepare", *map(str, args)], cwd=REPO,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "k3train.prepare", *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.mark.slow
@@ -221,8 +234,7 @@ def test_cli(tmp_path):
     assert manifest["format_version"] == 1 and manifest["vocab_size"] == 257 and manifest["dtype"] == "<u2"
     assert manifest["source"]["val_fraction"] == 0.2 and manifest["source"]["inputs"] == [str(src.resolve())]
     assert sum(len(s["shards"]) for s in manifest["splits"].values()) > 2
-    assert (manifest["splits"]["train"]["num_tokens"] + manifest["splits"]["val"]["num_tokens"]
-            == len(byte_stream(DOCS)))
+    assert manifest["splits"]["train"]["num_tokens"] + manifest["splits"]["val"]["num_tokens"] == len(byte_stream(DOCS))
 
     again = run_cli(src, "--output", tmp_path / "out", "-q")
     assert again.returncode == 1 and "already exists" in again.stderr and again.stdout == ""

@@ -11,16 +11,28 @@ def test_no_launcher_is_one_process():
 
 
 def test_torchrun_variables():
-    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "n1",
-           "MASTER_PORT": "29500"}
-    assert world_from_env(env) == World(rank=3, size=4, local_rank=1, local_size=2, master_addr="n1",
-                                        master_port=29500)
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "n1",
+        "MASTER_PORT": "29500",
+    }
+    assert world_from_env(env) == World(rank=3, size=4, local_rank=1, local_size=2, master_addr="n1", master_port=29500)
 
 
 def test_srun_tasks_take_the_first_node_and_a_port_from_the_job(monkeypatch):
     monkeypatch.setattr(distributed.subprocess, "run", _no_scontrol)
-    env = {"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NTASKS_PER_NODE": "4(x2)",
-           "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "1234", "SLURM_STEP_NODELIST": "gpu[07-08]"}
+    env = {
+        "SLURM_NTASKS": "8",
+        "SLURM_PROCID": "5",
+        "SLURM_LOCALID": "1",
+        "SLURM_NTASKS_PER_NODE": "4(x2)",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_ID": "1234",
+        "SLURM_STEP_NODELIST": "gpu[07-08]",
+    }
     world = world_from_env(env)
     assert (world.rank, world.size, world.local_rank, world.local_size) == (5, 8, 1, 4)
     assert world.master_addr == "gpu07" and world.master_port == 20000 + 1234
@@ -30,11 +42,14 @@ def test_an_sbatch_script_itself_is_one_process():
     assert world_from_env({"SLURM_NTASKS": "8", "SLURM_PROCID": "0", "SLURM_JOB_ID": "1"}) == World()
 
 
-@pytest.mark.parametrize("env,message", [
-    ({"WORLD_SIZE": "2"}, "RANK is not"),
-    ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_PORT is not"),
-    ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_PORT": "1"}, "RANK=2 is not one of"),
-])
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"WORLD_SIZE": "2"}, "RANK is not"),
+        ({"WORLD_SIZE": "2", "RANK": "0"}, "MASTER_PORT is not"),
+        ({"WORLD_SIZE": "2", "RANK": "2", "MASTER_PORT": "1"}, "RANK=2 is not one of"),
+    ],
+)
 def test_a_half_set_environment_says_what_is_missing(env, message):
     with pytest.raises(LaunchError, match=message):
         world_from_env(env)

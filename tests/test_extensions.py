@@ -20,7 +20,7 @@ from k3train.observe.metrics import read_metrics
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 FILES = {
-    "bigram.py": '''
+    "bigram.py": """
         from dataclasses import dataclass
         from typing import Optional
 
@@ -61,25 +61,25 @@ FILES = {
             def param_counts(self):
                 n = self.table.weight.numel()
                 return {"total": n, "active": n, "embedding": n}
-        ''',
-    "conf/model/bigram.yaml": '''
+        """,
+    "conf/model/bigram.yaml": """
         _target_: bigram.BigramLM.from_fields
         vocab_size: null
         max_seq_len: 1024
-        ''',
-    "plain_sgd.py": '''
+        """,
+    "plain_sgd.py": """
         import torch
 
 
         def sgd(model, *, lr, momentum):
             return torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
-        ''',
-    "conf/optim/sgd.yaml": '''
+        """,
+    "conf/optim/sgd.yaml": """
         _target_: plain_sgd.sgd
         _partial_: true
         lr: 0.5
         momentum: 0.9
-        ''',
+        """,
     "events_file.py": '''
         import json
         from pathlib import Path
@@ -101,10 +101,10 @@ FILES = {
                 if self.file is not None:
                     self.file.close()
         ''',
-    "conf/logger/events.yaml": '''
+    "conf/logger/events.yaml": """
         events:
           _target_: events_file.EventsFile
-        ''',
+        """,
 }
 
 
@@ -117,12 +117,30 @@ def test_a_model_an_optimizer_and_a_logger_each_plug_in_with_one_python_and_one_
     run_dir = tmp_path / "run"
     env = {**os.environ, "K3TRAIN_CACHE": str(k3_cache), "PYTHONPATH": str(ext)}
     proc = subprocess.run(
-        [sys.executable, "-m", "k3train", "model=bigram", "optim=sgd", "logger=events",
-         f"hydra.searchpath=[file://{ext / 'conf'}]", "train.max_steps=4", "train.batch_size=2", "train.seq_len=32",
-         "train.log_interval=2", "train.eval_interval=0", "train.progress=lines", "schedule=warmup_constant",
-         "schedule.warmup_steps=0",
-         f"hydra.run.dir={run_dir}"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "k3train",
+            "model=bigram",
+            "optim=sgd",
+            "logger=events",
+            f"hydra.searchpath=[file://{ext / 'conf'}]",
+            "train.max_steps=4",
+            "train.batch_size=2",
+            "train.seq_len=32",
+            "train.log_interval=2",
+            "train.eval_interval=0",
+            "train.progress=lines",
+            "schedule=warmup_constant",
+            "schedule.warmup_steps=0",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "QK-Clip: off" in proc.stdout  # the default callback finds no attention module and says so
 
@@ -139,5 +157,10 @@ def test_a_model_an_optimizer_and_a_logger_each_plug_in_with_one_python_and_one_
 
 
 def test_a_model_without_the_protocol_is_named_with_what_it_lacks():
-    assert missing_members(torch.nn.Linear(2, 2)) == ["config", "log_label", "check_data", "diagnostics",
-                                                      "param_counts"]
+    assert missing_members(torch.nn.Linear(2, 2)) == [
+        "config",
+        "log_label",
+        "check_data",
+        "diagnostics",
+        "param_counts",
+    ]

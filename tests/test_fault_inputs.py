@@ -1,9 +1,8 @@
 """Each class of bad input is refused with its exit status and key words, and changes no file (fault_inputs.py)."""
 
+import fault_inputs as fi
 import pytest
 import torch
-
-import fault_inputs as fi
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 

@@ -7,9 +7,8 @@ test asks for a result; each test then reports its own trial."""
 
 import os
 
-import pytest
-
 import fault_harness as fh
+import pytest
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
@@ -23,8 +22,11 @@ TRIALS = {**KILL_TRIALS, **SIGNAL_TRIALS, **DISK_TRIALS}
 
 @pytest.fixture(scope="session")
 def trial_results(request, tmp_path_factory, k3_cache):
-    selected = [TRIALS[item.callspec.params["trial"]] for item in request.session.items
-                if item.module.__name__ == __name__ and hasattr(item, "callspec") and "trial" in item.callspec.params]
+    selected = [
+        TRIALS[item.callspec.params["trial"]]
+        for item in request.session.items
+        if item.module.__name__ == __name__ and hasattr(item, "callspec") and "trial" in item.callspec.params
+    ]
     jobs = int(os.environ.get("K3TRAIN_FAULT_JOBS", "2"))
     return fh.run_trials(selected, tmp_path_factory.mktemp("fault"), k3_cache, jobs=jobs)
 

@@ -5,11 +5,11 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from config_helpers import model_config
 from hydra.utils import instantiate
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from config_helpers import model_config
 from k3train.models.k3 import mla
 from k3train.models.protocol import CountsFlops
 
@@ -24,8 +24,9 @@ def counted_flops_per_token(model, B: int, T: int) -> dict[str, float]:
     of the total). Attention runs unpadded on the math backend here: the counter has no formula for torch's fused
     CPU kernel, and the zero columns causal_attention adds for that kernel are not the model's work.
     """
-    x, y = (torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(s))
-            for s in (0, 1))
+    x, y = (
+        torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(s)) for s in (0, 1)
+    )
     counter = FlopCounterMode(display=False)
     with sdpa_kernel(SDPBackend.MATH), mock.patch.object(mla, "causal_attention", unpadded_attention):
         with counter:
@@ -40,12 +41,15 @@ def unpadded_attention(q, k, v, scale):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
-@pytest.mark.parametrize("name, vocab, B, T, kda", [
-    ("k3_tiny", 257, 2, 256, "chunk"),
-    ("k3_tiny", 257, 1, 100, "chunk"),  # a tail chunk padded
-    ("k3_tiny", 257, 1, 48, "recurrent"),
-    ("k3_small", 4096, 1, 256, "chunk"),
-])
+@pytest.mark.parametrize(
+    "name, vocab, B, T, kda",
+    [
+        ("k3_tiny", 257, 2, 256, "chunk"),
+        ("k3_tiny", 257, 1, 100, "chunk"),  # a tail chunk padded
+        ("k3_tiny", 257, 1, 48, "recurrent"),
+        ("k3_small", 4096, 1, 256, "chunk"),
+    ],
+)
 def test_flops_per_token_matches_torch_flop_counter(name, vocab, B, T, kda):
     torch.manual_seed(0)
     model = instantiate(model_config(name), vocab_size=vocab, kda_implementation=kda).train()

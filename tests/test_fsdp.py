@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_distributed import K3, SMOKE, kill_a_rank_then_resume, launch, steps
 
 from k3train import export
+from k3train.checkpoint.checkpointer import FORMAT_VERSION, CheckpointError, ShardedCheckpointer, load_checkpoint
+from k3train.checkpoint.dcp import EXTRA, PLACEHOLDER, read_sharded, whole_tensor
 from k3train.consolidate import consolidate
 from k3train.inference.loading import load as load_for_inference
-from k3train.checkpoint.checkpointer import FORMAT_VERSION, CheckpointError, ShardedCheckpointer, load_checkpoint
 from k3train.observe.metrics import read_metrics
-from k3train.checkpoint.dcp import EXTRA, PLACEHOLDER, read_sharded, whole_tensor
-from test_distributed import K3, SMOKE, kill_a_rank_then_resume, launch, steps
 
 FSDP = ["parallel=fsdp"]
 
@@ -38,8 +38,13 @@ def test_fsdp_k3_tiny_equals_one_process_and_resumes_sharded_or_consolidated(k3_
     """Muon (whole matrices gathered from shards), Quantile Balancing, QK-Clip on row-sharded weights, gradient
     accumulation without a reduce-scatter per micro-batch; then 1 process resumes its consolidated step-2
     checkpoint (a 2-rank resume from last.dcp: the killed-rank test below)."""
-    args = [*K3, "train.max_steps=4", "train.gradient_accumulation_steps=2", "train.checkpoint_interval=2",
-            "train.keep_last_k=2"]
+    args = [
+        *K3,
+        "train.max_steps=4",
+        "train.gradient_accumulation_steps=2",
+        "train.checkpoint_interval=2",
+        "train.keep_last_k=2",
+    ]
     one, two, single = tmp_path / "one", tmp_path / "two", tmp_path / "single"
     proc = launch(k3_cache, *args, "train.batch_size=2", f"hydra.run.dir={one}", ranks=None)
     assert proc.returncode == 0, proc.stderr
@@ -80,12 +85,20 @@ def test_fsdp_smoke_equals_one_process_and_a_killed_rank_resumes_exactly(k3_cach
     proc = launch(k3_cache, *SMOKE, "train.max_steps=8", "train.batch_size=4", f"hydra.run.dir={one}", ranks=None)
     assert proc.returncode == 0, proc.stderr
     assert_same_steps(steps(straight), steps(one))
-    assert_same_weights(load_checkpoint(straight / "last.dcp")["model"], load_checkpoint(one / "last.pt")["model"],
-                        atol=1e-6)
+    assert_same_weights(
+        load_checkpoint(straight / "last.dcp")["model"], load_checkpoint(one / "last.pt")["model"], atol=1e-6
+    )
 
     kill_a_rank_then_resume(k3_cache, args, straight, killed, "last.dcp")
-    proc = launch(k3_cache, *SMOKE, "train.max_steps=8", "train.batch_size=2", f"hydra.run.dir={tmp_path / 'half'}",
-                  f"resume={straight / 'step_0000004.dcp'}", ranks=None)  # 1 x 2 rows: not the checkpoint's 2 x 2
+    proc = launch(
+        k3_cache,
+        *SMOKE,
+        "train.max_steps=8",
+        "train.batch_size=2",
+        f"hydra.run.dir={tmp_path / 'half'}",
+        f"resume={straight / 'step_0000004.dcp'}",
+        ranks=None,
+    )  # 1 x 2 rows: not the checkpoint's 2 x 2
     assert proc.returncode == 2 and "global_batch_size was 4, now 2" in proc.stderr
     named = {os.readlink(link).split("/")[-1] for link in killed.glob("*.dcp")}  # last, step_4, step_6, step_8
     assert sorted(p.name for p in (killed / "dcp").iterdir()) == sorted(named) and len(named) == 3
@@ -93,12 +106,18 @@ def test_fsdp_smoke_equals_one_process_and_a_killed_rank_resumes_exactly(k3_cach
 
 # ---- opening a sharded checkpoint --------------------------------------------------------------------------------
 
+
 def _sharded_checkpoint(directory: Path) -> None:
     """A sharded checkpoint as write_sharded lays it out, made in one process: one tensor through DCP, the rest in
     extra.pt with a placeholder where it goes."""
     dcp.save({"model/w": torch.arange(6.0).reshape(2, 3)}, checkpoint_id=directory, no_dist=True)
-    torch.save({"meta": {"step": 3, "format_version": FORMAT_VERSION}, "model": {"w": {PLACEHOLDER: "model/w", "shape": [2, 3], "dtype": "float32"},
-                                               "b": torch.ones(2)}}, directory / EXTRA)
+    torch.save(
+        {
+            "meta": {"step": 3, "format_version": FORMAT_VERSION},
+            "model": {"w": {PLACEHOLDER: "model/w", "shape": [2, 3], "dtype": "float32"}, "b": torch.ones(2)},
+        },
+        directory / EXTRA,
+    )
 
 
 class _RunsCode:

@@ -35,15 +35,18 @@ def incremental_logits(model: KimiK3, tokens: torch.Tensor, prefill: int) -> tor
     """The prompt tokens[:, :prefill] in one forward, then the rest one token at a time."""
     cache = model.empty_cache(tokens.shape[0], tokens.shape[1])
     steps = [model.forward_cached(tokens[:, :prefill], cache)]
-    steps += [model.forward_cached(tokens[:, t:t + 1], cache) for t in range(prefill, tokens.shape[1])]
+    steps += [model.forward_cached(tokens[:, t : t + 1], cache) for t in range(prefill, tokens.shape[1])]
     return torch.cat(steps, dim=1)
 
 
-@pytest.mark.parametrize("name, changes, mixers", [
-    ("k3_tiny", {}, {"kda", "mla"}),
-    ("k3_mla_only", {}, {"mla"}),
-    ("k3_tiny", {"kda_mla_ratio": "1:0"}, {"kda"}),  # a KDA-only stack
-])
+@pytest.mark.parametrize(
+    "name, changes, mixers",
+    [
+        ("k3_tiny", {}, {"kda", "mla"}),
+        ("k3_mla_only", {}, {"mla"}),
+        ("k3_tiny", {"kda_mla_ratio": "1:0"}, {"kda"}),  # a KDA-only stack
+    ],
+)
 def test_incremental_decoding_equals_the_full_forward(name, changes, mixers):
     model = build(name, **changes)
     assert {layer.mixer_type for layer in model.layers} == mixers
@@ -54,15 +57,35 @@ def test_incremental_decoding_equals_the_full_forward(name, changes, mixers):
     assert relative_error(incremental_logits(model, tokens, prefill=70), full) < 1e-4
 
 
-@pytest.mark.parametrize("changes", [
-    {"mla_rope": True, "q_lora_rank": 16, "kda_conv_size": 2},  # rotary keys at their positions, query compression
-    {"kda_conv_size": 1, "kda_implementation": "recurrent", "tie_embeddings": True},
-])
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"mla_rope": True, "q_lora_rank": 16, "kda_conv_size": 2},  # rotary keys at their positions, query compression
+        {"kda_conv_size": 1, "kda_implementation": "recurrent", "tie_embeddings": True},
+    ],
+)
 def test_incremental_decoding_equals_the_full_forward_in_other_configurations(changes):
-    model = KimiK3(KimiK3Config(vocab_size=61, d_model=32, n_layers=3, kda_mla_ratio="1:1", max_seq_len=64,
-                                mla_n_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                                kda_n_heads=2, kda_head_dim=16, kda_chunk_size=16, n_routed_experts=4,
-                                expert_ffn_dim=16, dense_ffn_dim=48, **changes)).eval()
+    model = KimiK3(
+        KimiK3Config(
+            vocab_size=61,
+            d_model=32,
+            n_layers=3,
+            kda_mla_ratio="1:1",
+            max_seq_len=64,
+            mla_n_heads=2,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            kda_n_heads=2,
+            kda_head_dim=16,
+            kda_chunk_size=16,
+            n_routed_experts=4,
+            expert_ffn_dim=16,
+            dense_ffn_dim=48,
+            **changes,
+        )
+    ).eval()
     tokens = torch.randint(0, 61, (3, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full, _ = model(tokens)
@@ -130,20 +153,36 @@ def test_sampler_filters():
     assert torch.equal(a, Sampler()(logits, torch.Generator().manual_seed(5)))  # seeded: reproducible
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"temperature": -1}, "temperature=-1 must be >= 0"),
-    ({"top_k": -2}, "top_k=-2 must be >= 0"),
-    ({"top_p": 0}, r"top_p=0 must be in \(0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"temperature": -1}, "temperature=-1 must be >= 0"),
+        ({"top_k": -2}, "top_k=-2 must be >= 0"),
+        ({"top_p": 0}, r"top_p=0 must be in \(0, 1\]"),
+    ],
+)
 def test_sampler_refuses_bad_settings(settings, message):
     with pytest.raises(ValueError, match=message):
         Sampler(**settings)
 
 
 def test_rotary_positions_past_the_table_are_refused():
-    model = KimiK3(KimiK3Config(vocab_size=61, d_model=32, n_layers=1, kda_mla_ratio="0:1", max_seq_len=8,
-                                mla_n_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                                mla_rope=True, dense_ffn_dim=32)).eval()
+    model = KimiK3(
+        KimiK3Config(
+            vocab_size=61,
+            d_model=32,
+            n_layers=1,
+            kda_mla_ratio="0:1",
+            max_seq_len=8,
+            mla_n_heads=2,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            mla_rope=True,
+            dense_ffn_dim=32,
+        )
+    ).eval()
     cache = model.empty_cache(1, 20)
     with torch.no_grad():
         model.forward_cached(torch.zeros(1, 8, dtype=torch.long), cache)  # positions 0..7: the whole table

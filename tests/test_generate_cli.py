@@ -16,15 +16,27 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 # k3_tiny shrunk (as test_cli.py's resume case): every layer kind, a few seconds of training.
-TINY_K3 = ["model=k3_tiny", "model.d_model=64", "model.expert_ffn_dim=32", "model.dense_ffn_dim=64",
-           "model.kda_chunk_size=16", "train.batch_size=2", "train.seq_len=32", "train.max_steps=2",
-           "train.eval_interval=2", "train.eval_batches=2", "train.progress=lines", "schedule.warmup_steps=1"]
+TINY_K3 = [
+    "model=k3_tiny",
+    "model.d_model=64",
+    "model.expert_ffn_dim=32",
+    "model.dense_ffn_dim=64",
+    "model.kda_chunk_size=16",
+    "train.batch_size=2",
+    "train.seq_len=32",
+    "train.max_steps=2",
+    "train.eval_interval=2",
+    "train.eval_batches=2",
+    "train.progress=lines",
+    "schedule.warmup_steps=1",
+]
 PROMPT = "The cat"
 
 
 def python_m(module: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -37,14 +49,25 @@ def run_dir(k3_cache, tmp_path_factory) -> Path:
 
 
 def greedy(source, capsys, *extra: str) -> str:
-    assert generate.main([str(source), "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "0",
-                          *extra]) == 0
+    assert generate.main([str(source), "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "0", *extra]) == 0
     return capsys.readouterr().out
 
 
 def test_generate_streams_a_continuation_from_the_run_directory(run_dir):
-    proc = python_m("k3train.generate", str(run_dir), "--prompt", PROMPT, "--max-new-tokens", "8", "--top-k", "20",
-                    "--top-p", "0.9", "--seed", "3")
+    proc = python_m(
+        "k3train.generate",
+        str(run_dir),
+        "--prompt",
+        PROMPT,
+        "--max-new-tokens",
+        "8",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(PROMPT) and len(proc.stdout) > len(PROMPT)
     assert "1 x 8 new tokens" in proc.stderr and "tok/s decoding, incremental" in proc.stderr
@@ -55,8 +78,9 @@ def test_generate_samples_and_prompt_files(run_dir, tmp_path, capsys):
     assert greedy(run_dir / "last.pt", capsys, "--no-cache") == cached  # the cache changes nothing greedy picks
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("first prompt\n\nsecond prompt\n")
-    assert generate.main([str(run_dir), "--prompt-file", str(prompts), "--num-samples", "2",
-                          "--max-new-tokens", "4"]) == 0
+    assert (
+        generate.main([str(run_dir), "--prompt-file", str(prompts), "--num-samples", "2", "--max-new-tokens", "4"]) == 0
+    )
     out = capsys.readouterr().out
     assert out.count("=== prompt") == 2 and out.count("--- sample") == 4
     assert "\nfirst prompt" in out and "\nsecond prompt" in out
@@ -76,8 +100,12 @@ def test_evaluate_reproduces_the_runs_own_eval_loss_and_writes_json(run_dir, tin
     assert result["bits_per_byte"] == pytest.approx(result["loss"] * 128 / (0.6931471805599453 * result["bytes"]))
 
     # Another prepared dataset (same byte tokenizer), as training would name it; its whole val split.
-    assert evaluate.main([str(run_dir), "data=prepared", f"data.path={tiny_data_dir}", "--seq-len", "16",
-                          "--batch-size", "1"]) == 0
+    assert (
+        evaluate.main(
+            [str(run_dir), "data=prepared", f"data.path={tiny_data_dir}", "--seq-len", "16", "--batch-size", "1"]
+        )
+        == 0
+    )
     assert "val: loss" in capsys.readouterr().out
 
 
@@ -93,8 +121,9 @@ def test_export_is_smaller_and_loads_back_into_generate_and_evaluate(run_dir, tm
 
     args = ["--batch-size", "2", "--seq-len", "32", "--max-batches", "2"]
     assert evaluate.main([str(out), *args]) == 0 and evaluate.main([str(run_dir), *args]) == 0
-    from_export, from_run = (json.loads(Path(line.rsplit("-> ", 1)[1]).read_text())
-                             for line in capsys.readouterr().out.splitlines())
+    from_export, from_run = (
+        json.loads(Path(line.rsplit("-> ", 1)[1]).read_text()) for line in capsys.readouterr().out.splitlines()
+    )
     assert from_export["loss"] == from_run["loss"]
 
 

@@ -10,10 +10,10 @@ from data_helpers import make_dataset, train_tiny_bpe
 from omegaconf import OmegaConf
 
 from k3train import export, generate
+from k3train.checkpoint.checkpointer import FORMAT_VERSION
 from k3train.data import TokenData
 from k3train.inference.loading import load
 from k3train.models.k3 import KimiK3, KimiK3Config
-from k3train.checkpoint.checkpointer import FORMAT_VERSION
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -25,14 +25,32 @@ def hf_run(tmp_path):
     tokenizer = load_tokenizer(train_tiny_bpe(tmp_path / "tokenizer.json"), "<|endoftext|>")
     data = TokenData(make_dataset(tmp_path, tokenizer=tokenizer))
     torch.manual_seed(0)
-    model = KimiK3(KimiK3Config(vocab_size=data.vocab_size, d_model=32, n_layers=2, kda_mla_ratio="1:1",
-                                mla_n_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                                kda_n_heads=2, kda_head_dim=16, n_routed_experts=4, expert_ffn_dim=16,
-                                dense_ffn_dim=32, tie_embeddings=True))
+    model = KimiK3(
+        KimiK3Config(
+            vocab_size=data.vocab_size,
+            d_model=32,
+            n_layers=2,
+            kda_mla_ratio="1:1",
+            mla_n_heads=2,
+            kv_lora_rank=16,
+            qk_nope_head_dim=8,
+            qk_rope_head_dim=4,
+            v_head_dim=8,
+            kda_n_heads=2,
+            kda_head_dim=16,
+            n_routed_experts=4,
+            expert_ffn_dim=16,
+            dense_ffn_dim=32,
+            tie_embeddings=True,
+        )
+    )
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
-    config = {"model": {"_target_": "k3train.models.k3.KimiK3.from_fields"},
-              "data": {"_target_": "k3train.data.TokenData", "path": str(data.path)}, "train": {"seq_len": 32}}
+    config = {
+        "model": {"_target_": "k3train.models.k3.KimiK3.from_fields"},
+        "data": {"_target_": "k3train.data.TokenData", "path": str(data.path)},
+        "train": {"seq_len": 32},
+    }
     OmegaConf.save(OmegaConf.create(config), run / ".hydra" / "config.yaml")
     (run / "run.json").write_text(json.dumps({"data": data.identity()}))
     meta = {"format_version": FORMAT_VERSION, "step": 7, "model_config": dataclasses.asdict(model.config)}

@@ -4,11 +4,13 @@ without flash-linear-attention and triton (pip install 'k3train[gpu]')."""
 
 import pytest
 import torch
-
 from test_generate import build, incremental_logits
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def rms_ratio(fast: torch.Tensor, reference: torch.Tensor) -> float:

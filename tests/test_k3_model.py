@@ -22,10 +22,27 @@ V = 61
 # A model small enough for a unit test that still has every kind of part: 3 KDA + 1 MLA, a dense first layer,
 # 3 MoE layers with a shared expert. 4 experts top-2 over B*T = 128 tokens: ~64 slots per expert per layer, and
 # at seed 0 every expert of every layer gets tokens (the gradient test would name any that did not).
-TINY = dict(vocab_size=V, d_model=32, n_layers=4, kda_mla_ratio="3:1", max_seq_len=64, mla_n_heads=2,
-            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kda_n_heads=2, kda_head_dim=16,
-            kda_chunk_size=16, n_routed_experts=4, experts_per_token=2, n_shared_experts=1, expert_ffn_dim=16,
-            first_k_dense=1, dense_ffn_dim=48)
+TINY = dict(
+    vocab_size=V,
+    d_model=32,
+    n_layers=4,
+    kda_mla_ratio="3:1",
+    max_seq_len=64,
+    mla_n_heads=2,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    kda_n_heads=2,
+    kda_head_dim=16,
+    kda_chunk_size=16,
+    n_routed_experts=4,
+    experts_per_token=2,
+    n_shared_experts=1,
+    expert_ffn_dim=16,
+    first_k_dense=1,
+    dense_ffn_dim=48,
+)
 
 
 def tiny_model(seed: int = 0, **overrides) -> KimiK3:
@@ -40,6 +57,7 @@ def batch(B=4, T=32, seed=0):
 
 
 # --- config -------------------------------------------------------------------------------------------------------
+
 
 def test_explicit_layer_types_from_yaml_become_a_plain_list():
     cfg = OmegaConf.load(CONF / "k3_tiny.yaml")
@@ -58,19 +76,22 @@ def test_layer_patterns():
     assert explicit.layer_pattern == ["mla", "kda", "mla"]
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(n_layers=3, kda_mla_ratio=None, layer_types=["kda", "mla"]), "n_layers=3"),
-    (dict(layer_types=["kda"] * 4), "not both"),
-    (dict(kda_mla_ratio=None, layer_types=["kda", "attn", "kda", "mla"]), "attn"),
-    (dict(kda_mla_ratio=181), "quote it in YAML"),
-    (dict(experts_per_token=8, n_routed_experts=8), "experts_per_token"),
-    (dict(router="aux_loss"), "router"),
-    (dict(kda_implementation="cuda"), "kda_implementation"),
-    (dict(d_model=0), "d_model"),
-    (dict(mla_rope=True, qk_rope_head_dim=5), "qk_rope_head_dim"),
-    (dict(first_k_dense=9), "first_k_dense"),
-    (dict(kda_chunk_size=48), "power of two"),
-])
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(n_layers=3, kda_mla_ratio=None, layer_types=["kda", "mla"]), "n_layers=3"),
+        (dict(layer_types=["kda"] * 4), "not both"),
+        (dict(kda_mla_ratio=None, layer_types=["kda", "attn", "kda", "mla"]), "attn"),
+        (dict(kda_mla_ratio=181), "quote it in YAML"),
+        (dict(experts_per_token=8, n_routed_experts=8), "experts_per_token"),
+        (dict(router="aux_loss"), "router"),
+        (dict(kda_implementation="cuda"), "kda_implementation"),
+        (dict(d_model=0), "d_model"),
+        (dict(mla_rope=True, qk_rope_head_dim=5), "qk_rope_head_dim"),
+        (dict(first_k_dense=9), "first_k_dense"),
+        (dict(kda_chunk_size=48), "power of two"),
+    ],
+)
 def test_config_errors_name_the_field(fields, message):
     with pytest.raises(ValueError, match=message):
         KimiK3Config(**fields)
@@ -82,6 +103,7 @@ def test_model_needs_a_vocab_size():
 
 
 # --- the seeds' tiny-model integration checks ----------------------------------------------------------------------
+
 
 def test_forward_shapes_and_fp32_loss():
     model = tiny_model()
@@ -103,11 +125,11 @@ def test_next_token_alignment():
     logits, _ = model(x)
     for t in (0, 15, 16, 30):
         x2 = x.clone()
-        x2[:, t + 1:] = (x2[:, t + 1:] + 1 + torch.arange(40 - t - 1)) % V
+        x2[:, t + 1 :] = (x2[:, t + 1 :] + 1 + torch.arange(40 - t - 1)) % V
         logits2, _ = model(x2)
-        torch.testing.assert_close(logits2[:, :t + 1], logits[:, :t + 1], rtol=0, atol=1e-5)
+        torch.testing.assert_close(logits2[:, : t + 1], logits[:, : t + 1], rtol=0, atol=1e-5)
         if t < 39:
-            assert (logits2[:, t + 1:] - logits[:, t + 1:]).abs().max() > 1e-4
+            assert (logits2[:, t + 1 :] - logits[:, t + 1 :]).abs().max() > 1e-4
 
 
 def test_every_parameter_gets_a_gradient_and_changes_after_one_update():
@@ -175,6 +197,7 @@ def test_state_dict_round_trip_includes_router_bias():
 
 # --- check_data, diagnostics, counts -------------------------------------------------------------------------------
 
+
 def test_check_data():
     model = tiny_model()
     model.check_data(V, 64)
@@ -190,8 +213,9 @@ def test_diagnostics_keys():
     assert model.diagnostics() == {}
     model(*batch())
     diag = model.diagnostics()
-    assert set(diag) == {f"moe/{i}/{s}" for i in (1, 2, 3)
-                         for s in ("load_max", "load_min", "bias_range", "routing_entropy")}
+    assert set(diag) == {
+        f"moe/{i}/{s}" for i in (1, 2, 3) for s in ("load_max", "load_min", "bias_range", "routing_entropy")
+    }
     assert all(isinstance(v, float) for v in diag.values())
 
 

@@ -11,25 +11,39 @@ import contextlib
 
 import pytest
 import torch
-
-from k3train.models.kda import KimiDeltaAttention, chunk_kda, fla_chunk_kda, naive_recurrent_kda
 from test_k3_model import batch, tiny_model
 from test_kda import NAMES, assert_close, make_inputs, run
 
+from k3train.models.kda import KimiDeltaAttention, chunk_kda, fla_chunk_kda, naive_recurrent_kda
+
 # slow too: on a GPU machine Triton's autotuning alone takes minutes, too long for the fast tier.
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 # FLA's test_chunk accepts these error ratios for fp16 inputs. Its fp32 dots run in TF32, which keeps fp16's 10
 # mantissa bits, so fp32 gets them too; bf16 keeps 7, 8x fp16's rounding error, so 8x the tolerance.
-FLA_TOLERANCE = {"o": 0.005, "final_state": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008, "dg": 0.02,
-                 "dbeta": 0.02, "dinitial_state": 0.008}
+FLA_TOLERANCE = {
+    "o": 0.005,
+    "final_state": 0.005,
+    "dq": 0.008,
+    "dk": 0.008,
+    "dv": 0.008,
+    "dg": 0.02,
+    "dbeta": 0.02,
+    "dinitial_state": 0.008,
+}
 DTYPE_FACTOR = {torch.float32: 1, torch.float16: 1, torch.bfloat16: 8}
 
 # (B, T, H, HV, K, V): the CPU benchmark's shape, grouped values with a T that is no multiple of the chunk, and
 # the paper's head size.
-FLA_SHAPES = {"cpu_bench": (1, 2048, 4, 4, 64, 64), "gva_ragged_T": (2, 1000, 4, 8, 64, 64),
-              "head_dim_128": (2, 2048, 8, 8, 128, 128)}
+FLA_SHAPES = {
+    "cpu_bench": (1, 2048, 4, 4, 64, 64),
+    "gva_ragged_T": (2, 1000, 4, 8, 64, 64),
+    "head_dim_128": (2, 2048, 8, 8, 128, 128),
+}
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +92,9 @@ def test_fla_matches_chunk(shape, dtype):
     result = run(fla_chunk_kda, inputs)
     assert result["o"].dtype == dtype and result["final_state"].dtype == torch.float32
     errors = {name: err_ratio(result[name], reference[name]) for name in NAMES}
-    too_far = {name: f"{err:.2e}" for name, err in errors.items()
-               if not err < FLA_TOLERANCE[name] * DTYPE_FACTOR[dtype]}  # `not <` also catches NaN
+    too_far = {
+        name: f"{err:.2e}" for name, err in errors.items() if not err < FLA_TOLERANCE[name] * DTYPE_FACTOR[dtype]
+    }  # `not <` also catches NaN
     assert not too_far, f"error ratios over tolerance: {too_far} (all: {errors})"
 
 

@@ -36,16 +36,19 @@ def assert_matches_reference(hidden, weight, targets, rtol=1e-5, atol=1e-7, **kw
     got = loss_and_grads(linear_cross_entropy, hidden, weight, targets, grad_scale=0.7, **kwargs)
     for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), got, want):
         assert a.dtype == b.dtype, name
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("n, d, v, chunk_size", [
-    (64, 16, 50, 16),      # chunks divide N
-    (100, 32, 257, 24),    # a short last chunk
-    (37, 8, 1000, 1),      # one row per chunk
-    (50, 24, 300, 4096),   # one chunk larger than N
-    (9000, 16, 2048, None),  # the default: 8192-row chunks at V=2048, so two
-])
+@pytest.mark.parametrize(
+    "n, d, v, chunk_size",
+    [
+        (64, 16, 50, 16),  # chunks divide N
+        (100, 32, 257, 24),  # a short last chunk
+        (37, 8, 1000, 1),  # one row per chunk
+        (50, 24, 300, 4096),  # one chunk larger than N
+        (9000, 16, 2048, None),  # the default: 8192-row chunks at V=2048, so two
+    ],
+)
 def test_loss_and_gradients_equal_the_whole_logits_reference(n, d, v, chunk_size):
     if chunk_size is None:
         assert default_chunk_size(v) < n
@@ -109,7 +112,9 @@ def test_bf16_autocast_matmuls_in_bf16_and_matches_the_reference_under_the_same_
     assert got[1].dtype == got[2].dtype == torch.float32  # gradients in the inputs' dtypes
     for name, a, b, c in zip(("loss", "grad_hidden", "grad_weight"), got, want, exact):
         # bf16 rounds the logits and the gradient's matmul inputs (8 bits of mantissa), as the reference does
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=lambda m, name=name: f"{name}: {m}"
+        )
         # the bf16 run is measurably not the fp32 one: the matmuls really ran in bf16
         assert (a - c).abs().max() > 1e-6 * c.abs().max(), name
 
@@ -131,10 +136,27 @@ def test_bad_shapes_and_chunk_sizes_are_refused():
         linear_cross_entropy(hidden, weight, targets, chunk_size=0)
 
 
-TINY = dict(vocab_size=61, d_model=32, n_layers=2, kda_mla_ratio="1:1", max_seq_len=64, mla_n_heads=2,
-            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kda_n_heads=2, kda_head_dim=16,
-            kda_chunk_size=16, n_routed_experts=4, experts_per_token=2, n_shared_experts=1, expert_ffn_dim=16,
-            first_k_dense=1, dense_ffn_dim=48)
+TINY = dict(
+    vocab_size=61,
+    d_model=32,
+    n_layers=2,
+    kda_mla_ratio="1:1",
+    max_seq_len=64,
+    mla_n_heads=2,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    kda_n_heads=2,
+    kda_head_dim=16,
+    kda_chunk_size=16,
+    n_routed_experts=4,
+    experts_per_token=2,
+    n_shared_experts=1,
+    expert_ffn_dim=16,
+    first_k_dense=1,
+    dense_ffn_dim=48,
+)
 
 
 def old_head_and_loss(model: KimiK3, x, y):
@@ -168,7 +190,7 @@ def test_k3_fused_loss_and_gradients_equal_the_old_logits_path(tie):
     torch.testing.assert_close(loss, want_loss, rtol=1e-6, atol=0)
     got = grads(loss)
     for name in params:  # a tied weight's gradient sums the head's and the embedding's
-        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=lambda m, name=name: f"{name}: {m}")
     with torch.no_grad():
         torch.testing.assert_close(model(x, y)[1], want_loss, rtol=1e-6, atol=0)
 

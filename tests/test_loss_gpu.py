@@ -4,12 +4,15 @@ block. Skipped without CUDA."""
 
 import pytest
 import torch
-
 from test_loss import loss_and_grads, problem, reference
+
 from k3train.models.loss import linear_cross_entropy
 
-pytestmark = [pytest.mark.gpu, pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def on_cuda(hidden, weight, targets):
@@ -24,7 +27,7 @@ def test_fp32_on_cuda_equals_the_reference(v, monkeypatch):
     got = loss_and_grads(linear_cross_entropy, hidden, weight, targets, grad_scale=0.7, chunk_size=300)
     for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), got, want):
         assert a.dtype == b.dtype, name
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("v", [32768, 257])
@@ -35,4 +38,6 @@ def test_bf16_autocast_on_cuda_matches_the_reference_under_the_same_autocast(v):
         got = loss_and_grads(linear_cross_entropy, hidden, weight, targets, chunk_size=300)
     for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), got, want):
         assert a.dtype == b.dtype == torch.float32, name
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=lambda m, name=name: f"{name}: {m}"
+        )

@@ -52,11 +52,17 @@ def test_final_only_drops_the_steps_a_resumed_session_redid(tmp_path):
 
 def test_final_only_with_a_resume_from_an_earlier_checkpoint_of_a_finished_session(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    lines = [{"event": "session", "step": 0}, {"event": "train", "step": 1}, {"event": "train", "step": 2},
-             {"event": "end", "step": 2}, {"event": "session", "step": 4}, {"event": "train", "step": 5},
-             {"event": "session", "step": 1}, {"event": "train", "step": 2}]
+    lines = [
+        {"event": "session", "step": 0},
+        {"event": "train", "step": 1},
+        {"event": "train", "step": 2},
+        {"event": "end", "step": 2},
+        {"event": "session", "step": 4},
+        {"event": "train", "step": 5},
+        {"event": "session", "step": 1},
+        {"event": "train", "step": 2},
+    ]
     path.write_text("".join(json.dumps(e) + "\n" for e in lines))
     final = read_metrics(path, final_only=True)
     # session 2 restarted from step 1: session 0's step 2 and end, and all of session 1, were redone or discarded
-    assert [(e["event"], e["step"]) for e in final] == [("session", 0), ("train", 1), ("session", 1),
-                                                          ("train", 2)]
+    assert [(e["event"], e["step"]) for e in final] == [("session", 0), ("train", 1), ("session", 1), ("train", 2)]

@@ -4,12 +4,12 @@ import json
 
 import pytest
 import torch
+from test_trainer import WrapsSmoke, make_trainer
 
 from k3train.config import TrainConfig
 from k3train.observe import mfu as mfu_module
 from k3train.observe.metrics import read_metrics
 from k3train.observe.mfu import MFU, Peak, calibrate_cpu_matmul, cpu_peak, gpu_peak
-from test_trainer import WrapsSmoke, make_trainer
 
 
 class CountedSmoke(WrapsSmoke):
@@ -19,13 +19,16 @@ class CountedSmoke(WrapsSmoke):
         return {"forward": 1000.0 * seq_len, "training": 3000.0 * seq_len}
 
 
-@pytest.mark.parametrize("name, dtype, peak", [
-    ("NVIDIA H200", "bf16", 989.5e12),
-    ("NVIDIA H100 80GB HBM3", "bf16", 989.5e12),
-    ("NVIDIA H100 PCIe", "bf16", 756e12),  # not the SXM figure
-    ("NVIDIA H200 NVL", "fp16", 835e12),
-    ("NVIDIA A100-SXM4-80GB", "fp32", 19.5e12),
-])
+@pytest.mark.parametrize(
+    "name, dtype, peak",
+    [
+        ("NVIDIA H200", "bf16", 989.5e12),
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.5e12),
+        ("NVIDIA H100 PCIe", "bf16", 756e12),  # not the SXM figure
+        ("NVIDIA H200 NVL", "fp16", 835e12),
+        ("NVIDIA A100-SXM4-80GB", "fp32", 19.5e12),
+    ],
+)
 def test_known_gpus_get_their_datasheet_peak(name, dtype, peak):
     assert gpu_peak(name, dtype) == Peak(peak, gpu_peak(name, dtype).source)
     assert "datasheet" in gpu_peak(name, dtype).source

@@ -15,8 +15,17 @@ D, H, T = 32, 4, 12
 
 def make_mla(q_lora_rank=None, rope=False, seed=0) -> MultiHeadLatentAttention:
     torch.manual_seed(seed)
-    return MultiHeadLatentAttention(D, H, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
-                                    q_lora_rank=q_lora_rank, rope=rope, max_seq_len=64)
+    return MultiHeadLatentAttention(
+        D,
+        H,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        q_lora_rank=q_lora_rank,
+        rope=rope,
+        max_seq_len=64,
+    )
 
 
 def naive_qkv(m: MultiHeadLatentAttention, x: torch.Tensor):
@@ -33,8 +42,8 @@ def naive_qkv(m: MultiHeadLatentAttention, x: torch.Tensor):
     kv_all = F.rms_norm(c_kv, (r,), m.kv_a_norm.weight, m.kv_a_norm.eps) @ m.kv_b_proj.weight.T
     qs, ks, vs = [], [], []
     for h in range(m.n_heads):
-        q_h = q_all[..., h * (dn + dr):(h + 1) * (dn + dr)]
-        kv_h = kv_all[..., h * (dn + dv):(h + 1) * (dn + dv)]
+        q_h = q_all[..., h * (dn + dr) : (h + 1) * (dn + dr)]
+        kv_h = kv_all[..., h * (dn + dv) : (h + 1) * (dn + dv)]
         q_nope, q_rope, k_rope_h = q_h[..., :dn], q_h[..., dn:], k_rope
         if m.rotary is not None:
             q_rope, k_rope_h = m.rotary(q_rope[:, :, None])[:, :, 0], m.rotary(k_rope[:, :, None])[:, :, 0]
@@ -124,8 +133,17 @@ def test_head_split_annotations():
 def tiny_mla(q_lora_rank, rope, track_max_logit) -> MultiHeadLatentAttention:
     """float64 and a few hundred numbers in all, so finite differences over every input and weight stay cheap."""
     torch.manual_seed(0)
-    m = MultiHeadLatentAttention(8, 2, kv_lora_rank=4, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3,
-                                 q_lora_rank=q_lora_rank, rope=rope, max_seq_len=8).double()
+    m = MultiHeadLatentAttention(
+        8,
+        2,
+        kv_lora_rank=4,
+        qk_nope_head_dim=4,
+        qk_rope_head_dim=2,
+        v_head_dim=3,
+        q_lora_rank=q_lora_rank,
+        rope=rope,
+        max_seq_len=8,
+    ).double()
     m.track_max_logit = track_max_logit
     for norm in (m.kv_a_norm, getattr(m, "q_a_norm", None)):
         if norm is not None:  # away from all-ones, so a gradient that ignored the norm weight would show
@@ -181,5 +199,7 @@ def test_causal_attention_takes_the_fused_cpu_kernel_and_matches_explicit_softma
         out = causal_attention(q, k, v, 0.3)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     ops = {e.key for e in prof.key_averages()}
-    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in ops and \
-        "aten::_scaled_dot_product_attention_math" not in ops, sorted(ops)
+    assert (
+        "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
+        and "aten::_scaled_dot_product_attention_math" not in ops
+    ), sorted(ops)

@@ -11,8 +11,9 @@ D, N_EXP, K = 16, 8, 2
 
 def make_moe(balancing="quantile_balancing", n_shared=1, scale=2.5, seed=0) -> MoE:
     torch.manual_seed(seed)
-    return MoE(D, N_EXP, K, expert_ffn_dim=24, n_shared_experts=n_shared, routed_scaling_factor=scale,
-               balancing=balancing)
+    return MoE(
+        D, N_EXP, K, expert_ffn_dim=24, n_shared_experts=n_shared, routed_scaling_factor=scale, balancing=balancing
+    )
 
 
 def per_token_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -143,8 +144,9 @@ def test_quantile_balancing_evens_a_fixed_batch(seed):
 def loop_experts(x, w_gate, w_up, w_down, counts, row_scale=None):
     """The routed experts through plain autograd: one SwiGLU per expert on its rows, each output row times its
     row_scale after w_down."""
-    outs = [F.silu(xs @ w_gate[e].T) * (xs @ w_up[e].T) @ w_down[e].T
-            for e, xs in enumerate(x.split(counts)) if xs.shape[0]]
+    outs = [
+        F.silu(xs @ w_gate[e].T) * (xs @ w_up[e].T) @ w_down[e].T for e, xs in enumerate(x.split(counts)) if xs.shape[0]
+    ]
     out = torch.cat(outs)
     return out if row_scale is None else out * row_scale[:, None].to(out.dtype)
 
@@ -152,8 +154,12 @@ def loop_experts(x, w_gate, w_up, w_down, counts, row_scale=None):
 def expert_inputs(dtype, counts=(5, 0, 3, 9, 1, 0, 6, 4), d=6, ffn=10, seed=0):
     g = torch.Generator().manual_seed(seed)
     E, S = len(counts), sum(counts)
-    tensors = [torch.randn(S, d, generator=g), torch.randn(E, ffn, d, generator=g),
-               torch.randn(E, ffn, d, generator=g), torch.randn(E, d, ffn, generator=g)]
+    tensors = [
+        torch.randn(S, d, generator=g),
+        torch.randn(E, ffn, d, generator=g),
+        torch.randn(E, ffn, d, generator=g),
+        torch.randn(E, d, ffn, generator=g),
+    ]
     return [t.to(dtype).requires_grad_() for t in tensors], list(counts)
 
 

@@ -19,15 +19,37 @@ D, N_EXP, K = 16, 8, 2
 ROUTE_STEPS, TOKENS = 6, 512  # global tokens per routing step: 256 per rank
 MOE_STEPS, MOE_B, MOE_T = 5, 8, 32
 # 4 experts top-2: m + 1 = N k / n + 1 exceeds a rank's N, so every rank sends all its r (the other gather branch).
-TINY = dict(vocab_size=61, d_model=32, n_layers=4, kda_mla_ratio="3:1", max_seq_len=64, mla_n_heads=2,
-            kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, kda_n_heads=2, kda_head_dim=16,
-            kda_chunk_size=16, n_routed_experts=4, experts_per_token=2, n_shared_experts=1, expert_ffn_dim=16,
-            first_k_dense=1, dense_ffn_dim=48)
+TINY = dict(
+    vocab_size=61,
+    d_model=32,
+    n_layers=4,
+    kda_mla_ratio="3:1",
+    max_seq_len=64,
+    mla_n_heads=2,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    kda_n_heads=2,
+    kda_head_dim=16,
+    kda_chunk_size=16,
+    n_routed_experts=4,
+    experts_per_token=2,
+    n_shared_experts=1,
+    expert_ffn_dim=16,
+    first_k_dense=1,
+    dense_ffn_dim=48,
+)
 K3_STEPS, K3_B, K3_T = 3, 4, 32
 # Each rank keeps the bias it computed, so a rank that disagreed shows instead of being overwritten by rank 0's
 # (torch 2.13 renamed the flag; the sync at DDP's start that it keeps copies fresh zero biases).
-NO_BUFFER_SYNC = {("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DistributedDataParallel)
-                   .parameters else "broadcast_buffers"): False}
+NO_BUFFER_SYNC = {
+    (
+        "forward_sync_buffers"
+        if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+        else "broadcast_buffers"
+    ): False
+}
 
 
 def rank_rows(t: torch.Tensor, rank: int) -> torch.Tensor:
@@ -40,8 +62,9 @@ def route_logits(step: int) -> torch.Tensor:
     skewed in opposite directions, so a bias from one rank's tokens is far from the global one."""
     g = torch.Generator().manual_seed(100 + step)
     skew = torch.linspace(-2, 2, N_EXP)
-    return torch.randn(TOKENS, N_EXP, generator=g) + torch.cat([skew.expand(TOKENS // 2, -1),
-                                                                 -0.5 * skew.expand(TOKENS // 2, -1)])
+    return torch.randn(TOKENS, N_EXP, generator=g) + torch.cat(
+        [skew.expand(TOKENS // 2, -1), -0.5 * skew.expand(TOKENS // 2, -1)]
+    )
 
 
 def make_moe(balancing: str) -> MoE:
@@ -50,7 +73,9 @@ def make_moe(balancing: str) -> MoE:
 
 
 def route_run(balancing: str, rank: int | None = None) -> list[dict]:
-    """Route ROUTE_STEPS batches (rank None: all tokens; else that rank's half) -> per step bias, choices, diagnostics."""
+    """Route ROUTE_STEPS batches (rank None: all tokens; else that rank's half).
+
+    Returns per step the bias, the choices and the diagnostics."""
     moe = make_moe(balancing)
     steps = []
     for step in range(ROUTE_STEPS):
@@ -103,8 +128,10 @@ def k3_loss(model, x, y):
 
 def k3_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(300)
-    return [(torch.randint(0, 61, (K3_B, K3_T), generator=g), torch.randint(0, 61, (K3_B, K3_T), generator=g))
-            for _ in range(K3_STEPS)]
+    return [
+        (torch.randint(0, 61, (K3_B, K3_T), generator=g), torch.randint(0, 61, (K3_B, K3_T), generator=g))
+        for _ in range(K3_STEPS)
+    ]
 
 
 def make_k3() -> KimiK3:

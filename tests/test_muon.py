@@ -60,8 +60,13 @@ def test_muon_matches_torch_muon(shape: tuple[int, int], nesterov: bool) -> None
     ours, ref = nn.Parameter(init.clone()), nn.Parameter(init.clone())
     grads = [[g] for g in _grads(shape, 6)]
     _run(MuonAdamW([_muon_group([ours])], lr=LR, weight_decay=WD, momentum=0.95, nesterov=nesterov), [ours], grads)
-    _run(torch.optim.Muon([ref], lr=LR, weight_decay=WD, momentum=0.95, nesterov=nesterov,
-                          adjust_lr_fn="match_rms_adamw"), [ref], grads)
+    _run(
+        torch.optim.Muon(
+            [ref], lr=LR, weight_decay=WD, momentum=0.95, nesterov=nesterov, adjust_lr_fn="match_rms_adamw"
+        ),
+        [ref],
+        grads,
+    )
     assert not torch.equal(ours, init)
     torch.testing.assert_close(ours, ref, atol=1e-6, rtol=0)
 
@@ -71,8 +76,11 @@ def _per_slice_reference(init: torch.Tensor, grads: list[torch.Tensor], slices: 
     out = init.clone()
     for index in slices:
         p = nn.Parameter(init[index].clone())
-        _run(torch.optim.Muon([p], lr=LR, weight_decay=WD, adjust_lr_fn="match_rms_adamw"), [p],
-             [[g[index]] for g in grads])
+        _run(
+            torch.optim.Muon([p], lr=LR, weight_decay=WD, adjust_lr_fn="match_rms_adamw"),
+            [p],
+            [[g[index]] for g in grads],
+        )
         out[index] = p.detach()
     return out
 
@@ -100,8 +108,9 @@ def test_expert_stack_equals_muon_per_expert() -> None:
     grads = _grads(shape, 4, seed=7)
     p = nn.Parameter(init.clone())
     _run(MuonAdamW([_muon_group([p])], lr=LR, weight_decay=WD), [p], [[g] for g in grads])
-    torch.testing.assert_close(p.detach(), _per_slice_reference(init, grads, [(e,) for e in range(3)]),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        p.detach(), _per_slice_reference(init, grads, [(e,) for e in range(3)]), atol=1e-6, rtol=0
+    )
 
 
 def test_adamw_group_matches_torch_adamw() -> None:
@@ -111,8 +120,11 @@ def test_adamw_group_matches_torch_adamw() -> None:
     grads[2][1] = None  # a step without gradient for one param: skipped by both
     ours = [nn.Parameter(x.clone()) for x in inits]
     ref = [nn.Parameter(x.clone()) for x in inits]
-    _run(MuonAdamW([dict(name="a", kind="adamw", params=ours)], lr=1e-2, weight_decay=WD, betas=(0.9, 0.95),
-                   eps=1e-8), ours, grads)
+    _run(
+        MuonAdamW([dict(name="a", kind="adamw", params=ours)], lr=1e-2, weight_decay=WD, betas=(0.9, 0.95), eps=1e-8),
+        ours,
+        grads,
+    )
     _run(torch.optim.AdamW(ref, lr=1e-2, weight_decay=WD, betas=(0.9, 0.95), eps=1e-8, foreach=False), ref, grads)
     for o, r in zip(ours, ref):
         torch.testing.assert_close(o, r, atol=1e-7, rtol=1e-6)
@@ -124,14 +136,20 @@ def _mixed_params() -> list[nn.Parameter]:
 
 
 def _mixed_optimizer(params: list[nn.Parameter], **kw) -> MuonAdamW:
-    return MuonAdamW([_muon_group(params[:3], head_splits=[(4, 0), (4, 1), None]),
-                      dict(name="a", kind="adamw", params=params[3:])], lr=LR, weight_decay=WD, **kw)
+    return MuonAdamW(
+        [_muon_group(params[:3], head_splits=[(4, 0), (4, 1), None]), dict(name="a", kind="adamw", params=params[3:])],
+        lr=LR,
+        weight_decay=WD,
+        **kw,
+    )
 
 
 def test_state_dict_round_trip_continues_bitwise() -> None:
     params = _mixed_params()
-    grads = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * t + i)) for i, p in enumerate(params)]
-             for t in range(6)]
+    grads = [
+        [torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * t + i)) for i, p in enumerate(params)]
+        for t in range(6)
+    ]
     opt = _mixed_optimizer(params)
     _run(opt, params, grads[:3])
     buffer = io.BytesIO()
@@ -148,7 +166,8 @@ def test_state_dict_round_trip_continues_bitwise() -> None:
     for a, b in zip(params, resumed):
         sa, sb = opt.state[a], resumed_opt.state[b]
         assert sa.keys() == sb.keys() and all(
-            torch.equal(sa[k], sb[k]) if torch.is_tensor(sa[k]) else sa[k] == sb[k] for k in sa)
+            torch.equal(sa[k], sb[k]) if torch.is_tensor(sa[k]) else sa[k] == sb[k] for k in sa
+        )
 
 
 def test_params_without_grad_are_skipped() -> None:
@@ -168,7 +187,7 @@ def test_diagnostics_and_orthogonality_check_only_when_due(monkeypatch: pytest.M
     params = _mixed_params()
     opt = _mixed_optimizer(params, orthogonality_check_interval=2)
     assert set(opt.diagnostics()) == {f"{g}/{k}" for g in ("m", "a") for k in ("lr", "weight_norm")}
-    for t in range(5):
+    for _ in range(5):
         _run(opt, params, [[torch.randn(p.shape) for p in params]])
     # due at steps 1, 3, 5, one matrix each time, round-robin over the group's 3 params: a head of (4, dim=0),
     # a head of (4, dim=1), an expert
@@ -234,8 +253,7 @@ def test_muon_fp32_step_matches_float64_reference() -> None:
     init = torch.randn(shape, generator=torch.Generator().manual_seed(12))
     grads = _grads(shape, steps, seed=13)
     p = nn.Parameter(init.clone())
-    _run(MuonAdamW([_muon_group([p])], lr=LR, weight_decay=WD, momentum=mu, ns_dtype="fp32"), [p],
-         [[g] for g in grads])
+    _run(MuonAdamW([_muon_group([p])], lr=LR, weight_decay=WD, momentum=mu, ns_dtype="fp32"), [p], [[g] for g in grads])
     ref, buf = init.double(), torch.zeros(shape, dtype=torch.float64)
     for g in grads:  # torch.optim.Muon's update (EMA Nesterov momentum, match_rms_adamw scale), in float64
         buf = buf + (1 - mu) * (g.double() - buf)
@@ -248,8 +266,18 @@ def test_ns_dtype_auto_follows_the_hardware(monkeypatch: pytest.MonkeyPatch) -> 
     from k3train.optim import build
 
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 16))
-    settings = dict(lr=LR, weight_decay=WD, betas=[0.9, 0.95], eps=1e-8, momentum=0.95, nesterov=True, ns_steps=5,
-                    rms_match=0.2, head_wise=True, orthogonality_check_interval=50)
+    settings = dict(
+        lr=LR,
+        weight_decay=WD,
+        betas=[0.9, 0.95],
+        eps=1e-8,
+        momentum=0.95,
+        nesterov=True,
+        ns_steps=5,
+        rms_match=0.2,
+        head_wise=True,
+        orthogonality_check_interval=50,
+    )
 
     def ns_dtypes(opt: MuonAdamW) -> set[str]:
         return {g["ns_dtype"] for g in opt.param_groups if g["kind"] == "muon"}
@@ -283,12 +311,18 @@ _MUON = dict(momentum=0.95, nesterov=True, ns_steps=5, rms_match=0.2, head_wise=
 
 
 @pytest.mark.parametrize("factory", ["adamw", "muon_adamw"])
-@pytest.mark.parametrize("key, value, rule", [
-    ("lr", float("nan"), "a finite number >= 0"), ("lr", float("inf"), "a finite number >= 0"),
-    ("lr", -1e-3, "a finite number >= 0"), ("weight_decay", float("nan"), "a finite number >= 0"),
-    ("eps", 0.0, "a finite number > 0"), ("betas", [0.9, float("nan")], "betas[1]=nan must be"),
-    ("betas", [1.0, 0.95], "betas[0]=1.0 must be a finite number >= 0 and < 1"),
-])
+@pytest.mark.parametrize(
+    "key, value, rule",
+    [
+        ("lr", float("nan"), "a finite number >= 0"),
+        ("lr", float("inf"), "a finite number >= 0"),
+        ("lr", -1e-3, "a finite number >= 0"),
+        ("weight_decay", float("nan"), "a finite number >= 0"),
+        ("eps", 0.0, "a finite number > 0"),
+        ("betas", [0.9, float("nan")], "betas[1]=nan must be"),
+        ("betas", [1.0, 0.95], "betas[0]=1.0 must be a finite number >= 0 and < 1"),
+    ],
+)
 def test_bad_settings_name_the_key(factory: str, key: str, value, rule: str) -> None:
     from k3train.optim import build
 
@@ -299,9 +333,17 @@ def test_bad_settings_name_the_key(factory: str, key: str, value, rule: str) -> 
     assert message.startswith(f"optim.{key}") and rule in message, message
 
 
-@pytest.mark.parametrize("key, value", [("momentum", 1.0), ("momentum", float("nan")), ("ns_steps", 0),
-                                        ("rms_match", float("nan")), ("rms_match", 0.0),
-                                        ("orthogonality_check_interval", 0)])
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("momentum", 1.0),
+        ("momentum", float("nan")),
+        ("ns_steps", 0),
+        ("rms_match", float("nan")),
+        ("rms_match", 0.0),
+        ("orthogonality_check_interval", 0),
+    ],
+)
 def test_bad_muon_settings_name_the_key(key: str, value) -> None:
     from k3train.optim import build
 
@@ -312,12 +354,15 @@ def test_bad_muon_settings_name_the_key(key: str, value) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("optim, value", [("adamw", "nan"), ("muon_adamw", "nan"), ("adamw", "inf"),
-                                          ("muon_adamw", "inf"), ("muon_adamw", "-0.1")])
+@pytest.mark.parametrize(
+    "optim, value",
+    [("adamw", "nan"), ("muon_adamw", "nan"), ("adamw", "inf"), ("muon_adamw", "inf"), ("muon_adamw", "-0.1")],
+)
 def test_cli_refuses_a_bad_lr_naming_it(run_cli, tmp_path, optim: str, value: str) -> None:
     run_dir = tmp_path / "run"
-    proc = run_cli("model=smoke_test_lm", f"optim={optim}", f"optim.lr={value}", "train.max_steps=1",
-                   f"hydra.run.dir={run_dir}")
+    proc = run_cli(
+        "model=smoke_test_lm", f"optim={optim}", f"optim.lr={value}", "train.max_steps=1", f"hydra.run.dir={run_dir}"
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and f"optim.lr={float(value)} must be a finite number >= 0" in lines[0], proc.stderr
@@ -345,14 +390,27 @@ def test_orthogonality_error_survives_state_dict_round_trip() -> None:
 def test_resumed_run_logs_the_same_optimizer_diagnostics(run_cli, tmp_path) -> None:
     from k3train.observe.metrics import read_metrics
 
-    shape = ["model=k3_tiny", "model.d_model=32", "model.n_layers=2", "model.expert_ffn_dim=16",
-             "model.dense_ffn_dim=32", "model.kda_chunk_size=16", "train.batch_size=2", "train.seq_len=32",
-             "train.log_interval=1", "train.eval_interval=0", "train.eval_batches=1", "train.progress=lines",
-             "train.max_steps=6", "optim.orthogonality_check_interval=4"]
+    shape = [
+        "model=k3_tiny",
+        "model.d_model=32",
+        "model.n_layers=2",
+        "model.expert_ffn_dim=16",
+        "model.dense_ffn_dim=32",
+        "model.kda_chunk_size=16",
+        "train.batch_size=2",
+        "train.seq_len=32",
+        "train.log_interval=1",
+        "train.eval_interval=0",
+        "train.eval_batches=1",
+        "train.progress=lines",
+        "train.max_steps=6",
+        "optim.orthogonality_check_interval=4",
+    ]
 
     def diagnostics(run_dir) -> dict[int, list[str]]:  # the last train event of each step (a resume may repeat)
-        train = {e["step"]: sorted(e["optimizer"]) for e in read_metrics(run_dir / "metrics.jsonl")
-                 if e["event"] == "train"}
+        train = {
+            e["step"]: sorted(e["optimizer"]) for e in read_metrics(run_dir / "metrics.jsonl") if e["event"] == "train"
+        }
         return train
 
     whole, sliced = tmp_path / "whole", tmp_path / "sliced"
@@ -377,12 +435,16 @@ def test_adamw_baseline_takes_torchs_fused_kernel_and_matches_the_reference() ->
     opt = build.adamw(model, lr=1e-2, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8)
     assert opt.defaults["fused"] is True
     index = {id(p): i for i, p in enumerate(model.parameters())}
-    ref_groups = [dict(params=[reference[index[id(p)]] for p in g["params"]], weight_decay=g["weight_decay"])
-                  for g in opt.param_groups]
+    ref_groups = [
+        dict(params=[reference[index[id(p)]] for p in g["params"]], weight_decay=g["weight_decay"])
+        for g in opt.param_groups
+    ]
     ref_opt = torch.optim.AdamW(ref_groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=False)
     for t in range(5):
-        grads = [torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * t + i))
-                 for i, p in enumerate(model.parameters())]
+        grads = [
+            torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * t + i))
+            for i, p in enumerate(model.parameters())
+        ]
         for p, r, g in zip(model.parameters(), reference, grads):
             p.grad, r.grad = g.clone(), g.clone()
         opt.step()

@@ -63,12 +63,22 @@ def _params() -> list[nn.Parameter]:
 
 def _optimizer(params: list[nn.Parameter]) -> MuonAdamW:
     n32, n16 = len(MUON_FP32), len(MUON_BF16)
-    return MuonAdamW([
-        dict(name="m32", kind="muon", params=params[:n32], head_splits=[h for _, h in MUON_FP32], ns_dtype="fp32"),
-        dict(name="m16", kind="muon", params=params[n32:n32 + n16], head_splits=[h for _, h in MUON_BF16],
-             ns_dtype="bf16"),
-        dict(name="a", kind="adamw", params=params[n32 + n16:]),
-    ], lr=0.02, weight_decay=0.1, orthogonality_check_interval=1)
+    return MuonAdamW(
+        [
+            dict(name="m32", kind="muon", params=params[:n32], head_splits=[h for _, h in MUON_FP32], ns_dtype="fp32"),
+            dict(
+                name="m16",
+                kind="muon",
+                params=params[n32 : n32 + n16],
+                head_splits=[h for _, h in MUON_BF16],
+                ns_dtype="bf16",
+            ),
+            dict(name="a", kind="adamw", params=params[n32 + n16 :]),
+        ],
+        lr=0.02,
+        weight_decay=0.1,
+        orthogonality_check_interval=1,
+    )
 
 
 def _run_counting_newton_schulz(params: list[nn.Parameter] | None = None, grad_layout=lambda g, p: g) -> dict:
@@ -88,10 +98,16 @@ def _run_counting_newton_schulz(params: list[nn.Parameter] | None = None, grad_l
             opt.step()
     finally:
         muon_module.zeropower_via_newtonschulz5 = real
-    return {"params": [full_matrix(p.detach()) for p in params], "diagnostics": opt.diagnostics(), "calls": calls,
-            "momentum": [full_matrix(opt.state[p]["momentum_buffer"]) if "momentum_buffer" in opt.state[p] else None
-                         for p in params],
-            "steps": [opt.state[p].get("step") for p in params], "orthogonality": opt.state_dict()["orthogonality_error"]}
+    return {
+        "params": [full_matrix(p.detach()) for p in params],
+        "diagnostics": opt.diagnostics(),
+        "calls": calls,
+        "momentum": [
+            full_matrix(opt.state[p]["momentum_buffer"]) if "momentum_buffer" in opt.state[p] else None for p in params
+        ],
+        "steps": [opt.state[p].get("step") for p in params],
+        "orthogonality": opt.state_dict()["orthogonality_error"],
+    }
 
 
 def _fsdp2_params(world_size: int) -> tuple[list[nn.Parameter], object]:
@@ -110,13 +126,15 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str) -> None
     from torch.distributed.tensor import distribute_tensor
 
     torch.set_num_threads(1)  # as the 1-process reference: the same matmul kernels, so the same bits
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
     try:
         ddp = _run_counting_newton_schulz()
         params, mesh = _fsdp2_params(world_size)
         fsdp2 = _run_counting_newton_schulz(  # this rank's shard of the full gradient, as FSDP2's reduce-scatter
-            params, lambda g, p: distribute_tensor(g, mesh, p.placements, src_data_rank=None))
+            params, lambda g, p: distribute_tensor(g, mesh, p.placements, src_data_rank=None)
+        )
         torch.save({"ddp": ddp, "fsdp2": fsdp2}, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()

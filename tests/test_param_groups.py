@@ -41,7 +41,11 @@ class FakeKDA(nn.Module):
 class FakeMLA(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.q_a_proj, self.q_a_norm, self.q_b_proj = nn.Linear(D, 12, bias=False), nn.RMSNorm(12), nn.Linear(12, H * DH)
+        self.q_a_proj, self.q_a_norm, self.q_b_proj = (
+            nn.Linear(D, 12, bias=False),
+            nn.RMSNorm(12),
+            nn.Linear(12, H * DH),
+        )
         self.kv_a_proj, self.kv_a_norm = nn.Linear(D, 10, bias=False), nn.RMSNorm(8)
         self.kv_b_proj = nn.Linear(8, H * 2 * DH, bias=False)
         self.o_proj = nn.Linear(H * DH, D, bias=False)
@@ -79,8 +83,10 @@ EXPECTED = {  # name -> (group, view)
     **{f"layers.0.{n}_proj.weight": ("muon_attention", "heads(4, dim=0)") for n in "qkv"},
     "layers.0.o_proj.weight": ("muon_attention", "heads(4, dim=1)"),
     **{f"layers.0.{n}_conv.weight": ("adamw_aux", "elementwise") for n in "qkv"},
-    **{f"layers.0.{n}.weight": ("adamw_aux", "elementwise") for n in ("f_a_proj", "f_b_proj", "g_a_proj",
-                                                                        "g_b_proj", "b_proj")},
+    **{
+        f"layers.0.{n}.weight": ("adamw_aux", "elementwise")
+        for n in ("f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "b_proj")
+    },
     "layers.0.g_b_proj.bias": ("adamw_no_decay", "elementwise"),
     "layers.0.A_log": ("adamw_no_decay", "elementwise"),
     "layers.0.dt_bias": ("adamw_no_decay", "elementwise"),
@@ -152,8 +158,14 @@ def test_yaml_targets_build_named_groups() -> None:
     model = FakeModel()
     opt = _muon_adamw(model)
     assert isinstance(opt, MuonAdamW)
-    assert [g["name"] for g in opt.param_groups] == ["muon_attention", "muon_ffn", "muon_experts", "adamw_embed",
-                                                     "adamw_aux", "adamw_no_decay"]
+    assert [g["name"] for g in opt.param_groups] == [
+        "muon_attention",
+        "muon_ffn",
+        "muon_experts",
+        "adamw_embed",
+        "adamw_aux",
+        "adamw_no_decay",
+    ]
     assert all(g["initial_lr"] == g["lr"] == 3e-3 for g in opt.param_groups)
     assert opt.param_groups[-1]["weight_decay"] == 0.0 and opt.param_groups[0]["weight_decay"] == 0.1
     table = format_param_groups(opt.param_groups)
@@ -162,7 +174,9 @@ def test_yaml_targets_build_named_groups() -> None:
     baseline = hydra.utils.instantiate(OmegaConf.load(CONF / "optim" / "adamw.yaml"))(model)
     assert isinstance(baseline, torch.optim.AdamW)
     assert [(g["name"], g["weight_decay"], g["initial_lr"]) for g in baseline.param_groups] == [
-        ("decay", 0.1, 3e-3), ("no_decay", 0.0, 3e-3)]
+        ("decay", 0.1, 3e-3),
+        ("no_decay", 0.0, 3e-3),
+    ]
     no_decay = {id(p) for p in baseline.param_groups[1]["params"]}
     assert no_decay == {id(a.param) for a in partition_parameters(model) if not a.weight_decay}
     assert "no_decay" in format_param_groups(baseline.param_groups)
@@ -177,7 +191,8 @@ def test_partition_complete_and_disjoint_for_every_model_config(path: Path) -> N
     opt = _muon_adamw(model)  # checks completeness and disjointness while building
     check_partition(model, opt.param_groups)
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == sum(
-        p.numel() for p in model.parameters() if p.requires_grad)
+        p.numel() for p in model.parameters() if p.requires_grad
+    )
 
 
 def test_the_optimizer_summary_reads_any_torch_optimizer() -> None:

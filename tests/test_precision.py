@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from k3train.train import precision as precision_module
 from k3train.runtime.cpu import matmul_slowdown
+from k3train.train import precision as precision_module
 from k3train.train.precision import Precision
 
 

@@ -91,9 +91,20 @@ def test_measurement_is_consumed_and_tracking_off_skips():
 
 def test_model_level_names():
     torch.manual_seed(2)
-    model = KimiK3.from_fields(vocab_size=50, d_model=32, n_layers=2, kda_mla_ratio="0:1", mla_n_heads=2,
-                               kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                               n_routed_experts=4, expert_ffn_dim=16, dense_ffn_dim=32)
+    model = KimiK3.from_fields(
+        vocab_size=50,
+        d_model=32,
+        n_layers=2,
+        kda_mla_ratio="0:1",
+        mla_n_heads=2,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        n_routed_experts=4,
+        expert_ffn_dim=16,
+        dense_ffn_dim=32,
+    )
     assert set_max_logit_tracking(model, True) == 2
     model(torch.randint(0, 50, (2, 16)))
     report = qk_clip_(model, 1e-3)  # tiny tau: every head clips

@@ -11,10 +11,10 @@ import sys
 
 import pytest
 
+from k3train.observe.metrics import read_metrics
 from k3train.report.cli import main, write_report
 from k3train.report.figures import RUN_CHARTS, throughput_chart
 from k3train.report.runs import load_run, series
-from k3train.observe.metrics import read_metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -22,13 +22,21 @@ CHART_NAMES = ["loss", "lr", "grad_norm", "throughput", "moe", "qk_clip", "optim
 
 
 def _train(step, loss, **extra):
-    return {"event": "train", "step": step, "tokens": 64 * step, "loss": loss, "grad_norm": 2.0 + step,
-            "grad_norm_max": 3.0 + step, "tokens_per_s": 100.0 + step, "step_time_s": 0.5,
-            "lr": {"muon_hidden": 0.01, "adamw_embed": 0.003},
-            "model": {"moe/1/load_max": 1.5, "moe/1/load_min": 0.5, "moe/2/load_max": 1.2, "moe/2/load_min": 0.8},
-            "optimizer": {"muon_hidden/update_rms": 1e-3, "muon_hidden/weight_norm": 9.0, "muon_hidden/lr": 0.01},
-            "qk_clip": {"max_logit": {"layers.3.mixer": 30.0 + step}, "n_clipped": step % 2, "clipped_heads": {}},
-            **extra}
+    return {
+        "event": "train",
+        "step": step,
+        "tokens": 64 * step,
+        "loss": loss,
+        "grad_norm": 2.0 + step,
+        "grad_norm_max": 3.0 + step,
+        "tokens_per_s": 100.0 + step,
+        "step_time_s": 0.5,
+        "lr": {"muon_hidden": 0.01, "adamw_embed": 0.003},
+        "model": {"moe/1/load_max": 1.5, "moe/1/load_min": 0.5, "moe/2/load_max": 1.2, "moe/2/load_min": 0.8},
+        "optimizer": {"muon_hidden/update_rms": 1e-3, "muon_hidden/weight_norm": 9.0, "muon_hidden/lr": 0.01},
+        "qk_clip": {"max_logit": {"layers.3.mixer": 30.0 + step}, "n_clipped": step % 2, "clipped_heads": {}},
+        **extra,
+    }
 
 
 def _run_dir(path, *, mfu=False, running=False):
@@ -36,12 +44,19 @@ def _run_dir(path, *, mfu=False, running=False):
     then killed mid-write: the last line is torn."""
     path.mkdir(parents=True)
     extra = {"mfu": 0.25} if mfu else {}
-    events = [{"event": "session", "session": 0, "step": 0},
-              _train(1, 5.0, **extra), _train(2, 4.0, **extra), {"event": "eval", "step": 2, "tokens": 128, "loss": 4.5},
-              _train(3, 9.0, **extra), _train(4, 9.0, **extra),
-              {"event": "session", "session": 1, "step": 2},
-              _train(3, 3.5, **extra), {"event": "skip", "step": 3, "tokens": 192, "loss": "nan", "grad_norm": "inf"},
-              _train(4, "nan", **extra), {"event": "eval", "step": 4, "tokens": 256, "loss": 3.0}]
+    events = [
+        {"event": "session", "session": 0, "step": 0},
+        _train(1, 5.0, **extra),
+        _train(2, 4.0, **extra),
+        {"event": "eval", "step": 2, "tokens": 128, "loss": 4.5},
+        _train(3, 9.0, **extra),
+        _train(4, 9.0, **extra),
+        {"event": "session", "session": 1, "step": 2},
+        _train(3, 3.5, **extra),
+        {"event": "skip", "step": 3, "tokens": 192, "loss": "nan", "grad_norm": "inf"},
+        _train(4, "nan", **extra),
+        {"event": "eval", "step": 4, "tokens": 256, "loss": 3.0},
+    ]
     text = "".join(json.dumps(e) + "\n" for e in events) + '{"event": "train", "step": 5, "lo'
     (path / "metrics.jsonl").write_text(text)
     config = {"train": {"grad_clip": 1.0}, "callbacks": {"qk_clip": {"tau": 100.0}}}
@@ -52,8 +67,10 @@ def _run_dir(path, *, mfu=False, running=False):
 
 def _embedded_pngs(page: str) -> dict[str, bytes]:
     """href -> the PNG embedded in the link to it."""
-    return {href: base64.b64decode(data)
-            for href, data in re.findall(r'<a href="([^"]+)"><img src="data:image/png;base64,([^"]+)"', page)}
+    return {
+        href: base64.b64decode(data)
+        for href, data in re.findall(r'<a href="([^"]+)"><img src="data:image/png;base64,([^"]+)"', page)
+    }
 
 
 def test_a_resumed_torn_run_reads_one_event_per_step_from_the_later_session(tmp_path):
@@ -105,8 +122,11 @@ def test_a_sweep_with_a_crashed_and_a_not_yet_started_job(tmp_path):
     out = tmp_path / "report"
     page = write_report([tmp_path], out).read_text()
     rows = re.findall(r"<tr><td>(\de-\d)</td><td>([\d.]*)</td>(?:<td>[^<]*</td>){4}<td>([^<]*)</td>", page)
-    assert rows == [("1e-3", "3.0000", "max_steps"), ("3e-3", "4.5000", "stopped without an end"),
-                    ("1e-2", "", "not started")]
+    assert rows == [
+        ("1e-3", "3.0000", "max_steps"),
+        ("3e-3", "4.5000", "stopped without an end"),
+        ("1e-2", "", "not started"),
+    ]
     assert (tmp_path / "sweep_summary.md").read_text().count("\n") == 5
     embedded = _embedded_pngs(page)
     assert sorted(embedded) == sorted(["overlay.png", *(f"{job}/{n}.png" for job in "01" for n in CHART_NAMES)])
@@ -127,14 +147,17 @@ def _with(name, text, path=""):
     return lambda p: (p / name).write_text(text) * 0 or p / path
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: p / "nope", "does not exist"),
-    (lambda p: p, "is empty"),
-    (_with("notes.txt", "x"), "holds neither metrics.jsonl/run.json nor job directories"),
-    (_with("metrics.jsonl", "", "metrics.jsonl"), "is not a directory"),
-    (_with("run.json", "{}"), "has no events yet"),
-    (_with("metrics.jsonl", '{"event": "sess'), "has no events yet"),  # only a torn line
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p / "nope", "does not exist"),
+        (lambda p: p, "is empty"),
+        (_with("notes.txt", "x"), "holds neither metrics.jsonl/run.json nor job directories"),
+        (_with("metrics.jsonl", "", "metrics.jsonl"), "is not a directory"),
+        (_with("run.json", "{}"), "has no events yet"),
+        (_with("metrics.jsonl", '{"event": "sess'), "has no events yet"),  # only a torn line
+    ],
+)
 def test_a_path_it_cannot_use_is_one_clear_line_and_nothing_is_written(tmp_path, capsys, make, message):
     path = make(tmp_path)
     before = sorted(tmp_path.rglob("*"))
@@ -156,13 +179,19 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 def test_without_matplotlib_the_report_says_how_to_install_it_and_training_never_needs_it(tmp_path):
     run_dir = _run_dir(tmp_path / "run")
-    proc = _python("import sys; sys.modules['matplotlib'] = None\n"  # as if not installed
-                   f"from k3train.report.cli import main; sys.exit(main([{str(run_dir)!r}]))")
+    proc = _python(
+        "import sys; sys.modules['matplotlib'] = None\n"  # as if not installed
+        f"from k3train.report.cli import main; sys.exit(main([{str(run_dir)!r}]))"
+    )
     assert proc.returncode == 2 and not (run_dir / "report").exists()
-    assert proc.stderr == ("k3train.report: error: the report draws with matplotlib, which is not installed: "
-                           "pip install 'k3train[report]'\n")
-    proc = _python("import sys, k3train.__main__, k3train.run.runner, k3train.report.sweep_table\n"
-                   "assert 'matplotlib' not in sys.modules, 'training imported matplotlib'")
+    assert proc.stderr == (
+        "k3train.report: error: the report draws with matplotlib, which is not installed: "
+        "pip install 'k3train[report]'\n"
+    )
+    proc = _python(
+        "import sys, k3train.__main__, k3train.run.runner, k3train.report.sweep_table\n"
+        "assert 'matplotlib' not in sys.modules, 'training imported matplotlib'"
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -171,13 +200,22 @@ def test_every_chart_is_listed_once():
 
 
 # ---- in CI: the report on a real quickstart run and a real 4-job sweep ------------------------------------------
-SMALL = ["+experiment=quickstart", "train.max_steps=4", "train.batch_size=2", "train.seq_len=32",
-         "train.log_interval=2", "train.eval_interval=2", "train.eval_batches=1", "train.progress=lines"]
+SMALL = [
+    "+experiment=quickstart",
+    "train.max_steps=4",
+    "train.batch_size=2",
+    "train.seq_len=32",
+    "train.log_interval=2",
+    "train.eval_interval=2",
+    "train.eval_batches=1",
+    "train.progress=lines",
+]
 
 
 def _report(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "k3train.report", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "k3train.report", *map(str, args)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.slow
@@ -206,8 +244,9 @@ def test_report_on_a_four_job_sweep(run_cli, tmp_path, monkeypatch):
 
     final = {}  # job -> its final val loss, read here from each job's own metrics.jsonl
     for job in ("0", "1", "2", "3"):
-        evals = [e["loss"] for e in read_metrics(sweep / job / "metrics.jsonl", final_only=True)
-                 if e["event"] == "eval"]
+        evals = [
+            e["loss"] for e in read_metrics(sweep / job / "metrics.jsonl", final_only=True) if e["event"] == "eval"
+        ]
         final[job] = evals[-1]
     in_order = sorted(final, key=final.get)
     table = (sweep / "sweep_summary.md").read_text().splitlines()[2:]

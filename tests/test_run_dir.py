@@ -12,21 +12,31 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO
+
 from k3train.checkpoint.checkpointer import load_checkpoint
 from k3train.observe.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
-TINY = ["model=smoke_test_lm", "train.batch_size=2", "train.seq_len=32", "train.log_interval=1",
-        "train.eval_batches=2", "train.progress=lines", "schedule.warmup_steps=1"]
+TINY = [
+    "model=smoke_test_lm",
+    "train.batch_size=2",
+    "train.seq_len=32",
+    "train.log_interval=1",
+    "train.eval_batches=2",
+    "train.progress=lines",
+    "schedule.warmup_steps=1",
+]
 
 
 def hashes(directory):
     """Every file below directory (.hydra/ and hidden files included) by its bytes."""
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file()
+    }
 
 
 def error_lines(proc):
@@ -61,8 +71,14 @@ def test_resuming_a_finished_run_says_so_and_touches_nothing(run_cli, finished_r
 
 def test_resuming_a_run_whose_data_ran_out_touches_nothing(run_cli, tmp_path, tiny_data_dir):
     run_dir = tmp_path / "run"
-    common = [*TINY, "data=prepared", f"data.path={tiny_data_dir}", "train.max_steps=null", "train.eval_interval=0",
-              f"hydra.run.dir={run_dir}"]
+    common = [
+        *TINY,
+        "data=prepared",
+        f"data.path={tiny_data_dir}",
+        "train.max_steps=null",
+        "train.eval_interval=0",
+        f"hydra.run.dir={run_dir}",
+    ]
     assert run_cli(*common).returncode == 0
     assert read_metrics(run_dir / "metrics.jsonl")[-1]["reason"] == "end_of_data"
     before = hashes(run_dir)
@@ -76,9 +92,22 @@ def test_resuming_a_run_whose_data_ran_out_touches_nothing(run_cli, tmp_path, ti
 def test_a_second_writer_is_refused_naming_the_directory_and_the_holder(k3_cache, run_cli, tmp_path):
     run_dir = tmp_path / "run"
     env = {**os.environ, "K3TRAIN_CACHE": str(k3_cache), "PYTHONUNBUFFERED": "1"}
-    first = subprocess.Popen([sys.executable, "-m", "k3train", *TINY, "train.max_steps=1000000",
-                              "train.checkpoint_interval=0", f"hydra.run.dir={run_dir}"], cwd=REPO, env=env,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "k3train",
+            *TINY,
+            "train.max_steps=1000000",
+            "train.checkpoint_interval=0",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         for line in first.stdout:  # the first writer is training
             if "| loss " in line:
@@ -86,8 +115,10 @@ def test_a_second_writer_is_refused_naming_the_directory_and_the_holder(k3_cache
         hydra_before = hashes(run_dir / ".hydra")
         second = run_cli(*TINY, "train.max_steps=1000000", "resume=auto", f"hydra.run.dir={run_dir}")
         assert second.returncode == 2
-        assert error_lines(second) == [f"k3train: error: {run_dir} is in use by another k3train process "
-                                       f"(pid {first.pid}): wait for it to end, or choose another hydra.run.dir"]
+        assert error_lines(second) == [
+            f"k3train: error: {run_dir} is in use by another k3train process "
+            f"(pid {first.pid}): wait for it to end, or choose another hydra.run.dir"
+        ]
         assert hashes(run_dir / ".hydra") == hydra_before
         assert first.poll() is None
     finally:
@@ -96,8 +127,7 @@ def test_a_second_writer_is_refused_naming_the_directory_and_the_holder(k3_cache
     sessions = json.loads((run_dir / "run.json").read_text())["sessions"]
     assert [s["end_reason"] for s in sessions] == ["signal:SIGTERM"]  # the second writer added nothing
     # once the holder is gone (the OS released its lock), the run continues
-    proc = run_cli(*TINY, f"train.max_steps={sessions[0]['final_step'] + 1}", "resume=auto",
-                   f"hydra.run.dir={run_dir}")
+    proc = run_cli(*TINY, f"train.max_steps={sessions[0]['final_step'] + 1}", "resume=auto", f"hydra.run.dir={run_dir}")
     assert proc.returncode == 0, proc.stderr
     assert (run_dir / ".lock").read_text().strip().isdigit()
 
@@ -210,14 +240,29 @@ runpy.run_module("k3train", run_name="__main__")
 def test_a_failed_write_ends_in_one_line_and_keeps_the_previous_checkpoint(k3_cache, tmp_path, code, fix):
     run_dir = tmp_path / "run"
     env = {**os.environ, "K3TRAIN_CACHE": str(k3_cache), "FAIL_ERRNO": code}
-    proc = subprocess.run([sys.executable, "-c", FAILING_DISK, *TINY, "train.max_steps=4",
-                           "train.checkpoint_interval=2", f"hydra.run.dir={run_dir}"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            FAILING_DISK,
+            *TINY,
+            "train.max_steps=4",
+            "train.checkpoint_interval=2",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 1
     lines = error_lines(proc)
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert lines[0].startswith(f"k3train: error: writing {run_dir / 'last.pt'} failed at step 4 ("
-                               f"{os.strerror(getattr(errno, code))}); last.pt of step 2 is kept; {fix.format(run_dir=run_dir)}")
+    assert lines[0].startswith(
+        f"k3train: error: writing {run_dir / 'last.pt'} failed at step 4 ("
+        f"{os.strerror(getattr(errno, code))}); last.pt of step 2 is kept; {fix.format(run_dir=run_dir)}"
+    )
     assert lines[0].endswith("then continue with resume=auto")
     assert load_checkpoint(run_dir / "last.pt")["trainer"]["step"] == 2
     assert not list(run_dir.glob(".*.tmp-*"))
@@ -230,8 +275,10 @@ def read_only_mount(tmp_path):
     """A tmpfs that can be remounted read-only (root bypasses file modes, so chmod cannot make one)."""
     mount = tmp_path / "mnt"
     mount.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True).returncode
+        != 0
+    ):
         pytest.skip("cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)")
     yield mount
     subprocess.run(["umount", str(mount)], capture_output=True)

@@ -44,8 +44,9 @@ def test_apply_scales_every_group_from_initial_lr():
     assert [g["lr"] for g in opt.param_groups] == pytest.approx([0.5, 0.25])
 
 
-@pytest.mark.parametrize("kwargs", [dict(decay="linear"), dict(warmup_steps=-1), dict(min_lr_ratio=2.0),
-                                    dict(total_steps=0)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(decay="linear"), dict(warmup_steps=-1), dict(min_lr_ratio=2.0), dict(total_steps=0)]
+)
 def test_bad_schedule_is_rejected(kwargs):
     with pytest.raises(ValueError, match="schedule|total_steps"):
         LRSchedule(**{"total_steps": 10, **kwargs})

@@ -26,9 +26,17 @@ pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the launche
 
 REPO = Path(__file__).resolve().parents[1]
 SITE = Path(__file__).resolve().parent / "slurm_site"
-RUN = ["model=smoke_test_lm", "train.batch_size=2", "train.seq_len=32", "train.eval_interval=10",
-       "train.eval_batches=2", "train.log_interval=1", "train.checkpoint_interval=10", "train.cpu_threads=1",
-       "train.progress=lines"]
+RUN = [
+    "model=smoke_test_lm",
+    "train.batch_size=2",
+    "train.seq_len=32",
+    "train.eval_interval=10",
+    "train.eval_batches=2",
+    "train.log_interval=1",
+    "train.checkpoint_interval=10",
+    "train.cpu_threads=1",
+    "train.progress=lines",
+]
 
 
 def _slurm_answers() -> bool:
@@ -41,9 +49,13 @@ def _slurm_answers() -> bool:
 
 
 def needs_slurm(test):
-    skip = pytest.mark.skipif(not _slurm_answers(), reason="no SLURM controller answers `scontrol ping`: start one "
-                              "with `sudo launchers/local_slurm/start.sh` (CI's .ci/run does)")
+    skip = pytest.mark.skipif(
+        not _slurm_answers(),
+        reason="no SLURM controller answers `scontrol ping`: start one "
+        "with `sudo launchers/local_slurm/start.sh` (CI's .ci/run does)",
+    )
     return pytest.mark.slurm(skip(test))
+
 
 pytestmark = pytest.mark.slow
 
@@ -59,9 +71,14 @@ def wait_until(check, timeout: float, what: str, interval: float = 0.2):
 
 
 def environment(k3_cache: Path, outputs: Path, step_delay_s: float = 0.0) -> dict:
-    return {**os.environ, "K3TRAIN_CACHE": str(k3_cache), "K3TRAIN_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1",
-            "PYTHONPATH": os.pathsep.join([str(SITE), os.environ.get("PYTHONPATH", "")]),
-            "K3TRAIN_STEP_DELAY_S": str(step_delay_s)}
+    return {
+        **os.environ,
+        "K3TRAIN_CACHE": str(k3_cache),
+        "K3TRAIN_OUTPUTS": str(outputs),
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join([str(SITE), os.environ.get("PYTHONPATH", "")]),
+        "K3TRAIN_STEP_DELAY_S": str(step_delay_s),
+    }
 
 
 def train_steps_done(run_dir: Path) -> int:
@@ -76,8 +93,14 @@ def sessions(run_dir: Path) -> list[dict]:
 
 def reference_run(run_dir: Path, k3_cache: Path, *overrides: str) -> dict:
     """The same run uninterrupted, outside SLURM: its final checkpoint."""
-    proc = subprocess.run([sys.executable, "-m", "k3train", f"hydra.run.dir={run_dir}", *RUN, *overrides], cwd=REPO,
-                          env=environment(k3_cache, run_dir.parent), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "k3train", f"hydra.run.dir={run_dir}", *RUN, *overrides],
+        cwd=REPO,
+        env=environment(k3_cache, run_dir.parent),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     return torch.load(run_dir / "last.pt", weights_only=True)
 
@@ -125,10 +148,24 @@ def test_slurm_sweep_usr2_and_scontrol_requeue_resume_exactly(builtin_data, k3_c
     launcher reports success and the summary lists both."""
     max_steps, sweep_dir = 30, tmp_path / "sweep"
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "k3train", "-m", "hydra/launcher=slurm", "hydra.launcher.cpus_per_task=1",
-         f"hydra.sweep.dir={sweep_dir}", *RUN, f"train.max_steps={max_steps}", "optim.lr=1e-3,3e-3"],
-        cwd=REPO, env=environment(k3_cache, tmp_path / "outputs", step_delay_s=0.3), stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "k3train",
+            "-m",
+            "hydra/launcher=slurm",
+            "hydra.launcher.cpus_per_task=1",
+            f"hydra.sweep.dir={sweep_dir}",
+            *RUN,
+            f"train.max_steps={max_steps}",
+            "optim.lr=1e-3,3e-3",
+        ],
+        cwd=REPO,
+        env=environment(k3_cache, tmp_path / "outputs", step_delay_s=0.3),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         jobs = [sweep_dir / "0", sweep_dir / "1"]
         wait_until(lambda: all(train_steps_done(j) >= 3 for j in jobs), 180, "both jobs to pass step 3")
@@ -143,8 +180,9 @@ def test_slurm_sweep_usr2_and_scontrol_requeue_resume_exactly(builtin_data, k3_c
             subprocess.run(["scancel", "--name=k3train"], timeout=30)
     assert launcher.returncode == 0, output
     for run_dir, reason, lr in ((jobs[0], "signal:SIGUSR2", "1e-3"), (jobs[1], "signal:SIGTERM", "3e-3")):
-        reference = reference_run(tmp_path / f"reference-{lr}", k3_cache, f"train.max_steps={max_steps}",
-                                  f"optim.lr={lr}")
+        reference = reference_run(
+            tmp_path / f"reference-{lr}", k3_cache, f"train.max_steps={max_steps}", f"optim.lr={lr}"
+        )
         assert_requeued_and_resumed_exactly(run_dir, reason, reference, max_steps)
     rows = summary_rows(sweep_dir)
     assert len(rows) == 2 and all("max_steps" in r for r in rows), rows
@@ -163,21 +201,40 @@ def test_sbatch_template_job_at_its_time_limit_requeues_itself_and_resumes(built
     # signal's default action ended the job. A 2-minute limit with USR1@45 sends it no earlier than 15 s in
     # (120 - 45 - 60), and the run (300 updates of >= 0.3 s) is still going when it comes.
     job = subprocess.run(
-        ["sbatch", "--parsable", "--time=2", "--signal=B:USR1@45", "--cpus-per-task=1",
-         f"--output={tmp_path}/slurm-%j.out", str(REPO / "launchers" / "sbatch" / "train.sbatch"), *RUN,
-         f"train.max_steps={max_steps}"],
-        cwd=tmp_path, env=environment(k3_cache, outputs, step_delay_s=0.3), capture_output=True, text=True,
-        check=True, timeout=30).stdout.strip()
+        [
+            "sbatch",
+            "--parsable",
+            "--time=2",
+            "--signal=B:USR1@45",
+            "--cpus-per-task=1",
+            f"--output={tmp_path}/slurm-%j.out",
+            str(REPO / "launchers" / "sbatch" / "train.sbatch"),
+            *RUN,
+            f"train.max_steps={max_steps}",
+        ],
+        cwd=tmp_path,
+        env=environment(k3_cache, outputs, step_delay_s=0.3),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout.strip()
     try:
+
         def state() -> str:
-            out = subprocess.run(["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], capture_output=True,
-                                 text=True, timeout=30).stdout.split()
+            out = subprocess.run(
+                ["sacct", "-X", "-n", "-P", "-j", job, "-o", "State"], capture_output=True, text=True, timeout=30
+            ).stdout.split()
             return out[0] if out and out[0] in ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED") else ""
 
         run_dir = outputs / "runs" / f"slurm-{job}"
         try:
-            wait_until(lambda: (run_dir / "run.json").exists() and sessions(run_dir)[0]["end_reason"], 120,
-                       "the first session to stop", interval=0.5)
+            wait_until(
+                lambda: (run_dir / "run.json").exists() and sessions(run_dir)[0]["end_reason"],
+                120,
+                "the first session to stop",
+                interval=0.5,
+            )
         except AssertionError as e:
             raise AssertionError(f"{e}; the job's output:\n{(tmp_path / f'slurm-{job}.out').read_text()}") from None
         # The requeued job gets a new two minutes, whose warning could stop its session too: give it ten.
@@ -198,9 +255,24 @@ def test_two_task_job_is_one_two_rank_run(builtin_data, k3_cache, tmp_path):
     SLURM_PROCID), so the job is one run whose updates take both ranks' rows, not two copies of the run."""
     sweep_dir = tmp_path / "sweep"
     proc = subprocess.run(
-        [sys.executable, "-m", "k3train", "-m", "hydra/launcher=slurm", "hydra.launcher.cpus_per_task=1",
-         "hydra.launcher.tasks_per_node=2", f"hydra.sweep.dir={sweep_dir}", *RUN, "train.max_steps=4"],
-        cwd=REPO, env=environment(k3_cache, tmp_path / "outputs"), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "k3train",
+            "-m",
+            "hydra/launcher=slurm",
+            "hydra.launcher.cpus_per_task=1",
+            "hydra.launcher.tasks_per_node=2",
+            f"hydra.sweep.dir={sweep_dir}",
+            *RUN,
+            "train.max_steps=4",
+        ],
+        cwd=REPO,
+        env=environment(k3_cache, tmp_path / "outputs"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = sweep_dir / "0"
     (session,) = sessions(run_dir)
@@ -216,9 +288,23 @@ def test_local_preset_sweep_runs_both_jobs_and_summarises_them(builtin_data, k3_
     at the end of the multirun lists both."""
     sweep_dir = tmp_path / "sweep"
     proc = subprocess.run(
-        [sys.executable, "-m", "k3train", "-m", "hydra/launcher=local", f"hydra.sweep.dir={sweep_dir}", *RUN,
-         "train.max_steps=4", "optim.lr=1e-3,3e-3"],
-        cwd=REPO, env=environment(k3_cache, tmp_path / "outputs"), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "k3train",
+            "-m",
+            "hydra/launcher=local",
+            f"hydra.sweep.dir={sweep_dir}",
+            *RUN,
+            "train.max_steps=4",
+            "optim.lr=1e-3,3e-3",
+        ],
+        cwd=REPO,
+        env=environment(k3_cache, tmp_path / "outputs"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = summary_rows(sweep_dir)
     assert len(rows) == 2 and all("max_steps" in r for r in rows), rows

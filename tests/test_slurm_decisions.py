@@ -20,8 +20,15 @@ ARRAY_TASK = {"SLURM_JOB_ID": "45", "SLURM_ARRAY_JOB_ID": "40", "SLURM_ARRAY_TAS
 
 @pytest.fixture
 def job_env(monkeypatch):
-    for name in ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "SLURM_RESTART_COUNT",
-                 "SLURM_JOB_NODELIST", "SUBMITIT_FOLDER", "SUBMITIT_PREEMPT_SIGNAL"):
+    for name in (
+        "SLURM_JOB_ID",
+        "SLURM_ARRAY_JOB_ID",
+        "SLURM_ARRAY_TASK_ID",
+        "SLURM_RESTART_COUNT",
+        "SLURM_JOB_NODELIST",
+        "SUBMITIT_FOLDER",
+        "SUBMITIT_PREEMPT_SIGNAL",
+    ):
         monkeypatch.delenv(name, raising=False)
 
     def set_env(**env):
@@ -40,8 +47,10 @@ def fake_scontrol(tmp_path, monkeypatch):
     calls = tmp_path / "calls.log"
 
     def install(fields: str) -> None:
-        script.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\n"
-                          f"[ \"$1\" = show ] && echo 'JobId=42 JobName=k3train {fields} Partition=debug'\nexit 0\n")
+        script.write_text(
+            f'#!/bin/sh\necho "$@" >> {calls}\n'
+            f"[ \"$1\" = show ] && echo 'JobId=42 JobName=k3train {fields} Partition=debug'\nexit 0\n"
+        )
         script.chmod(0o755)
 
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
@@ -168,14 +177,29 @@ def test_a_warning_during_start_up_stops_the_run_after_its_first_update(k3_cache
     from k3train.observe.metrics import read_metrics
 
     pytest.importorskip("torch")
-    code = ("import os, signal, sys; sys.argv = ['k3train'] + sys.argv[1:]\n"
-            "import k3train.__main__ as entry\n"
-            "os.kill(os.getpid(), signal.SIGUSR1)\n"  # after the imports, before Hydra, the data and the model
-            "entry.main()\n")
+    code = (
+        "import os, signal, sys; sys.argv = ['k3train'] + sys.argv[1:]\n"
+        "import k3train.__main__ as entry\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"  # after the imports, before Hydra, the data and the model
+        "entry.main()\n"
+    )
     run_dir = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-c", code, f"hydra.run.dir={run_dir}", "model=smoke_test_lm",
-                           "train.batch_size=2", "train.seq_len=32", "train.max_steps=5"], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "K3TRAIN_CACHE": str(k3_cache)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            code,
+            f"hydra.run.dir={run_dir}",
+            "model=smoke_test_lm",
+            "train.batch_size=2",
+            "train.seq_len=32",
+            "train.max_steps=5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "K3TRAIN_CACHE": str(k3_cache)},
+    )
     assert proc.returncode == -signal.SIGUSR1, proc.stderr  # then it ends by the signal, as the sender expects
     end = [e for e in read_metrics(run_dir / "metrics.jsonl") if e["event"] == "end"]
     assert [(e["reason"], e["step"]) for e in end] == [("signal:SIGUSR1", 1)]

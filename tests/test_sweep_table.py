@@ -61,8 +61,10 @@ def test_summary_files_hold_the_same_table(tmp_path, capsys):
     assert markdown == capsys.readouterr().out == write_sweep_summary(tmp_path)
     assert markdown.splitlines()[2].startswith("| 3e-3 | 1.5000 |")
     table = list(csv.DictReader((tmp_path / "sweep_summary.csv").open()))
-    assert [(r["optim.lr"], r["final val loss"], r["run dir"]) for r in table] == [("3e-3", "1.5000", "1"),
-                                                                                   ("1e-3", "2.0000", "0")]
+    assert [(r["optim.lr"], r["final val loss"], r["run dir"]) for r in table] == [
+        ("3e-3", "1.5000", "1"),
+        ("1e-3", "2.0000", "0"),
+    ]
 
 
 def test_a_missing_sweep_directory_is_one_clear_line(tmp_path, capsys):

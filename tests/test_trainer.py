@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from k3train.config import TrainConfig
-from k3train.models.smoke import SmokeTestLM, SmokeTestConfig
-from k3train.optim.schedule import LRSchedule
-from k3train.optim.qk_clip import QKClip
-from k3train.train.callbacks import Callback
 from k3train.checkpoint.checkpointer import Checkpointer, load_checkpoint
+from k3train.config import TrainConfig
+from k3train.models.smoke import SmokeTestConfig, SmokeTestLM
 from k3train.observe.metrics import MetricsLogger, read_metrics
+from k3train.optim.qk_clip import QKClip
+from k3train.optim.schedule import LRSchedule
+from k3train.train.callbacks import Callback
 from k3train.train.precision import Precision
 from k3train.train.trainer import Trainer, TrainingDiverged
 
@@ -30,14 +30,34 @@ CONSTANT = functools.partial(LRSchedule, decay="constant", warmup_steps=0, min_l
 
 def make_trainer(tmp_path, data, model, optimizer=None, precision="fp32", schedule=CONSTANT, callbacks=None, **train):
     tmp_path.mkdir(parents=True, exist_ok=True)
-    cfg = TrainConfig(**{"batch_size": 2, "seq_len": 16, "max_steps": 4, "eval_interval": 0, "eval_batches": 2,
-                         "checkpoint_interval": 0, "log_interval": 1, "progress": "lines", "grad_clip": None,
-                         **train})
+    cfg = TrainConfig(
+        **{
+            "batch_size": 2,
+            "seq_len": 16,
+            "max_steps": 4,
+            "eval_interval": 0,
+            "eval_batches": 2,
+            "checkpoint_interval": 0,
+            "log_interval": 1,
+            "progress": "lines",
+            "grad_clip": None,
+            **train,
+        }
+    )
     train_loader, val_loader = data.loaders(cfg.batch_size, cfg.seq_len)
-    return Trainer(model=model, optimizer=optimizer or sgd(model), schedule_factory=schedule,
-                   precision=Precision(precision), train_loader=train_loader, val_loader=val_loader, config=cfg,
-                   device=torch.device("cpu"), metrics=MetricsLogger(tmp_path / "metrics.jsonl"),
-                   checkpointer=Checkpointer(tmp_path, meta={}, keep_last_k=cfg.keep_last_k), callbacks=callbacks)
+    return Trainer(
+        model=model,
+        optimizer=optimizer or sgd(model),
+        schedule_factory=schedule,
+        precision=Precision(precision),
+        train_loader=train_loader,
+        val_loader=val_loader,
+        config=cfg,
+        device=torch.device("cpu"),
+        metrics=MetricsLogger(tmp_path / "metrics.jsonl"),
+        checkpointer=Checkpointer(tmp_path, meta={}, keep_last_k=cfg.keep_last_k),
+        callbacks=callbacks,
+    )
 
 
 def smoke(vocab_size, seed=0):
@@ -117,7 +137,9 @@ def test_eval_mutates_nothing(tmp_path, builtin_data):
         return (
             {k: v.clone() for k, v in model.state_dict().items()},
             {k: {n: t.clone() for n, t in v.items()} for k, v in opt.state_dict()["state"].items()},
-            trainer.train_loader.state_dict(), trainer.val_loader.state_dict(), model.training,
+            trainer.train_loader.state_dict(),
+            trainer.val_loader.state_dict(),
+            model.training,
         )
 
     def draws():
@@ -152,8 +174,9 @@ class LinearLM(WrapsSmoke):
 def test_fp16_scaler_skips_an_overflowing_update_then_steps(tmp_path, builtin_data):
     model = LinearLM(builtin_data.vocab_size)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-6), precision="fp16",
-                           max_consecutive_skips=40)
+    trainer = make_trainer(
+        tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-6), precision="fp16", max_consecutive_skips=40
+    )
     assert trainer.scaler.is_enabled() and trainer.scaler.get_scale() == 65536.0
     results = [trainer.train_step() for _ in range(40)]
     skipped = [r["skipped"] for r in results]
@@ -197,8 +220,16 @@ def test_end_of_data_stops_cleanly_at_an_update_boundary(tmp_path, builtin_data)
     model = smoke(builtin_data.vocab_size)
     cfg_tokens = builtin_data.train.num_tokens
     seq = 512
-    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), batch_size=64,
-                           seq_len=seq, max_steps=None, gradient_accumulation_steps=2)
+    trainer = make_trainer(
+        tmp_path,
+        builtin_data,
+        model,
+        optimizer=sgd(model, lr=1e-3),
+        batch_size=64,
+        seq_len=seq,
+        max_steps=None,
+        gradient_accumulation_steps=2,
+    )
     expected = (cfg_tokens - 1) // (64 * seq) // 2
     assert trainer.total_steps == expected
     assert trainer.fit() == "end_of_data"
@@ -230,10 +261,22 @@ def test_qk_clip_tracking_follows_the_config(tmp_path, builtin_data, tau):
     from k3train.models.k3 import KimiK3
 
     torch.manual_seed(0)
-    model = KimiK3.from_fields(vocab_size=builtin_data.vocab_size, d_model=32, n_layers=2, kda_mla_ratio="1:1",
-                               mla_n_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                               kda_n_heads=2, kda_head_dim=16, n_routed_experts=4, expert_ffn_dim=16,
-                               dense_ffn_dim=32)
+    model = KimiK3.from_fields(
+        vocab_size=builtin_data.vocab_size,
+        d_model=32,
+        n_layers=2,
+        kda_mla_ratio="1:1",
+        mla_n_heads=2,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=4,
+        v_head_dim=8,
+        kda_n_heads=2,
+        kda_head_dim=16,
+        n_routed_experts=4,
+        expert_ffn_dim=16,
+        dense_ffn_dim=32,
+    )
     callbacks = {"qk_clip": QKClip(tau)} if tau is not None else None
     trainer = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-2), callbacks=callbacks)
     trainer.train_step()
@@ -250,6 +293,7 @@ def test_qk_clip_tracking_follows_the_config(tmp_path, builtin_data, tau):
 def test_grad_clip_scales_the_update_not_just_the_log(tmp_path, builtin_data):
     """SGD with lr 1: the update is minus the gradient the optimizer saw. With grad_clip=c its global norm is c
     (the logged grad_norm stays the unclipped norm); without clipping it equals the raw gradient's norm."""
+
     def update_norm(clip):
         model = smoke(builtin_data.vocab_size)
         before = [p.detach().clone() for p in model.parameters()]
@@ -296,8 +340,16 @@ def test_divergence_right_after_a_checkpoint_puts_the_good_one_back(tmp_path, bu
     opt = BlowUpAtStep2(model.parameters(), lr=1e-3)
     for g in opt.param_groups:
         g["initial_lr"], g["name"] = g["lr"], "all"
-    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=opt, checkpoint_interval=1, max_steps=10,
-                           max_consecutive_skips=3, grad_clip=grad_clip)
+    trainer = make_trainer(
+        tmp_path,
+        builtin_data,
+        model,
+        optimizer=opt,
+        checkpoint_interval=1,
+        max_steps=10,
+        max_consecutive_skips=3,
+        grad_clip=grad_clip,
+    )
     with pytest.raises(TrainingDiverged) as err:
         trainer.fit()
     message = str(err.value)
@@ -315,8 +367,9 @@ def test_divergence_right_after_a_checkpoint_puts_the_good_one_back(tmp_path, bu
 
 def test_a_checkpoint_is_kept_as_previous_only_until_an_update_goes_on_from_the_new_one(tmp_path, builtin_data):
     model = smoke(builtin_data.vocab_size)
-    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), checkpoint_interval=1,
-                           max_steps=3)
+    trainer = make_trainer(
+        tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), checkpoint_interval=1, max_steps=3
+    )
     seen = []
     real_train_step = trainer.train_step
 
@@ -335,16 +388,14 @@ def test_a_restored_optimizer_holds_the_scheduled_lr_not_the_configured_peak(tmp
     schedule gave the last update, as the checkpoint it came from did."""
     warmup = functools.partial(LRSchedule, decay="cosine", warmup_steps=4, min_lr_ratio=0.1)
     model = smoke(builtin_data.vocab_size)
-    first = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), schedule=warmup,
-                         max_steps=8)
+    first = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), schedule=warmup, max_steps=8)
     first.train_step()
     first.train_step()
     first.save()
     saved = load_checkpoint(first.checkpointer.path)
     assert saved["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-3 * 2 / 4)  # warmup, update 2 of 4
     model = smoke(builtin_data.vocab_size, seed=1)
-    second = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), schedule=warmup,
-                          max_steps=8)
+    second = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), schedule=warmup, max_steps=8)
     second.resume(first.checkpointer.path)
     assert second.optimizer.param_groups[0]["lr"] == saved["optimizer"]["param_groups"][0]["lr"]
 
@@ -353,8 +404,9 @@ def test_after_a_resume_from_an_earlier_checkpoint_the_later_last_pt_is_not_kept
     """previous.pt must be a checkpoint this line of training went on from, never the later last.pt of the line
     abandoned by resuming from an earlier step_*.pt."""
     model = smoke(builtin_data.vocab_size)
-    first = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), checkpoint_interval=2,
-                         keep_last_k=2, max_steps=4)
+    first = make_trainer(
+        tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), checkpoint_interval=2, keep_last_k=2, max_steps=4
+    )
     first.fit()
     model = smoke(builtin_data.vocab_size)
     second = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), max_steps=4)
@@ -396,8 +448,9 @@ class RecordingCallback(Callback):
 def test_callbacks_hear_every_update_and_skip_and_their_figures_reach_the_train_events(tmp_path, builtin_data):
     model = NaNOnSecondCall(builtin_data.vocab_size)
     recorder = RecordingCallback()
-    trainer = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), max_steps=3,
-                           callbacks={"recorder": recorder})
+    trainer = make_trainer(
+        tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3), max_steps=3, callbacks={"recorder": recorder}
+    )
     assert trainer.fit() == "max_steps"
     assert recorder.heard == ["setup", ("update", 1), ("skip", 1), ("update", 2), ("update", 3)]
     train = [e for e in read_metrics(tmp_path / "metrics.jsonl") if e["event"] == "train"]
@@ -427,8 +480,18 @@ def test_a_checkpoint_holds_the_registered_parts_and_adding_one_is_one_line(tmp_
     counter.n = 7
     first.save()
     saved = load_checkpoint(tmp_path / "last.pt")
-    assert set(saved) == {"meta", "model", "optimizer", "scaler", "train_loader", "val_loader", "rng", "trainer",
-                          "plan", "counter"}
+    assert set(saved) == {
+        "meta",
+        "model",
+        "optimizer",
+        "scaler",
+        "train_loader",
+        "val_loader",
+        "rng",
+        "trainer",
+        "plan",
+        "counter",
+    }
     assert saved["meta"]["step"] == 1 and saved["counter"] == {"n": 7}
 
     model = smoke(builtin_data.vocab_size, seed=1)

@@ -20,14 +20,14 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import Optional, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed.tensor as distributed_tensor
 from torch.distributed.tensor import Shard
 
-from k3train.files import write_atomic
 from k3train.checkpoint.dcp import MakeShard, point_to, read_sharded, whole_tensor, write_sharded
+from k3train.files import write_atomic
 
 SHARDED_STORE = "dcp"  # <run dir>/dcp/step_<N>-<random>/: the sharded checkpoints an FSDP2 run wrote
 FORMAT_VERSION = 2  # 2: named Stateful parts (train_loader, val_loader, rng, trainer, plan); 1 had fixed entries
@@ -49,15 +49,18 @@ def save_checkpoint(path: Path, payload: dict) -> int:
     return write_atomic(path, lambda f: torch.save(payload, f))
 
 
-def load_checkpoint(path: Path, make_shard: Optional[MakeShard] = None) -> dict:
+def load_checkpoint(path: Path, make_shard: MakeShard | None = None) -> dict:
     """A checkpoint file, or a sharded checkpoint directory (FSDP2's, sharded_checkpoint.py) whose sharded tensors
     `make_shard(shape, dtype)` allocates (whole plain tensors by default: any number of processes can read it)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist: check the resume= path")
     try:
-        payload = (read_sharded(path, make_shard or whole_tensor) if path.is_dir()
-                   else torch.load(path, map_location="cpu", weights_only=True))
+        payload = (
+            read_sharded(path, make_shard or whole_tensor)
+            if path.is_dir()
+            else torch.load(path, map_location="cpu", weights_only=True)
+        )
     except Exception as exc:  # torch raises several types for truncated or foreign files
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}). It is truncated, corrupt or not a "
@@ -70,8 +73,12 @@ def load_checkpoint(path: Path, make_shard: Optional[MakeShard] = None) -> dict:
         older = isinstance(version, int) and version < FORMAT_VERSION
         raise CheckpointError(
             f"checkpoint {path} has format version {version}; this k3train reads version {FORMAT_VERSION}"
-            + ("; it was written by an older k3train: resume it with the k3train version that wrote it, or start "
-               "a new run" if older else "; it was written by a newer k3train: upgrade k3train to resume it")
+            + (
+                "; it was written by an older k3train: resume it with the k3train version that wrote it, or start "
+                "a new run"
+                if older
+                else "; it was written by a newer k3train: upgrade k3train to resume it"
+            )
         )
     return payload
 
@@ -81,8 +88,12 @@ def check_compatible(saved: dict, current: dict, path: Path) -> None:
     problems = []
     for key, what, fix in (
         ("model_config", "model config", "use the model config the checkpoint was trained with"),
-        ("recipe", "training recipe", "restore these train.* / precision settings; global_batch_size is "
-                                      "train.batch_size x the number of processes"),
+        (
+            "recipe",
+            "training recipe",
+            "restore these train.* / precision settings; global_batch_size is "
+            "train.batch_size x the number of processes",
+        ),
         ("optimizer_layout", "optimizer param groups", "use the same optim config"),
         ("data", "dataset identity", "point data at the dataset the checkpoint was trained on"),
     ):
@@ -134,8 +145,8 @@ class Checkpointer:
         self.parts: dict[str, Stateful] = {}
         self.path = self.run_dir / f"last{self.suffix}"
         self.previous_path = self.run_dir / f"previous{self.suffix}"
-        self.saved_step: Optional[int] = None  # the step in last.pt, when this line of training wrote or read it
-        self._previous_step: Optional[int] = None
+        self.saved_step: int | None = None  # the step in last.pt, when this line of training wrote or read it
+        self._previous_step: int | None = None
         # Whether previous.pt is on disk (a killed session's counts too), so the loop checks a flag, not the disk.
         self._previous_kept = self.previous_path.exists()
 
@@ -143,8 +154,9 @@ class Checkpointer:
         if name == "meta" or name in self.parts:
             raise ValueError(f"checkpoint part {name!r} is reserved or already added")
         if not isinstance(part, Stateful):
-            raise TypeError(f"checkpoint part {name!r} ({type(part).__name__}) needs state_dict() and "
-                            "load_state_dict()")
+            raise TypeError(
+                f"checkpoint part {name!r} ({type(part).__name__}) needs state_dict() and load_state_dict()"
+            )
         self.parts[name] = part
 
     def save(self, step: int) -> int:
@@ -185,8 +197,10 @@ class Checkpointer:
         check_compatible(payload["meta"], self.meta, path)
         missing = [name for name in self.parts if name not in payload]
         if missing:
-            raise CheckpointError(f"checkpoint {path} lacks {', '.join(missing)}: it was not written by this run's "
-                                  "setup; resume from a checkpoint of this run")
+            raise CheckpointError(
+                f"checkpoint {path} lacks {', '.join(missing)}: it was not written by this run's "
+                "setup; resume from a checkpoint of this run"
+            )
         for name, part in self.parts.items():
             try:
                 part.load_state_dict(payload[name])
@@ -218,15 +232,19 @@ class Checkpointer:
             return f"{last} (step {self.saved_step}) is good (updates went on from it): {fix} and resume=auto"
         # last.pt holds the very weights that failed: one finite update blew them up, then every step overflowed
         if not self.previous_path.exists():
-            return (f"{last} (step {step}) holds the weights that failed and no earlier checkpoint is kept: {fix} "
-                    "and start again")
+            return (
+                f"{last} (step {step}) holds the weights that failed and no earlier checkpoint is kept: {fix} "
+                "and start again"
+            )
         failed = self.run_dir / f"diverged_step_{step:07d}{self.suffix}"
         os.replace(last, failed)
         os.replace(self.previous_path, last)
         self.saved_step, self._previous_kept = self._previous_step, False
         at = f" (step {self._previous_step})" if self._previous_step is not None else ""
-        return (f"{last} is back to the checkpoint before it{at}, which updates went on from (the step-{step} one "
-                f"holds the weights that failed: kept as {failed.name}): {fix} and resume=auto")
+        return (
+            f"{last} is back to the checkpoint before it{at}, which updates went on from (the step-{step} one "
+            f"holds the weights that failed: kept as {failed.name}): {fix} and resume=auto"
+        )
 
 
 class ShardedCheckpointer(Checkpointer):
@@ -255,8 +273,10 @@ class ShardedCheckpointer(Checkpointer):
 
     def _read(self, path: Path) -> dict:
         if not path.is_dir():
-            raise CheckpointError(f"{path} is a single-file checkpoint and parallel=fsdp resumes from a sharded one "
-                                  "(a .dcp directory): resume it with parallel=ddp, or in one process")
+            raise CheckpointError(
+                f"{path} is a single-file checkpoint and parallel=fsdp resumes from a sharded one "
+                "(a .dcp directory): resume it with parallel=ddp, or in one process"
+            )
         return load_checkpoint(path, self._make_shard)
 
     def _make_shard(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:

@@ -20,8 +20,9 @@ import io
 import os
 import pickle
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,8 +47,9 @@ def whole_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 def split_shards(tree: Any, prefix: str = "") -> tuple[Any, dict[str, DTensor]]:
     """(the tree with each DTensor replaced by a placeholder, {key: DTensor}); keys are the '/'-joined path."""
     if isinstance(tree, DTensor):
-        return {PLACEHOLDER: prefix, "shape": list(tree.shape), "dtype": str(tree.dtype).removeprefix("torch.")}, \
-            {prefix: tree}
+        return {PLACEHOLDER: prefix, "shape": list(tree.shape), "dtype": str(tree.dtype).removeprefix("torch.")}, {
+            prefix: tree
+        }
     shards: dict[str, DTensor] = {}
     if isinstance(tree, dict):
         out = type(tree)() if type(tree) is not dict else {}
@@ -146,10 +148,24 @@ def read_sharded(directory: Path, make_shard: MakeShard) -> Any:
 # torch.serialization._get_layout, a table lookup), memory formats and the saved path; nothing that runs code.
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"), ("collections", "OrderedDict"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+}
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -158,8 +174,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) in _METADATA_CLASSES:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                          torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
 
@@ -175,11 +192,16 @@ class SafeFileSystemReader(FileSystemReader):
                 metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
             except (pickle.UnpicklingError, AttributeError, EOFError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path} is not a checkpoint's metadata ({exc})") from exc
-        if not isinstance(metadata, dcp_metadata.Metadata) or not all(
-                isinstance(md, dcp_metadata.TensorStorageMetadata) for md in metadata.state_dict_metadata.values()) \
-                or not all(isinstance(info, _StorageInfo) for info in (metadata.storage_data or {}).values()):
-            raise ValueError(f"{path} holds entries other than tensors; k3train's sharded checkpoints hold only "
-                             "tensors there")
+        if (
+            not isinstance(metadata, dcp_metadata.Metadata)
+            or not all(
+                isinstance(md, dcp_metadata.TensorStorageMetadata) for md in metadata.state_dict_metadata.values()
+            )
+            or not all(isinstance(info, _StorageInfo) for info in (metadata.storage_data or {}).values())
+        ):
+            raise ValueError(
+                f"{path} holds entries other than tensors; k3train's sharded checkpoints hold only tensors there"
+            )
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = dcp_metadata.StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -148,9 +148,7 @@ class TokenData:
         self.vocab_size = self.train.vocab_size
 
     @classmethod
-    def builtin(
-        cls, cache_dir: str | None = None, tokenizer: str = "byte", eod_token: str | None = None
-    ) -> TokenData:
+    def builtin(cls, cache_dir: str | None = None, tokenizer: str = "byte", eod_token: str | None = None) -> TokenData:
         """The built-in pydoc_data.topics corpus, prepared into the cache on first use (see builtin.py)."""
         return cls(prepare_builtin(cache_dir, load_tokenizer(tokenizer, eod_token)))
 

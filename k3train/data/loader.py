@@ -29,9 +29,7 @@ class EndOfData(Exception):
 
 
 class TokenDataLoader:
-    def __init__(
-        self, dataset: ShardedTokenDataset, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1
-    ):
+    def __init__(self, dataset: ShardedTokenDataset, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1):
         for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -105,17 +103,20 @@ class TokenDataLoader:
         # The cursor counts global batches, so any split of the same global batch over ranks continues it exactly.
         saved_rows, rows = state["batch_size"] * state["world_size"], self.batch_size * self.world_size
         if saved_rows != rows:
-            problems.append(f"global batch (batch_size x world_size): saved {state['batch_size']} x "
-                            f"{state['world_size']} = {saved_rows} rows, this loader has {self.batch_size} x "
-                            f"{self.world_size} = {rows}")
+            problems.append(
+                f"global batch (batch_size x world_size): saved {state['batch_size']} x "
+                f"{state['world_size']} = {saved_rows} rows, this loader has {self.batch_size} x "
+                f"{self.world_size} = {rows}"
+            )
         cursor = state["cursor"]
         if not isinstance(cursor, int) or not 0 <= cursor <= self.dataset.num_tokens:
             problems.append(f"cursor: saved {cursor!r}, outside this split's 0..{self.dataset.num_tokens}")
         if problems:
             raise ValueError(
-                f"cannot restore the {self.dataset.split} loader of {self.dataset.path}: " + "; ".join(problems)
-                + " (resume with the dataset, seq_len and global batch the checkpoint was written with: train.batch_size x "
-                "the number of processes)"
+                f"cannot restore the {self.dataset.split} loader of {self.dataset.path}: "
+                + "; ".join(problems)
+                + " (resume with the dataset, seq_len and global batch the checkpoint was written with: "
+                "train.batch_size x the number of processes)"
             )
         self.cursor = cursor
 

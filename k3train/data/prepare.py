@@ -268,7 +268,10 @@ def prepare_dataset(
     # Byte "tokenization" is a memcpy that costs less than shipping the text to another process.
     workers = workers or (1 if isinstance(tokenizer, ByteTokenizer) else usable_cores())
     bar = tqdm(
-        total=sum(f.stat().st_size for f in files + val_files), unit="B", unit_scale=True, desc="prepare",
+        total=sum(f.stat().st_size for f in files + val_files),
+        unit="B",
+        unit_scale=True,
+        desc="prepare",
         disable=not progress or not sys.stderr.isatty(),
     )
 
@@ -309,7 +312,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eod-token", help='end-of-document token of a tokenizer.json, e.g. "<|endoftext|>"')
     split = p.add_mutually_exclusive_group()
     split.add_argument(
-        "--val-fraction", type=float,
+        "--val-fraction",
+        type=float,
         help=f"share of the text held out as val (default {DEFAULT_VAL_FRACTION}): whole documents, or the tails "
         "of documents cut in two when there are too few to hold the share",
     )
@@ -328,9 +332,12 @@ def _val_summary(manifest: dict[str, Any]) -> str:
     share = val / (val + splits["train"]["num_tokens"])
     if source.get("val_fraction") is None:
         return f"val: {val:,} tokens from --val-inputs ({share:.2%} of all tokens)"
-    how = (f"{source['documents_cut']:,} large documents cut in two (head -> train, tail -> val): whole documents "
-           f"would have missed it by more than {VAL_FRACTION_TOLERANCE:.0%} of it" if source["documents_cut"]
-           else "whole documents")
+    how = (
+        f"{source['documents_cut']:,} large documents cut in two (head -> train, tail -> val): whole documents "
+        f"would have missed it by more than {VAL_FRACTION_TOLERANCE:.0%} of it"
+        if source["documents_cut"]
+        else "whole documents"
+    )
     return f"val: {val:,} tokens = {share:.2%} of the tokens (asked {source['val_fraction']:.2%}); {how}"
 
 
@@ -339,9 +346,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     try:
         manifest = prepare_dataset(
-            args.inputs, args.output, tokenizer=load_tokenizer(args.tokenizer, args.eod_token),
-            val_fraction=args.val_fraction, val_inputs=args.val_inputs, text_field=args.text_field,
-            shard_tokens=args.shard_tokens, workers=args.workers, overwrite=args.overwrite, progress=not args.quiet,
+            args.inputs,
+            args.output,
+            tokenizer=load_tokenizer(args.tokenizer, args.eod_token),
+            val_fraction=args.val_fraction,
+            val_inputs=args.val_inputs,
+            text_field=args.text_field,
+            shard_tokens=args.shard_tokens,
+            workers=args.workers,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
         )
     except (PrepareError, ValueError, OSError) as e:
         print(f"prepare: error: {e}", file=sys.stderr)
@@ -351,7 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         counts = ", ".join(
             f"{s} {splits[s]['num_tokens']:,} tokens ({splits[s]['num_documents']:,} docs)" for s in SPLITS
         )
-        print(f"prepared {args.output}: {counts}; vocab_size {manifest['vocab_size']}, "
-              f"fingerprint {manifest['fingerprint'][:16]}, {time.perf_counter() - start:.1f} s")
+        print(
+            f"prepared {args.output}: {counts}; vocab_size {manifest['vocab_size']}, "
+            f"fingerprint {manifest['fingerprint'][:16]}, {time.perf_counter() - start:.1f} s"
+        )
         print(_val_summary(manifest))
     return 0

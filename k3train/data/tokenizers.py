@@ -95,8 +95,7 @@ class HFTokenizer:
             )
         if eod_token not in vocab:
             raise ValueError(
-                f"{path}: end-of-document token {eod_token!r} is not in the vocabulary; "
-                f"its added tokens are {specials}"
+                f"{path}: end-of-document token {eod_token!r} is not in the vocabulary; its added tokens are {specials}"
             )
         self.path = path
         self.eod_token = eod_token
@@ -133,7 +132,7 @@ class HFTokenizer:
 
 
 def load_tokenizer(spec: str | Path = "byte", eod_token: str | None = None) -> Tokenizer:
-    """"byte" for the built-in byte tokenizer, else the path of a tokenizer.json (or a folder holding one)."""
+    """ "byte" for the built-in byte tokenizer, else the path of a tokenizer.json (or a folder holding one)."""
     if str(spec) == "byte":
         if eod_token is not None:
             raise ValueError("the byte tokenizer's end-of-document id is fixed at 256; drop --eod-token")

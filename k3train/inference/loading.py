@@ -17,15 +17,17 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from torch import nn
 
+from k3train.checkpoint.checkpointer import SHARDED_STORE, load_checkpoint
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 from k3train.models.kda.fla import require_fla
 from k3train.run.build import resolve_resume
-from k3train.checkpoint.checkpointer import SHARDED_STORE, load_checkpoint
 
 EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 # The class of a model whose run directory is gone, by its config's model_type.
-MODEL_TARGETS = {"kimi_k3": "k3train.models.k3.KimiK3.from_fields",
-                 "smoke_test_lm": "k3train.models.smoke.SmokeTestLM.from_fields"}
+MODEL_TARGETS = {
+    "kimi_k3": "k3train.models.k3.KimiK3.from_fields",
+    "smoke_test_lm": "k3train.models.smoke.SmokeTestLM.from_fields",
+}
 
 
 class SourceError(ValueError):
@@ -64,8 +66,10 @@ def _checkpoint_file(path: Path) -> Path:
     newest = resolve_resume("auto", path)  # last.pt, or a sharded run's last.dcp: the newer, as a resume takes
     if newest is not None:
         return newest
-    raise SourceError(f"{path} holds no last.pt, last.dcp or {EXPORT_CONFIG}: give a run directory, a checkpoint "
-                      "(.pt or .dcp) or a directory written by python -m k3train.export")
+    raise SourceError(
+        f"{path} holds no last.pt, last.dcp or {EXPORT_CONFIG}: give a run directory, a checkpoint "
+        "(.pt or .dcp) or a directory written by python -m k3train.export"
+    )
 
 
 def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
@@ -75,15 +79,24 @@ def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
     hydra_config = _read_yaml(run_dir / ".hydra" / "config.yaml")
     target = (hydra_config or {}).get("model", {}).get("_target_") or MODEL_TARGETS.get(fields.get("model_type"))
     if target is None:
-        raise SourceError(f"{path}: its run directory has no .hydra/config.yaml naming the model class, and "
-                          f"model_type={fields.get('model_type')!r} is not one of {sorted(MODEL_TARGETS)}")
+        raise SourceError(
+            f"{path}: its run directory has no .hydra/config.yaml naming the model class, and "
+            f"model_type={fields.get('model_type')!r} is not one of {sorted(MODEL_TARGETS)}"
+        )
     model = build_model(target, fields, device)
     model.load_state_dict(payload["model"])
     manifest = _read_json(run_dir / "run.json")
     data = (hydra_config or {}).get("data")
     tokenizer_identity = (manifest or {}).get("data", {}).get("tokenizer")
-    return Loaded(model, _run_tokenizer(tokenizer_identity, data, path), target, data,
-                  (hydra_config or {}).get("train", {}).get("seq_len"), path, payload["meta"].get("step"))
+    return Loaded(
+        model,
+        _run_tokenizer(tokenizer_identity, data, path),
+        target,
+        data,
+        (hydra_config or {}).get("train", {}).get("seq_len"),
+        path,
+        payload["meta"].get("step"),
+    )
 
 
 def _load_export(path: Path, device: torch.device) -> Loaded:
@@ -127,12 +140,15 @@ def _run_tokenizer(identity: dict | None, data: dict | None, where: Path) -> Tok
     if identity is not None and identity.get("name") == "byte":
         return ByteTokenizer()
     if data is None:
-        raise SourceError(f"{where}: no .hydra/config.yaml beside it says which data (and tokenizer) it trained on; "
-                          "pass the run directory the checkpoint came from")
+        raise SourceError(
+            f"{where}: no .hydra/config.yaml beside it says which data (and tokenizer) it trained on; "
+            "pass the run directory the checkpoint came from"
+        )
     tok = instantiate(data).tokenizer()
     if identity is not None and tok.identity() != identity:
-        raise SourceError(f"{where}: the run's data now has tokenizer {tok.identity()}, but the run trained with "
-                          f"{identity}")
+        raise SourceError(
+            f"{where}: the run's data now has tokenizer {tok.identity()}, but the run trained with {identity}"
+        )
     return tok
 
 
@@ -142,4 +158,3 @@ def _read_yaml(path: Path) -> dict[str, Any] | None:
 
 def _read_json(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.is_file() else None
-

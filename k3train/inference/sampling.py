@@ -58,8 +58,14 @@ def supports_cache(model: nn.Module) -> bool:
 
 
 @torch.no_grad()
-def generate(model: nn.Module, prompt: Tensor, max_new_tokens: int, sampler: Sampler,
-             generator: torch.Generator | None = None, use_cache: bool = True) -> Iterator[Tensor]:
+def generate(
+    model: nn.Module,
+    prompt: Tensor,
+    max_new_tokens: int,
+    sampler: Sampler,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> Iterator[Tensor]:
     """prompt [B, T] token ids -> yields each step's new tokens [B], max_new_tokens times. model in eval mode."""
     if prompt.shape[1] < 1:
         raise ValueError("the prompt is empty: give at least one token")
@@ -82,5 +88,5 @@ def generate(model: nn.Module, prompt: Tensor, max_new_tokens: int, sampler: Sam
 def prefill(model: nn.Module, prompt: Tensor, cache: list) -> Tensor:
     """Feed prompt [B, T] into an empty cache, PREFILL_CHUNK positions per forward; returns the last logits."""
     for start in range(0, prompt.shape[1], PREFILL_CHUNK):
-        logits = model.forward_cached(prompt[:, start:start + PREFILL_CHUNK], cache)
+        logits = model.forward_cached(prompt[:, start : start + PREFILL_CHUNK], cache)
     return logits

@@ -42,13 +42,16 @@ def default_chunk_size(vocab_size: int, device_type: str = "cpu") -> int:
     return max(1, block // vocab_size)
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk_size: int | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int | None = None
+) -> torch.Tensor:
     """hidden [N, d], weight [V, d], targets [N] int64 -> the mean cross-entropy over the targets that are not
     IGNORE_INDEX, a fp32 scalar. chunk_size: rows per chunk; None: default_chunk_size(V, device)."""
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != hidden.shape[:1]:
-        raise ValueError(f"linear_cross_entropy wants hidden [N, d], weight [V, d], targets [N]; got hidden "
-                         f"{list(hidden.shape)}, weight {list(weight.shape)}, targets {list(targets.shape)}")
+        raise ValueError(
+            f"linear_cross_entropy wants hidden [N, d], weight [V, d], targets [N]; got hidden "
+            f"{list(hidden.shape)}, weight {list(weight.shape)}, targets {list(targets.shape)}"
+        )
     if chunk_size is None:
         chunk_size = default_chunk_size(weight.shape[0], hidden.device.type)
     if chunk_size < 1:
@@ -82,8 +85,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
 
 
-def _chunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, with_grads: bool
-             ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def _chunked(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, with_grads: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The mean loss over the kept targets and, with_grads, its gradients w.r.t. hidden and weight in their dtypes;
     one [chunk, V] block of fp32 logits at a time."""
     kept = targets != IGNORE_INDEX
@@ -102,7 +106,7 @@ def _chunked(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, 
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
         h, t, scale = hidden[rows], safe_targets[rows], row_scale[rows]
-        logits = block[:h.shape[0]]
+        logits = block[: h.shape[0]]
         if h.dtype == torch.float32:
             torch.mm(h, weight.T, out=logits)
         else:

@@ -20,8 +20,13 @@ class RMSNorm(nn.RMSNorm):
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
-        if (x.device.type != "cpu" or w is None or len(self.normalized_shape) != 1
-                or x.dtype != torch.float32 or w.dtype != torch.float32):
+        if (
+            x.device.type != "cpu"
+            or w is None
+            or len(self.normalized_shape) != 1
+            or x.dtype != torch.float32
+            or w.dtype != torch.float32
+        ):
             return super().forward(x)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         return RMSNormFunction.apply(x, w, eps)

@@ -6,7 +6,7 @@ runner checks a built model against it and names what is missing; nothing else p
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -19,8 +19,9 @@ class LanguageModel(Protocol):
     # whose numbers must never be read as model results.
     log_label: str
 
-    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None
-                ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """x [B, T] token ids -> (logits [B, T, V], None); with targets [B, T] (x shifted by one token) -> (logits
         or None, loss): the mean next-token cross-entropy over all B*T positions in fp32. A model may skip the
         logits when it has the targets (KimiK3 does: it never builds them whole), so callers that want logits

@@ -8,7 +8,6 @@ trainer, checkpoint and metrics plumbing quickly; its losses must never be repor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 
 @dataclass
 class SmokeTestConfig:
-    vocab_size: Optional[int] = None
+    vocab_size: int | None = None
     d_model: int = 64
     max_seq_len: int = 4096
     model_type: str = "smoke_test_lm"
@@ -41,10 +40,10 @@ class SmokeTestLM(nn.Module):
         nn.init.normal_(self.lm_head.weight, std=0.02)
 
     @classmethod
-    def from_fields(cls, **fields) -> "SmokeTestLM":
+    def from_fields(cls, **fields) -> SmokeTestLM:
         return cls(SmokeTestConfig(**fields))
 
-    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None):
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
         """x: [B, T] token ids -> logits [B, T, V]; loss: mean cross-entropy over all B*T targets (fp32)."""
         logits = self.lm_head(self.embed(x))
         loss = None

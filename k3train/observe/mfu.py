@@ -20,7 +20,6 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
@@ -53,7 +52,7 @@ CACHE_FILE = "peak_flops.json"
 
 @dataclass(frozen=True)
 class Peak:
-    flops_per_s: Optional[float]  # per device; None: unknown
+    flops_per_s: float | None  # per device; None: unknown
     source: str
 
 
@@ -90,7 +89,7 @@ def calibrate_cpu_matmul(dtype: torch.dtype, budget_s: float = 1.0) -> float:
     return 2 * n**3 / best
 
 
-def cpu_peak(dtype: str, cache_dir: Optional[Path] = None) -> Peak:
+def cpu_peak(dtype: str, cache_dir: Path | None = None) -> Peak:
     """The calibrated matmul peak of this CPU at torch's current thread count, measured once and cached."""
     threads = torch.get_num_threads()
     cpu = cpu_description()["cpu_model"]
@@ -113,16 +112,18 @@ def cpu_peak(dtype: str, cache_dir: Optional[Path] = None) -> Peak:
             write_atomic(path, lambda f: f.write(text.encode("utf-8")))
         except OSError:
             pass  # a read-only cache only costs a calibration per run
-    return Peak(float(entry["flops_per_s"]), f"calibration: {dtype} matmul on {threads} threads of {cpu} "
-                f"({path})")
+    return Peak(float(entry["flops_per_s"]), f"calibration: {dtype} matmul on {threads} threads of {cpu} ({path})")
 
 
 def _usable(entry) -> bool:
-    return isinstance(entry, dict) and isinstance(entry.get("flops_per_s"), (int, float)) \
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("flops_per_s"), (int, float))
         and isinstance(entry.get("load_avg"), (int, float))
+    )
 
 
-def resolve_peak(setting: Optional[float], device: torch.device, dtype: str) -> Peak:
+def resolve_peak(setting: float | None, device: torch.device, dtype: str) -> Peak:
     if setting is not None:
         return Peak(float(setting), "train.peak_flops")
     if device.type == "cuda":
@@ -135,18 +136,19 @@ def resolve_peak(setting: Optional[float], device: torch.device, dtype: str) -> 
 class MFU:
     """Training FLOPs per token and the peak of all devices together: mfu = tokens/s x FLOPs / peak."""
 
-    def __init__(self, flops_per_token: Optional[dict[str, float]], seq_len: int, peak: Peak, devices: int = 1):
+    def __init__(self, flops_per_token: dict[str, float] | None, seq_len: int, peak: Peak, devices: int = 1):
         self.flops_per_token, self.seq_len, self.peak, self.devices = flops_per_token, seq_len, peak, devices
 
     @classmethod
-    def for_model(cls, model, seq_len: int, device: torch.device, dtype: str, peak_setting: Optional[float],
-                  devices: int = 1) -> MFU:
+    def for_model(
+        cls, model, seq_len: int, device: torch.device, dtype: str, peak_setting: float | None, devices: int = 1
+    ) -> MFU:
         """No FLOP count (a model without flops_per_token): no peak is looked up either."""
         if not isinstance(model, CountsFlops):
             return cls(None, seq_len, Peak(None, f"{type(model).__name__} does not count its FLOPs"), devices)
         return cls(model.flops_per_token(seq_len), seq_len, resolve_peak(peak_setting, device, dtype), devices)
 
-    def of(self, tokens_per_s: float) -> Optional[float]:
+    def of(self, tokens_per_s: float) -> float | None:
         """The fraction (0..1) of the peak that tokens_per_s training tokens a second (all devices) achieve."""
         if self.flops_per_token is None or not self.peak.flops_per_s:
             return None
@@ -154,8 +156,13 @@ class MFU:
 
     def as_dict(self) -> dict:
         """run.json's record."""
-        return {"flops_per_token": self.flops_per_token, "seq_len": self.seq_len,
-                "peak_flops_per_s": self.peak.flops_per_s, "peak_source": self.peak.source, "devices": self.devices}
+        return {
+            "flops_per_token": self.flops_per_token,
+            "seq_len": self.seq_len,
+            "peak_flops_per_s": self.peak.flops_per_s,
+            "peak_source": self.peak.source,
+            "devices": self.devices,
+        }
 
     def describe(self) -> str:
         if self.flops_per_token is None:

@@ -8,7 +8,7 @@ import torch
 
 
 class _NoProfiler:
-    def __enter__(self) -> "_NoProfiler":
+    def __enter__(self) -> _NoProfiler:
         return self
 
     def __exit__(self, *exc) -> None:

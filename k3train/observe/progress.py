@@ -51,9 +51,13 @@ class Window:
 
     def summary(self) -> dict:
         n = max(1, len(self.losses))
-        return {"loss": sum(self.losses) / n, "grad_norm": sum(self.grad_norms) / n,
-                "grad_norm_max": max(self.grad_norms, default=0.0), "tokens_per_s": self.tokens_per_s(),
-                "step_time_s": self.seconds / max(1, self.attempts)}
+        return {
+            "loss": sum(self.losses) / n,
+            "grad_norm": sum(self.grad_norms) / n,
+            "grad_norm_max": max(self.grad_norms, default=0.0),
+            "tokens_per_s": self.tokens_per_s(),
+            "step_time_s": self.seconds / max(1, self.attempts),
+        }
 
 
 class Progress:
@@ -66,8 +70,7 @@ class Progress:
         if use_bar:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total, initial=start, desc=label.strip() or "train", unit="step",
-                            dynamic_ncols=True)
+            self.bar = tqdm(total=total, initial=start, desc=label.strip() or "train", unit="step", dynamic_ncols=True)
         self.t_start, self.start = time.perf_counter(), start
         self.first_reported = False
 
@@ -84,8 +87,10 @@ class Progress:
         CPU): its time and the ETA at that pace (the first update also warms up caches, so the ETA errs long)."""
         done, left = step - self.start, self.total - step
         eta = elapsed / max(1, done) * left
-        return (f"{self.label}first update took {elapsed:.2f} s; {left} more at that pace: ETA {format_duration(eta)} "
-                "(evals and checkpoints not included)")
+        return (
+            f"{self.label}first update took {elapsed:.2f} s; {left} more at that pace: ETA {format_duration(eta)} "
+            "(evals and checkpoints not included)"
+        )
 
     def log_line(self, record: dict) -> None:
         if self.bar is not None:
@@ -95,9 +100,11 @@ class Progress:
         done = step - self.start
         eta = elapsed / done * (self.total - step) if done else 0.0
         mfu = f"MFU {record['mfu']:.1%} | " if record.get("mfu") is not None else ""
-        say(f"{self.label}step {step}/{self.total} | loss {record['loss']:.4f} | grad {record['grad_norm']:.3f} | "
-               f"{record['tokens_per_s']:,.0f} tok/s | {mfu}{record['step_time_s']:.3f} s/step | "
-               f"ETA {format_duration(eta)}")
+        say(
+            f"{self.label}step {step}/{self.total} | loss {record['loss']:.4f} | grad {record['grad_norm']:.3f} | "
+            f"{record['tokens_per_s']:,.0f} tok/s | {mfu}{record['step_time_s']:.3f} s/step | "
+            f"ETA {format_duration(eta)}"
+        )
 
     def write(self, msg: str) -> None:
         if self.bar is not None:

@@ -42,8 +42,9 @@ def _git_commit() -> str | None:
     repo = Path(__file__).resolve().parents[2]
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=5,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=5, check=True
+        ).stdout.strip()
 
     try:
         if Path(git("rev-parse", "--show-toplevel")).resolve() != repo:
@@ -61,14 +62,28 @@ class RunManifest:
         self.data: dict = {}
         self.session: dict = {}
 
-    def start_session(self, *, config: dict, overrides: list, model: dict, data: dict, optimizer: dict,
-                      env: dict, resume_from: str | None, resume_step: int | None,
-                      slurm: dict | None = None, flops: dict | None = None) -> None:
+    def start_session(
+        self,
+        *,
+        config: dict,
+        overrides: list,
+        model: dict,
+        data: dict,
+        optimizer: dict,
+        env: dict,
+        resume_from: str | None,
+        resume_step: int | None,
+        slurm: dict | None = None,
+        flops: dict | None = None,
+    ) -> None:
         if self.path.exists():
             self.data = json.loads(self.path.read_text(encoding="utf-8"))
         else:
-            self.data = {"run_id": uuid.uuid4().hex[:12], "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                         "sessions": []}
+            self.data = {
+                "run_id": uuid.uuid4().hex[:12],
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "sessions": [],
+            }
         # The top level always describes the latest session; each session keeps its own overrides.
         self.data.update(config=config, model=model, data=data, optimizer=optimizer, environment=env, flops=flops)
         self.session = {
@@ -85,8 +100,9 @@ class RunManifest:
         self._write()
 
     def end_session(self, reason: str, step: int, tokens: int) -> None:
-        self.session.update(end=time.strftime("%Y-%m-%dT%H:%M:%S%z"), end_reason=reason, final_step=step,
-                            final_tokens=tokens)
+        self.session.update(
+            end=time.strftime("%Y-%m-%dT%H:%M:%S%z"), end_reason=reason, final_step=step, final_tokens=tokens
+        )
         self._write()
 
     def _write(self) -> None:

@@ -49,8 +49,10 @@ def scalars(record: dict) -> dict[str, float]:
 
 def _require(module: str, extra: str, logger: str) -> None:
     if importlib.util.find_spec(module) is None:
-        raise ImportError(f"logger={logger} needs the {module} package, which is not installed: "
-                          f"pip install 'k3train[{extra}]' (or drop logger={logger})")
+        raise ImportError(
+            f"logger={logger} needs the {module} package, which is not installed: "
+            f"pip install 'k3train[{extra}]' (or drop logger={logger})"
+        )
 
 
 class TensorBoardSink:
@@ -94,8 +96,14 @@ class WandbSink:
     and with its resolved config. Each session logs its steps as they come; offline, each writes its own
     offline-run-*-<id> directory."""
 
-    def __init__(self, run_dir: str | Path, project: str = "k3train", mode: str = "offline",
-                 entity: str | None = None, name: str | None = None):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        project: str = "k3train",
+        mode: str = "offline",
+        entity: str | None = None,
+        name: str | None = None,
+    ):
         _require("wandb", "wandb", "wandb")
         if mode not in ("offline", "online", "disabled"):
             raise ValueError(f"logger.wandb.mode={mode!r}: use offline, online or disabled")
@@ -111,8 +119,13 @@ class WandbSink:
         except (OSError, json.JSONDecodeError):
             manifest = {}  # a sink used outside the runner: a fresh W&B run id
         settings = {**self.settings, "name": self.settings["name"] or self.run_dir.name}
-        return wandb.init(dir=str(self.run_dir), id=manifest.get("run_id"), resume="allow",
-                          config=manifest.get("config"), **{k: v for k, v in settings.items() if v is not None})
+        return wandb.init(
+            dir=str(self.run_dir),
+            id=manifest.get("run_id"),
+            resume="allow",
+            config=manifest.get("config"),
+            **{k: v for k, v in settings.items() if v is not None},
+        )
 
     def write(self, record: dict) -> None:
         if self._run is None:

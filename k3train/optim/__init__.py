@@ -4,5 +4,4 @@
 from k3train.optim.muon import MuonAdamW, zeropower_via_newtonschulz5
 from k3train.optim.param_groups import ParamAssignment, check_partition, partition_parameters
 
-__all__ = ["MuonAdamW", "ParamAssignment", "check_partition", "partition_parameters",
-           "zeropower_via_newtonschulz5"]
+__all__ = ["MuonAdamW", "ParamAssignment", "check_partition", "partition_parameters", "zeropower_via_newtonschulz5"]

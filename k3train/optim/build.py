@@ -19,16 +19,21 @@ from k3train.optim.param_groups import GROUPS, check_partition, partition_parame
 from k3train.runtime.cpu import native_bf16
 
 
-def adamw(model: nn.Module, *, lr: float, weight_decay: float, betas: Sequence[float],
-          eps: float) -> torch.optim.Optimizer:
+def adamw(
+    model: nn.Module, *, lr: float, weight_decay: float, betas: Sequence[float], eps: float
+) -> torch.optim.Optimizer:
     """The AdamW baseline: groups "decay" and "no_decay", no-decay by the same rules as muon_adamw."""
     check_adamw_settings("optim.", lr, weight_decay, betas, eps)
     groups = {"decay": [], "no_decay": []}
     for a in partition_parameters(model):
         groups["decay" if a.weight_decay else "no_decay"].append(a.param)
-    param_groups = [dict(name=name, kind="adamw", params=params, weight_decay=weight_decay if name == "decay" else 0.0,
-                         initial_lr=lr)
-                    for name, params in groups.items() if params]
+    param_groups = [
+        dict(
+            name=name, kind="adamw", params=params, weight_decay=weight_decay if name == "decay" else 0.0, initial_lr=lr
+        )
+        for name, params in groups.items()
+        if params
+    ]
     check_partition(model, param_groups)
     return torch.optim.AdamW(param_groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused_adamw_applies(model))
 
@@ -41,9 +46,21 @@ def fused_adamw_applies(model: nn.Module) -> bool:
     return all(type(p) is nn.Parameter and p.device.type in ("cpu", "cuda") for p in model.parameters())
 
 
-def muon_adamw(model: nn.Module, *, lr: float, weight_decay: float, betas: Sequence[float], eps: float,
-               momentum: float, nesterov: bool, ns_steps: int, rms_match: float, head_wise: bool,
-               orthogonality_check_interval: int, ns_dtype: str = "auto") -> MuonAdamW:
+def muon_adamw(
+    model: nn.Module,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: Sequence[float],
+    eps: float,
+    momentum: float,
+    nesterov: bool,
+    ns_steps: int,
+    rms_match: float,
+    head_wise: bool,
+    orthogonality_check_interval: int,
+    ns_dtype: str = "auto",
+) -> MuonAdamW:
     """Muon for hidden matrices, AdamW for the rest (see param_groups.py), sharing lr and weight decay
     (Moonlight's RMS matching makes that work); groups in the order of param_groups.GROUPS, empty ones left out."""
     check_adamw_settings("optim.", lr, weight_decay, betas, eps)
@@ -55,15 +72,30 @@ def muon_adamw(model: nn.Module, *, lr: float, weight_decay: float, betas: Seque
         members = [a for a in assignments if a.group == name]
         if not members:
             continue
-        group = dict(name=name, kind=kind, params=[a.param for a in members],
-                     weight_decay=weight_decay if decay else 0.0, initial_lr=lr)
+        group = dict(
+            name=name,
+            kind=kind,
+            params=[a.param for a in members],
+            weight_decay=weight_decay if decay else 0.0,
+            initial_lr=lr,
+        )
         if kind == "muon":
             group["head_splits"] = [a.head_split for a in members]
         param_groups.append(group)
     check_partition(model, param_groups)
-    return MuonAdamW(param_groups, lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps,
-                     momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, rms_match=rms_match,
-                     orthogonality_check_interval=orthogonality_check_interval, ns_dtype=ns_dtype)
+    return MuonAdamW(
+        param_groups,
+        lr=lr,
+        weight_decay=weight_decay,
+        betas=tuple(betas),
+        eps=eps,
+        momentum=momentum,
+        nesterov=nesterov,
+        ns_steps=ns_steps,
+        rms_match=rms_match,
+        orthogonality_check_interval=orthogonality_check_interval,
+        ns_dtype=ns_dtype,
+    )
 
 
 def resolve_ns_dtype(setting: str, device: torch.device) -> str:

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def check_number(key: str, value: Any, *, low: float, high: float = math.inf, low_open: bool = False,
-                 high_open: bool = False) -> None:
+def check_number(
+    key: str, value: Any, *, low: float, high: float = math.inf, low_open: bool = False, high_open: bool = False
+) -> None:
     """Raise ValueError naming `key` unless value is a finite number in the interval [low, high] ("(" / ")" open)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
@@ -39,8 +40,9 @@ def check_adamw_settings(prefix: str, lr: Any, weight_decay: Any, betas: Sequenc
     check_number(f"{prefix}eps", eps, low=0, low_open=True)
 
 
-def check_muon_settings(prefix: str, momentum: Any, ns_steps: Any, rms_match: Any,
-                        orthogonality_check_interval: Any) -> None:
+def check_muon_settings(
+    prefix: str, momentum: Any, ns_steps: Any, rms_match: Any, orthogonality_check_interval: Any
+) -> None:
     check_number(f"{prefix}momentum", momentum, low=0, high=1, high_open=True)
     check_int(f"{prefix}ns_steps", ns_steps, low=1)
     check_number(f"{prefix}rms_match", rms_match, low=0, low_open=True)

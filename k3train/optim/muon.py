@@ -31,9 +31,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from k3train.optim.checks import check_adamw_settings, check_muon_settings
-from k3train.optim.muon_distributed import (all_gather_outputs, assign_owners, data_parallel_group, full_matrix,
-                                            is_sharded, local_part, local_shard, newton_schulz_cost,
-                                            sum_over_shards)
+from k3train.optim.muon_distributed import (
+    all_gather_outputs,
+    assign_owners,
+    data_parallel_group,
+    full_matrix,
+    is_sharded,
+    local_part,
+    local_shard,
+    newton_schulz_cost,
+    sum_over_shards,
+)
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 KINDS = ("muon", "adamw")
@@ -44,9 +52,13 @@ HeadSplit = tuple[int, int]  # (n_heads, dim): the `param.head_split` annotation
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-def zeropower_via_newtonschulz5(G: Tensor, steps: int = 5,
-                                coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
-                                eps: float = 1e-7, dtype: torch.dtype = torch.bfloat16) -> Tensor:
+def zeropower_via_newtonschulz5(
+    G: Tensor,
+    steps: int = 5,
+    coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.bfloat16,
+) -> Tensor:
     """Approximately orthogonalise each matrix of G [..., A, B] in `dtype`; returns [..., A, B] in `dtype`.
 
     The quintic pushes every singular value of X / ||X||_F towards 1 but, tuned for speed, lands them roughly in
@@ -97,8 +109,10 @@ def check_head_split(shape: torch.Size, head_split: Any, name: str) -> HeadSplit
         return None
     n_heads, dim = head_split
     if len(shape) != 2 or dim not in (0, 1) or n_heads < 1 or shape[dim] % n_heads:
-        raise ValueError(f"{name}: head_split={tuple(head_split)} does not fit shape {tuple(shape)}; it must be "
-                         "(n_heads, dim) with dim 0 or 1 of a 2D weight and shape[dim] divisible by n_heads")
+        raise ValueError(
+            f"{name}: head_split={tuple(head_split)} does not fit shape {tuple(shape)}; it must be "
+            "(n_heads, dim) with dim 0 or 1 of a 2D weight and shape[dim] divisible by n_heads"
+        )
     return int(n_heads), int(dim)
 
 
@@ -114,20 +128,38 @@ class MuonAdamW(torch.optim.Optimizer):
     shapes the next update lives in state and param_groups, so state_dict/load_state_dict resumes exactly.
     """
 
-    def __init__(self, param_groups: Iterable[dict[str, Any]], *, lr: float = 3e-3, weight_decay: float = 0.1,
-                 betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, momentum: float = 0.95,
-                 nesterov: bool = True, ns_steps: int = 5,
-                 ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, ns_eps: float = 1e-7,
-                 rms_match: float = 0.2, orthogonality_check_interval: int = 50, ns_dtype: str = "bf16",
-                 process_group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        param_groups: Iterable[dict[str, Any]],
+        *,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        ns_eps: float = 1e-7,
+        rms_match: float = 0.2,
+        orthogonality_check_interval: int = 50,
+        ns_dtype: str = "bf16",
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
         check_adamw_settings("", lr, weight_decay, betas, eps)
         check_muon_settings("", momentum, ns_steps, rms_match, orthogonality_check_interval)
         if ns_dtype not in NS_DTYPES:
             raise ValueError(f"ns_dtype={ns_dtype!r} must be one of {sorted(NS_DTYPES)}")
         self._kind_defaults = {
-            "muon": dict(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
-                         ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps, ns_dtype=ns_dtype,
-                         rms_match=rms_match),
+            "muon": dict(
+                momentum=momentum,
+                nesterov=nesterov,
+                ns_steps=ns_steps,
+                ns_coefficients=tuple(ns_coefficients),
+                ns_eps=ns_eps,
+                ns_dtype=ns_dtype,
+                rms_match=rms_match,
+            ),
             "adamw": dict(betas=tuple(betas), eps=eps),
         }
         self.orthogonality_check_interval = orthogonality_check_interval
@@ -143,8 +175,10 @@ class MuonAdamW(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         kind, name = param_group.get("kind"), param_group.get("name")
         if kind not in KINDS or not isinstance(name, str):
-            raise ValueError(f"each MuonAdamW param group needs a 'name' (str) and a 'kind' in {KINDS}; "
-                             f"got name={name!r}, kind={kind!r}")
+            raise ValueError(
+                f"each MuonAdamW param group needs a 'name' (str) and a 'kind' in {KINDS}; "
+                f"got name={name!r}, kind={kind!r}"
+            )
         if any(g["name"] == name for g in self.param_groups):
             raise ValueError(f"duplicate param group name {name!r}")
         for key, value in self._kind_defaults[kind].items():
@@ -157,10 +191,14 @@ class MuonAdamW(torch.optim.Optimizer):
                 raise ValueError(f"group {name!r}: {len(splits)} head_splits for {len(params)} params")
             for i, p in enumerate(params):
                 if p.ndim not in (2, 3):
-                    raise ValueError(f"group {name!r} param {i} has shape {tuple(p.shape)}: Muon takes 2D "
-                                     "matrices or 3D expert stacks [E, out, in]; send it to an AdamW group")
-            param_group["head_splits"] = [check_head_split(p.shape, s, f"group {name!r} param {i}")
-                                          for i, (p, s) in enumerate(zip(params, splits))]
+                    raise ValueError(
+                        f"group {name!r} param {i} has shape {tuple(p.shape)}: Muon takes 2D "
+                        "matrices or 3D expert stacks [E, out, in]; send it to an AdamW group"
+                    )
+            param_group["head_splits"] = [
+                check_head_split(p.shape, s, f"group {name!r} param {i}")
+                for i, (p, s) in enumerate(zip(params, splits))
+            ]
         elif "head_splits" in param_group:
             raise ValueError(f"group {name!r} is AdamW; head_splits only make sense for Muon groups")
         if param_group.get("ns_dtype", "bf16") not in NS_DTYPES:
@@ -199,8 +237,11 @@ class MuonAdamW(torch.optim.Optimizer):
         update_sq, numel = torch.zeros(()), 0
         with_grad = [(p, s) for p, s in zip(group["params"], group["head_splits"]) if p.grad is not None]
         ranks = data_parallel_group(self.process_group)
-        orthogonalised = (self._orthogonalise_spread(group, with_grad, ranks) if ranks is not None
-                          else self._orthogonalise_each(group, with_grad))
+        orthogonalised = (
+            self._orthogonalise_spread(group, with_grad, ranks)
+            if ranks is not None
+            else self._orthogonalise_each(group, with_grad)
+        )
         for i, ((p, split), O) in enumerate(zip(with_grad, orthogonalised)):  # O: [N, A, B] of the whole matrix
             scaled_lr = lr * (group["rms_match"] * math.sqrt(max(O.shape[-2:])))
             p.mul_(1 - lr * wd)
@@ -218,8 +259,9 @@ class MuonAdamW(torch.optim.Optimizer):
         for p, split in with_grad:
             yield self._newton_schulz(group, full_matrix(self._momentum(group, p)), split)
 
-    def _orthogonalise_spread(self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]],
-                              ranks: dist.ProcessGroup) -> list[Tensor]:
+    def _orthogonalise_spread(
+        self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]], ranks: dist.ProcessGroup
+    ) -> list[Tensor]:
         """Data-parallel ranks: every rank updates every momentum buffer (identical state everywhere), orthogonalises
         its own share and gets the others' from one all-gather (k3train/optim/muon_distributed.py)."""
         if not with_grad:  # the same on every rank (they hold the same gradients): nothing to exchange
@@ -251,8 +293,13 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _newton_schulz(self, group: dict[str, Any], momentum: Tensor, split: HeadSplit | None) -> Tensor:
         """The momentum's matrix views orthogonalised, [N, A, B] in the group's ns_dtype."""
-        return zeropower_via_newtonschulz5(as_matrices(momentum, split), group["ns_steps"],
-                                           group["ns_coefficients"], group["ns_eps"], NS_DTYPES[group["ns_dtype"]])
+        return zeropower_via_newtonschulz5(
+            as_matrices(momentum, split),
+            group["ns_steps"],
+            group["ns_coefficients"],
+            group["ns_eps"],
+            NS_DTYPES[group["ns_dtype"]],
+        )
 
     def _orthogonality_due(self, step: int, index: int, n_params: int) -> bool:
         """Every `orthogonality_check_interval` steps (from step 1), check one matrix, round-robin over params."""

@@ -69,8 +69,14 @@ def assign_owners(costs: Sequence[int], world_size: int) -> list[int]:
     return owners
 
 
-def all_gather_outputs(mine: dict[int, Tensor], shapes: Sequence[torch.Size], owners: Sequence[int],
-                       dtype: torch.dtype, device: torch.device, group: dist.ProcessGroup) -> list[Tensor]:
+def all_gather_outputs(
+    mine: dict[int, Tensor],
+    shapes: Sequence[torch.Size],
+    owners: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+    group: dist.ProcessGroup,
+) -> list[Tensor]:
     """Every rank's Newton-Schulz outputs, in item order, from one all-gather.
 
     `mine` maps item index -> this rank's output of shapes[index]; each rank packs its outputs (in index order)
@@ -84,14 +90,14 @@ def all_gather_outputs(mine: dict[int, Tensor], shapes: Sequence[torch.Size], ow
     send = torch.zeros(width, dtype=dtype, device=device)
     offset = 0
     for i in sorted(mine):
-        send[offset:offset + numels[i]] = mine[i].reshape(-1)
+        send[offset : offset + numels[i]] = mine[i].reshape(-1)
         offset += numels[i]
     received = torch.empty(world * width, dtype=dtype, device=device)
     _all_gather_single(received.view(torch.uint8), send.view(torch.uint8), group=group)
     outputs: list[Tensor] = []
     cursor = [r * width for r in range(world)]
     for n, shape, rank in zip(numels, shapes, owners):
-        outputs.append(received[cursor[rank]:cursor[rank] + n].view(shape))
+        outputs.append(received[cursor[rank] : cursor[rank] + n].view(shape))
         cursor[rank] += n
     return outputs
 
@@ -109,8 +115,10 @@ def full_matrix(t: Tensor) -> Tensor:
 def check_fsdp_layout(t: Tensor) -> None:
     """Only FSDP2's layout is supported: sharded on dim 0 of a 1-D mesh."""
     if t.device_mesh.ndim != 1 or any(not isinstance(pl, Shard) or pl.dim != 0 for pl in t.placements):
-        raise NotImplementedError(f"MuonAdamW supports DTensor parameters sharded on dim 0 of a 1-D mesh (FSDP2's "
-                                  f"fully_shard); got placements {t.placements} on a {t.device_mesh.ndim}-D mesh")
+        raise NotImplementedError(
+            f"MuonAdamW supports DTensor parameters sharded on dim 0 of a 1-D mesh (FSDP2's "
+            f"fully_shard); got placements {t.placements} on a {t.device_mesh.ndim}-D mesh"
+        )
 
 
 def local_shard(full: Tensor, like: Tensor) -> Tensor:
@@ -136,8 +144,10 @@ def sum_over_shards(local_sum: Tensor, params: Sequence[Tensor]) -> Tensor:
     if not sharded:
         return local_sum
     if len(sharded) != len(params):
-        raise NotImplementedError("a MuonAdamW param group mixes FSDP2-sharded (DTensor) and plain parameters; "
-                                  "shard the whole model with fully_shard or none of it")
+        raise NotImplementedError(
+            "a MuonAdamW param group mixes FSDP2-sharded (DTensor) and plain parameters; "
+            "shard the whole model with fully_shard or none of it"
+        )
     check_fsdp_layout(sharded[0])
     total = local_sum.clone()
     dist.all_reduce(total, group=sharded[0].device_mesh.get_group())

@@ -39,8 +39,7 @@ NO_DECAY_NAMES = frozenset({"bias", "A_log", "dt_bias"})
 GATE_NAMES = frozenset({"f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "b_proj"})
 CONV_NAMES = frozenset({"q_conv", "k_conv", "v_conv"})
 ROUTER_NAMES = frozenset({"router"})
-ATTENTION_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj",
-                             "kv_b_proj"})
+ATTENTION_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"})
 NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 CONV_TYPES = (nn.Conv1d, nn.Conv2d)
 
@@ -72,8 +71,7 @@ def partition_parameters(model: nn.Module, head_wise: bool = True) -> list[Param
     return assignments
 
 
-def _classify(name: str, p: nn.Parameter, owner: nn.Module,
-              head_wise: bool) -> tuple[str, str, str, HeadSplit | None]:
+def _classify(name: str, p: nn.Parameter, owner: nn.Module, head_wise: bool) -> tuple[str, str, str, HeadSplit | None]:
     """(group, view, reason, head_split) for one parameter, by the rules in the module docstring."""
     parts = set(name.split("."))
     if isinstance(owner, nn.Embedding):
@@ -97,8 +95,10 @@ def _classify(name: str, p: nn.Parameter, owner: nn.Module,
         if split is not None and head_wise:
             return group, f"heads({split[0]}, dim={split[1]})", "hidden matrix, per-head views", split
         return group, "matrix", "hidden matrix", None
-    raise ValueError(f"parameter {name} with shape {tuple(p.shape)} fits no rule in k3train/optim/param_groups.py; "
-                     "add one there (or give it a 2D/3D layout)")
+    raise ValueError(
+        f"parameter {name} with shape {tuple(p.shape)} fits no rule in k3train/optim/param_groups.py; "
+        "add one there (or give it a 2D/3D layout)"
+    )
 
 
 def check_partition(model: nn.Module, param_groups: Sequence[dict[str, Any]]) -> None:
@@ -119,5 +119,8 @@ def check_partition(model: nn.Module, param_groups: Sequence[dict[str, Any]]) ->
             seen.setdefault(id(p), group["name"])
     problems += [f"{n} is in no group" for i, n in names.items() if i not in seen]
     if problems:
-        raise ValueError("optimizer partition is not complete and disjoint: " + "; ".join(problems)
-                         + " (see the rules in k3train/optim/param_groups.py)")
+        raise ValueError(
+            "optimizer partition is not complete and disjoint: "
+            + "; ".join(problems)
+            + " (see the rules in k3train/optim/param_groups.py)"
+        )

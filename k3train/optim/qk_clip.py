@@ -15,14 +15,14 @@ wipe the head's query and key rows. Any module with the MaxLogitTracking attribu
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from k3train.train.callbacks import Callback
 from k3train.runtime.distributed import several_ranks
+from k3train.train.callbacks import Callback
 
 
 @runtime_checkable
@@ -32,7 +32,7 @@ class MaxLogitTracking(Protocol):
     the same inputs give head h's logits times gamma[h]."""
 
     track_max_logit: bool
-    max_logit: Optional[torch.Tensor]
+    max_logit: torch.Tensor | None
 
     def scale_qk_heads_(self, gamma: torch.Tensor) -> None: ...
 
@@ -40,8 +40,11 @@ class MaxLogitTracking(Protocol):
 def _mla_modules(model: nn.Module) -> dict[str, MaxLogitTracking]:
     # The protocol's members tested directly: isinstance against a runtime_checkable Protocol walks typing's
     # machinery for each of the model's modules, ~2.5 ms per update on k3_tiny (0.6% of its step).
-    return {name: m for name, m in model.named_modules() if hasattr(m, "track_max_logit")
-            and hasattr(m, "max_logit") and callable(getattr(m, "scale_qk_heads_", None))}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if hasattr(m, "track_max_logit") and hasattr(m, "max_logit") and callable(getattr(m, "scale_qk_heads_", None))
+    }
 
 
 def set_max_logit_tracking(model: nn.Module, on: bool) -> int:
@@ -100,7 +103,7 @@ class QKClip(Callback):
         if not tau > 0:
             raise ValueError(f"callbacks.qk_clip.tau={tau} must be > 0 (remove callbacks.qk_clip to turn QK-Clip off)")
         self.tau = tau
-        self.model: Optional[nn.Module] = None
+        self.model: nn.Module | None = None
         self.n_modules = 0
         self._reset_window()
 
@@ -130,8 +133,11 @@ class QKClip(Callback):
     def metrics(self) -> dict:
         if not self.max_logit:
             return {}
-        out = {"max_logit": self.max_logit, "n_clipped": self.n_clipped,
-               "clipped_heads": {k: sorted(v) for k, v in self.clipped_heads.items()}}
+        out = {
+            "max_logit": self.max_logit,
+            "n_clipped": self.n_clipped,
+            "clipped_heads": {k: sorted(v) for k, v in self.clipped_heads.items()},
+        }
         self._reset_window()
         return out
 

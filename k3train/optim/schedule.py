@@ -58,8 +58,10 @@ class LRSchedule:
         if self.decay == "wsd":
             text += f" over the last {self.decay_fraction:g} of them"
         if self.warmup_steps >= self.total_steps:
-            text += (f"\n  warning: schedule.warmup_steps={self.warmup_steps} >= the {self.total_steps} planned "
-                     "updates: the lr never reaches its peak")
+            text += (
+                f"\n  warning: schedule.warmup_steps={self.warmup_steps} >= the {self.total_steps} planned "
+                "updates: the lr never reaches its peak"
+            )
         return text
 
     def apply(self, optimizer, step: int) -> float:

@@ -8,7 +8,8 @@ A setting with one entry per parameter (MuonAdamW's head_splits) is shown as cou
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # How torch runs an update, not what the update is.
 IMPLEMENTATION_FLAGS = ("foreach", "fused", "capturable", "differentiable")
@@ -35,8 +36,11 @@ def summarize_param_groups(param_groups: Sequence[dict[str, Any]]) -> list[dict[
     """One JSON-able row per group: name, kind (when the group has one), tensors, values, settings."""
     rows = []
     for i, g in enumerate(param_groups):
-        row = {"name": g.get("name", str(i)), "tensors": len(g["params"]),
-               "values": sum(p.numel() for p in g["params"])}
+        row = {
+            "name": g.get("name", str(i)),
+            "tensors": len(g["params"]),
+            "values": sum(p.numel() for p in g["params"]),
+        }
         if "kind" in g:
             row["kind"] = g["kind"]
         rows.append({**row, **group_settings(g)})
@@ -58,9 +62,13 @@ def format_param_groups(param_groups: Sequence[dict[str, Any]]) -> str:
     """A short table: group, kind, tensors, values, then the settings as key=value (a True flag as its name)."""
     table = [("group", "kind", "tensors", "values", "settings")]
     for row in summarize_param_groups(param_groups):
-        settings = " ".join(_format_setting(key, value) for key, value in row.items()
-                            if key not in ("name", "kind", "tensors", "values"))
+        settings = " ".join(
+            _format_setting(key, value)
+            for key, value in row.items()
+            if key not in ("name", "kind", "tensors", "values")
+        )
         table.append((row["name"], row.get("kind", ""), str(row["tensors"]), f"{row['values']:,}", settings))
     widths = [max(len(r[i]) for r in table) for i in range(4)]
-    return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}"
-                     for r in table)
+    return "\n".join(
+        f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:>{widths[2]}}  {r[3]:>{widths[3]}}  {r[4]}" for r in table
+    )

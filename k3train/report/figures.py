@@ -10,8 +10,8 @@ import math
 import re
 from dataclasses import dataclass
 
-from k3train.report.runs import Run, has_values, keys_of, series
 from k3train.observe.sinks import scalar
+from k3train.report.runs import Run, has_values, keys_of, series
 
 INSTALL_HINT = "pip install 'k3train[report]'"
 MOE_KEY = re.compile(r"moe/(?P<layer>[^/]+)/(?P<metric>.+)")
@@ -66,8 +66,14 @@ def _all_positive(*ys_lists) -> bool:
     return bool(values) and min(values) > 0
 
 
-def _per_key_panels(run: Run, name: str, title: str, keys: dict[str, dict[str, tuple]], note: str,
-                    baseline: dict[str, float] | None = None) -> Chart:
+def _per_key_panels(
+    run: Run,
+    name: str,
+    title: str,
+    keys: dict[str, dict[str, tuple]],
+    note: str,
+    baseline: dict[str, float] | None = None,
+) -> Chart:
     """One panel per metric, one line per key (a layer, a param group): keys[metric][key] = path into the event."""
     if not keys:
         return Chart(name, title, None, note)
@@ -166,9 +172,14 @@ def moe_chart(run: Run) -> Chart:
         if m := MOE_KEY.fullmatch(key):
             panels.setdefault(m["metric"], {})[f"layer {m['layer']}"] = ("model", key)
     # load_max / load_min are a layer's busiest and idlest expert over the mean load: 1 is perfect balance
-    return _per_key_panels(run, "moe", "MoE load balance per layer", panels,
-                           "no MoE diagnostics in this run (the model has no MoE layer)",
-                           baseline={"load_max": 1.0, "load_min": 1.0})
+    return _per_key_panels(
+        run,
+        "moe",
+        "MoE load balance per layer",
+        panels,
+        "no MoE diagnostics in this run (the model has no MoE layer)",
+        baseline={"load_max": 1.0, "load_min": 1.0},
+    )
 
 
 def qk_clip_chart(run: Run) -> Chart:
@@ -201,8 +212,13 @@ def optimizer_chart(run: Run) -> Chart:
         if group and metric != "lr":  # the lr has its own figure
             panels.setdefault(metric, {})[group] = ("optimizer", key)
     panels = dict(sorted(panels.items(), key=lambda kv: kv[0] != "update_rms"))  # Muon's update RMS first
-    return _per_key_panels(run, "optimizer", "optimizer: update RMS and weight norm per param group", panels,
-                           "no optimizer diagnostics in this run (the optimizer reports none)")
+    return _per_key_panels(
+        run,
+        "optimizer",
+        "optimizer: update RMS and weight norm per param group",
+        panels,
+        "no optimizer diagnostics in this run (the optimizer reports none)",
+    )
 
 
 RUN_CHARTS = [loss_chart, lr_chart, grad_norm_chart, throughput_chart, moe_chart, qk_clip_chart, optimizer_chart]

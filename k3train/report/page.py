@@ -26,30 +26,45 @@ def _figure(chart: Chart, href: str) -> str:
         return f'<p class="note">{html.escape(chart.title)}: {html.escape(chart.note)}</p>\n'
     data = base64.b64encode(chart.png).decode()
     note = f'<p class="note">{html.escape(chart.note)}</p>\n' if chart.note else ""
-    return (f'<figure><a href="{html.escape(href)}"><img src="data:image/png;base64,{data}" '
-            f'alt="{html.escape(chart.title)}"></a>{note}</figure>\n')
+    return (
+        f'<figure><a href="{html.escape(href)}"><img src="data:image/png;base64,{data}" '
+        f'alt="{html.escape(chart.title)}"></a>{note}</figure>\n'
+    )
 
 
 def _runs_table(runs: list[Run]) -> str:
     header = "".join(f"<th>{html.escape(h)}</th>" for h in ["run", *COLUMNS, "torn lines"])
-    rows = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in [r.label, *cells(r.row, [], Path()),
-                                                                          str(r.torn)]) + "</tr>\n"
-                   for r in runs)
+    rows = "".join(
+        "<tr>"
+        + "".join(f"<td>{html.escape(c)}</td>" for c in [r.label, *cells(r.row, [], Path()), str(r.torn)])
+        + "</tr>\n"
+        for r in runs
+    )
     return f"<table>\n<tr>{header}</tr>\n{rows}</table>\n"
 
 
-def render(*, paths: list[Path], sweeps: list[Sweep], runs: list[Run], overlay: tuple[Chart, str] | None,
-           charts: list[tuple[Run, list[tuple[Chart, str]]]]) -> str:
+def render(
+    *,
+    paths: list[Path],
+    sweeps: list[Sweep],
+    runs: list[Run],
+    overlay: tuple[Chart, str] | None,
+    charts: list[tuple[Run, list[tuple[Chart, str]]]],
+) -> str:
     """The page: the runs, each sweep's table, the overlay of every run, then each run's figures. Figures come as
     (chart, the PNG's path relative to the page)."""
-    head = (f"<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>k3train report</title>"
-            f"<style>{STYLE}</style></head><body>\n<h1>k3train report</h1>\n"
-            f"<p>{html.escape(', '.join(str(p) for p in paths))}; drawn {time.strftime('%Y-%m-%d %H:%M:%S %Z')}</p>\n")
+    head = (
+        f'<!DOCTYPE html>\n<html><head><meta charset="utf-8"><title>k3train report</title>'
+        f"<style>{STYLE}</style></head><body>\n<h1>k3train report</h1>\n"
+        f"<p>{html.escape(', '.join(str(p) for p in paths))}; drawn {time.strftime('%Y-%m-%d %H:%M:%S %Z')}</p>\n"
+    )
     parts = [head, "<h2>Runs</h2>\n", _runs_table(runs)]
     for sweep in sweeps:
-        parts += [f"<h2>Sweep {html.escape(str(sweep.sweep_dir))}</h2>\n",
-                  "<p>Best final val loss first (also in sweep_summary.md and sweep_summary.csv there).</p>\n",
-                  to_html(sweep.keys, sweep.rows, sweep.sweep_dir)]
+        parts += [
+            f"<h2>Sweep {html.escape(str(sweep.sweep_dir))}</h2>\n",
+            "<p>Best final val loss first (also in sweep_summary.md and sweep_summary.csv there).</p>\n",
+            to_html(sweep.keys, sweep.rows, sweep.sweep_dir),
+        ]
     if overlay:
         parts += ["<h2>Every run</h2>\n", _figure(*overlay)]
     for run, run_charts in charts:

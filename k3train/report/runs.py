@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from k3train.report.sweep_table import JobRow, find_jobs, read_job, table_order, varying_keys
 from k3train.observe.metrics import read_metrics
 from k3train.observe.sinks import scalar
+from k3train.report.sweep_table import JobRow, find_jobs, read_job, table_order, varying_keys
 
 
 class NotARunError(ValueError):
@@ -91,8 +91,14 @@ def load_run(run_dir: Path, label: str | None = None) -> Run:
         config = json.loads((run_dir / "run.json").read_text()).get("config") or {}
     except (OSError, json.JSONDecodeError, AttributeError):
         config = {}  # not written yet, or being replaced: the figures do without the settings
-    return Run(run_dir=run_dir, label=label or str(run_dir), events=list(events), torn=getattr(events, "torn", 0),
-               row=read_job(run_dir, events), config=config)
+    return Run(
+        run_dir=run_dir,
+        label=label or str(run_dir),
+        events=list(events),
+        torn=getattr(events, "torn", 0),
+        row=read_job(run_dir, events),
+        config=config,
+    )
 
 
 def load_sweep(sweep_dir: Path) -> Sweep:
@@ -111,8 +117,9 @@ def load_path(path: Path) -> Run | Sweep:
     if not path.exists():
         raise NotARunError(f"{path} does not exist: pass a run directory or a sweep directory")
     if not path.is_dir():
-        raise NotARunError(f"{path} is not a directory: pass a run directory (the one holding metrics.jsonl), "
-                           f"not a file in it")
+        raise NotARunError(
+            f"{path} is not a directory: pass a run directory (the one holding metrics.jsonl), not a file in it"
+        )
     if is_run_dir(path):
         run = load_run(path)
         if not run.events:
@@ -121,8 +128,10 @@ def load_path(path: Path) -> Run | Sweep:
     if find_jobs(path):
         return load_sweep(path)
     what = "is empty" if not any(path.iterdir()) else "holds neither metrics.jsonl/run.json nor job directories"
-    raise NotARunError(f"{path} {what}: pass a run directory (outputs/runs/<date>/<time>) or a sweep directory "
-                       f"(outputs/sweeps/<date>/<time>)")
+    raise NotARunError(
+        f"{path} {what}: pass a run directory (outputs/runs/<date>/<time>) or a sweep directory "
+        f"(outputs/sweeps/<date>/<time>)"
+    )
 
 
 def has_values(ys: list[float]) -> bool:

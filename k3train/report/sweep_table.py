@@ -88,8 +88,10 @@ def sweep_table(sweep_dir: Path) -> tuple[list[str], list[JobRow]]:
 
 def table_order(row: JobRow) -> tuple[bool, float]:
     """Sort key: best final val loss first, jobs without a finite one last."""
-    return (row.final_val_loss is None or not math.isfinite(row.final_val_loss),
-            row.final_val_loss if row.final_val_loss is not None else 0.0)
+    return (
+        row.final_val_loss is None or not math.isfinite(row.final_val_loss),
+        row.final_val_loss if row.final_val_loss is not None else 0.0,
+    )
 
 
 COLUMNS = ["final val loss", "best val loss", "step", "tokens", "tokens/s", "end", "run dir"]
@@ -101,8 +103,14 @@ def cells(row: JobRow, keys: list[str], sweep_dir: Path) -> list[str]:
 
     run_dir = row.run_dir.relative_to(sweep_dir) if row.run_dir.is_relative_to(sweep_dir) else row.run_dir
     return [row.overrides.get(k, "") for k in keys] + [
-        number(row.final_val_loss, ".4f"), number(row.best_val_loss, ".4f"), str(row.step), str(row.tokens),
-        number(row.tokens_per_s, ".0f"), row.end, str(run_dir)]
+        number(row.final_val_loss, ".4f"),
+        number(row.best_val_loss, ".4f"),
+        str(row.step),
+        str(row.tokens),
+        number(row.tokens_per_s, ".0f"),
+        row.end,
+        str(run_dir),
+    ]
 
 
 def to_markdown(keys: list[str], rows: list[JobRow], sweep_dir: Path) -> str:
@@ -122,8 +130,9 @@ def to_csv(keys: list[str], rows: list[JobRow], sweep_dir: Path) -> str:
 
 def to_html(keys: list[str], rows: list[JobRow], sweep_dir: Path) -> str:
     header = "".join(f"<th>{html.escape(h)}</th>" for h in keys + COLUMNS)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells(r, keys, sweep_dir)) + "</tr>\n"
-                   for r in rows)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells(r, keys, sweep_dir)) + "</tr>\n" for r in rows
+    )
     return f"<table>\n<tr>{header}</tr>\n{body}</table>\n"
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Optional
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -17,13 +16,13 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from k3train.checkpoint.checkpointer import Checkpointer, CheckpointError, ShardedCheckpointer
 from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig, check_known_keys
 from k3train.models.protocol import missing_members
-from k3train.train.callbacks import Callback
-from k3train.checkpoint.checkpointer import Checkpointer, CheckpointError, ShardedCheckpointer
+from k3train.observe.metrics import MetricsLogger, MetricsSink
 from k3train.runtime.cpu import apply_threads, choose_threads, prepare_cpu_training
 from k3train.runtime.distributed import World, current_world
-from k3train.observe.metrics import MetricsLogger, MetricsSink
+from k3train.train.callbacks import Callback
 from k3train.train.rng import configure_determinism, seed_everything
 from k3train.train.trainer import Trainer
 
@@ -60,7 +59,7 @@ def _parse_device(name: str) -> torch.device:
 RUN_FILES = ("last.pt", "last.dcp", "run.json", "metrics.jsonl")
 
 
-def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
+def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
     """null: a fresh run; auto: run_dir/last.pt (last.dcp for a sharded one; the newer if both) if present, else
     fresh; otherwise a checkpoint path (a file, or a sharded checkpoint's directory).
 
@@ -77,8 +76,10 @@ def resolve_resume(resume: Optional[str], run_dir: Path) -> Optional[Path]:
         return path  # this run's own last.pt or an earlier step_*.pt of it: continuing the same run
     existing = [name for name in RUN_FILES if (run_dir / name).exists()]
     if existing:
-        raise ValueError(f"{run_dir} already holds a run ({', '.join(existing)}): pass resume=auto to continue "
-                         "that run, or choose another hydra.run.dir")
+        raise ValueError(
+            f"{run_dir} already holds a run ({', '.join(existing)}): pass resume=auto to continue "
+            "that run, or choose another hydra.run.dir"
+        )
     return path
 
 
@@ -90,15 +91,20 @@ def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data, world:
     }
     identity = data.identity()
     return {
-        "model_config": {k: v for k, v in dataclasses.asdict(model.config).items()
-                         if k not in RESUME_MAY_CHANGE_MODEL},
+        "model_config": {k: v for k, v in dataclasses.asdict(model.config).items() if k not in RESUME_MAY_CHANGE_MODEL},
         # The global batch, not the per-process one: a resume may split it over another number of processes.
-        "recipe": {**{f: getattr(train_cfg, f) for f in RESUME_MUST_MATCH},
-                   "global_batch_size": train_cfg.batch_size * world.size, "precision": precision.dtype,
-                   "optimizer": type(optimizer).__name__},
+        "recipe": {
+            **{f: getattr(train_cfg, f) for f in RESUME_MUST_MATCH},
+            "global_batch_size": train_cfg.batch_size * world.size,
+            "precision": precision.dtype,
+            "optimizer": type(optimizer).__name__,
+        },
         "optimizer_layout": layout,
-        "data": {"fingerprint": identity["fingerprint"], "val_fingerprint": identity.get("val_fingerprint"),
-                 "vocab_size": data.vocab_size},
+        "data": {
+            "fingerprint": identity["fingerprint"],
+            "val_fingerprint": identity.get("val_fingerprint"),
+            "vocab_size": data.vocab_size,
+        },
     }
 
 
@@ -113,8 +119,7 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     precision.check_device(device)
     resume_path = resolve_resume(cfg.resume, run_dir)
     hydra_cfg = HydraConfig.get()
-    threads = choose_threads(train_cfg.cpu_threads, hydra_cfg.launcher if hydra_cfg.mode == RunMode.MULTIRUN
-                             else None)
+    threads = choose_threads(train_cfg.cpu_threads, hydra_cfg.launcher if hydra_cfg.mode == RunMode.MULTIRUN else None)
     apply_threads(threads)
     if device.type == "cpu":
         prepare_cpu_training()
@@ -127,11 +132,14 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     model = instantiate(cfg.model, **({"vocab_size": data.vocab_size} if cfg.model.get("vocab_size") is None else {}))
     missing = missing_members(model)
     if missing:
-        raise TypeError(f"model {cfg.model._target_} built a {type(model).__name__}, which lacks {', '.join(missing)}: "
-                        "a model implements k3train/models/protocol.py's LanguageModel")
+        raise TypeError(
+            f"model {cfg.model._target_} built a {type(model).__name__}, which lacks {', '.join(missing)}: "
+            "a model implements k3train/models/protocol.py's LanguageModel"
+        )
     model.check_data(data.vocab_size, train_cfg.seq_len)
-    train_loader, val_loader = data.loaders(train_cfg.batch_size, train_cfg.seq_len, rank=world.rank,
-                                            world_size=world.size)
+    train_loader, val_loader = data.loaders(
+        train_cfg.batch_size, train_cfg.seq_len, rank=world.rank, world_size=world.size
+    )
     model.to(device)
     parallel = instantiate(cfg.parallel)
     model = parallel.shard(model, device)  # before the optimizer: FSDP2 replaces the parameters
@@ -143,12 +151,26 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     metrics = MetricsLogger(run_dir / "metrics.jsonl", sinks=list(sinks.values()), enabled=world.is_main)
     meta = build_meta(model, optimizer, train_cfg, precision, data, world)
     mesh = getattr(parallel, "mesh", None)  # FSDP2's, when it sharded the model: every rank writes its shards
-    checkpointer = (ShardedCheckpointer(run_dir, meta, train_cfg.keep_last_k, mesh) if mesh is not None
-                    else Checkpointer(run_dir, meta, train_cfg.keep_last_k, writer=world.is_main))
-    trainer = Trainer(model=model, optimizer=optimizer, schedule_factory=instantiate(cfg.schedule),
-                      precision=precision, train_loader=train_loader, val_loader=val_loader, config=train_cfg,
-                      device=device, metrics=metrics, checkpointer=checkpointer, callbacks=callbacks,
-                      parallel=parallel, profile=profile_cfg)
+    checkpointer = (
+        ShardedCheckpointer(run_dir, meta, train_cfg.keep_last_k, mesh)
+        if mesh is not None
+        else Checkpointer(run_dir, meta, train_cfg.keep_last_k, writer=world.is_main)
+    )
+    trainer = Trainer(
+        model=model,
+        optimizer=optimizer,
+        schedule_factory=instantiate(cfg.schedule),
+        precision=precision,
+        train_loader=train_loader,
+        val_loader=val_loader,
+        config=train_cfg,
+        device=device,
+        metrics=metrics,
+        checkpointer=checkpointer,
+        callbacks=callbacks,
+        parallel=parallel,
+        profile=profile_cfg,
+    )
     if resume_path is not None:
         trainer.resume(resume_path)
         done = trainer.plan.done()
@@ -164,8 +186,10 @@ def _build_named(nodes: DictConfig, kind: type, group: str, **kwargs) -> dict:
     for name, node in nodes.items():
         part = instantiate(node, **kwargs)
         if not isinstance(part, kind):
-            raise TypeError(f"{group}.{name}: {node.get('_target_')} built a {type(part).__name__}, which is not a "
-                            f"{kind.__name__} ({kind.__module__})")
+            raise TypeError(
+                f"{group}.{name}: {node.get('_target_')} built a {type(part).__name__}, which is not a "
+                f"{kind.__name__} ({kind.__module__})"
+            )
         built[name] = part
     return built
 
@@ -175,5 +199,7 @@ def _finished_message(resume_path: Path, reason: str, trainer: Trainer) -> str:
     if reason == "end_of_data":
         return f"{resume_path} is a finished run (its train split is used up at step {step}); nothing to do"
     limit = f"train.{reason}"
-    return (f"{resume_path} is a finished run (it reached {limit}={getattr(trainer.config, reason)} at step {step}); "
-            f"nothing to do. To train on, raise {limit} and resume=auto")
+    return (
+        f"{resume_path} is a finished run (it reached {limit}={getattr(trainer.config, reason)} at step {step}); "
+        f"nothing to do. To train on, raise {limit} and resume=auto"
+    )

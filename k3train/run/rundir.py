@@ -16,7 +16,6 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 LOCK_NAME = ".lock"
 HYDRA_DIR = ".hydra"
@@ -30,9 +29,9 @@ class RunDirError(Exception):
 class RunDirClaim:
     path: Path
     created: list[Path]  # directories this claim made, outermost first
-    lock_before: Optional[bytes]  # the lock file's bytes before this process wrote its pid (None: no file)
-    hydra_before: Optional[dict[str, bytes]]  # .hydra/ files by relative path (None: no .hydra/)
-    fd: Optional[int] = field(default=None, repr=False)
+    lock_before: bytes | None  # the lock file's bytes before this process wrote its pid (None: no file)
+    hydra_before: dict[str, bytes] | None  # .hydra/ files by relative path (None: no .hydra/)
+    fd: int | None = field(default=None, repr=False)
 
     def undo(self) -> None:
         """Put back what this start changed, then let go of the directory."""
@@ -90,20 +89,23 @@ def claim(run_dir: Path) -> RunDirClaim:
             if directory.exists():
                 directory.rmdir()
         if isinstance(exc, OSError):
-            raise RunDirError(f"cannot lock the run directory {path} ({exc.strerror}: {exc.filename}): make it "
-                              "writable, or choose another hydra.run.dir") from exc
+            raise RunDirError(
+                f"cannot lock the run directory {path} ({exc.strerror}: {exc.filename}): make it "
+                "writable, or choose another hydra.run.dir"
+            ) from exc
         raise
     lock_before = _read_all(fd) if existed else None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     hydra = path / HYDRA_DIR
-    hydra_before = ({str(p.relative_to(hydra)): p.read_bytes() for p in hydra.rglob("*") if p.is_file()}
-                    if hydra.is_dir() else None)
+    hydra_before = (
+        {str(p.relative_to(hydra)): p.read_bytes() for p in hydra.rglob("*") if p.is_file()} if hydra.is_dir() else None
+    )
     _claims[path] = RunDirClaim(path, created, lock_before, hydra_before, fd)
     return _claims[path]
 
 
-def claimed(run_dir: Path) -> Optional[RunDirClaim]:
+def claimed(run_dir: Path) -> RunDirClaim | None:
     """The claim this process already holds on run_dir (taken by the Hydra callback), if any."""
     return _claims.get(_key(run_dir))
 
@@ -117,8 +119,9 @@ def _lock(path: Path) -> int:
             holder = _read_all(fd).decode(errors="replace").strip()
             os.close(fd)
             by = f"another k3train process (pid {holder})" if holder.isdigit() else "another process"
-            raise RunDirError(f"{path.parent} is in use by {by}: wait for it to end, or choose another "
-                              "hydra.run.dir") from None
+            raise RunDirError(
+                f"{path.parent} is in use by {by}: wait for it to end, or choose another hydra.run.dir"
+            ) from None
         except BaseException:
             os.close(fd)
             raise

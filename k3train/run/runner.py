@@ -17,7 +17,6 @@ import os
 import sys
 import traceback
 from pathlib import Path
-from typing import Optional
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
@@ -26,20 +25,19 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
+from k3train.checkpoint.checkpointer import CheckpointError
 from k3train.files import remove_stale_temp_files
+from k3train.observe.metrics import MetricsLogger
+from k3train.observe.run_manifest import RunManifest, environment
 from k3train.optim.summary import format_param_groups, summarize_param_groups
 from k3train.report.sweep_table import write_sweep_summary
 from k3train.run import rundir
-from k3train.runtime import distributed, slurm
 from k3train.run.build import RunFinished, build_parts, resolve_resume
-from k3train.checkpoint.checkpointer import CheckpointError
+from k3train.run.rundir import RunDirError
+from k3train.runtime import distributed, slurm
 from k3train.runtime.cpu import ThreadChoice, cpu_runtime, denormal_setting, malloc_setting
 from k3train.runtime.distributed import current_world
-from k3train.observe.run_manifest import RunManifest, environment
-from k3train.observe.metrics import MetricsLogger
-from k3train.run.rundir import RunDirError
 from k3train.train.trainer import Trainer, TrainingDiverged
-
 
 # ImportError: an optional dependency a setting needs (model.kda_implementation=fla without flash-linear-attention).
 USER_ERRORS = (ValueError, TypeError, FileNotFoundError, ImportError, CheckpointError, RunDirError)
@@ -81,9 +79,12 @@ class RunDirGuard(HydraCallback):
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         world = current_world()
         if world.distributed:
-            _fail(f"a multirun (-m) started as {world.size} processes would run every job in each of them: start "
-                  "the sweep as one process (its jobs may each use several processes through the submitit launcher)",
-                  2, multirun=False)
+            _fail(
+                f"a multirun (-m) started as {world.size} processes would run every job in each of them: start "
+                "the sweep as one process (its jobs may each use several processes through the submitit launcher)",
+                2,
+                multirun=False,
+            )
 
 
 class SweepSummary(HydraCallback):
@@ -98,11 +99,15 @@ class SweepSummary(HydraCallback):
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         if sweep_dir.is_dir():
-            print(f"sweep {sweep_dir} (also in {sweep_dir / 'sweep_summary.md'} and .csv):\n"
-                  + write_sweep_summary(sweep_dir), end="", flush=True)
+            print(
+                f"sweep {sweep_dir} (also in {sweep_dir / 'sweep_summary.md'} and .csv):\n"
+                + write_sweep_summary(sweep_dir),
+                end="",
+                flush=True,
+            )
 
 
-def run(cfg: DictConfig) -> Optional[str]:
+def run(cfg: DictConfig) -> str | None:
     # A submitit job's tasks run this function directly (not __main__.main): start their process group here.
     own_group = not distributed.several_ranks() and distributed.init_from_env().distributed
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
@@ -124,7 +129,7 @@ def run(cfg: DictConfig) -> Optional[str]:
             distributed.close(wait_for_others=clean)
 
 
-def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bool) -> Optional[str]:
+def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bool) -> str | None:
     job = slurm.current_job()
     if slurm.resume_setting(cfg.resume) != cfg.resume:
         print(f"k3train: job {job.name} was requeued (restart {job.restart_count}): resume=auto", flush=True)
@@ -147,13 +152,16 @@ def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bo
     removed = remove_stale_temp_files(run_dir) if current_world().is_main else []  # the lock is ours: their
     # writers are dead
     if removed:
-        print(f"removed {len(removed)} temporary file(s) left by an interrupted writer: "
-              + ", ".join(p.name for p in removed), flush=True)
+        print(
+            f"removed {len(removed)} temporary file(s) left by an interrupted writer: "
+            + ", ".join(p.name for p in removed),
+            flush=True,
+        )
     with slurm.job_log(run_dir if job and current_world().is_main else None):
         return _train(cfg, run_dir, parts, multirun)
 
 
-def _train(cfg: DictConfig, run_dir: Path, parts: dict, multirun: bool) -> Optional[str]:
+def _train(cfg: DictConfig, run_dir: Path, parts: dict, multirun: bool) -> str | None:
     trainer = parts["trainer"]
     try:
         manifest, metrics = _open_session(cfg, run_dir, **parts)
@@ -177,8 +185,12 @@ def _train(cfg: DictConfig, run_dir: Path, parts: dict, multirun: bool) -> Optio
         if failure is None and close_error is not None:
             failure = _write_failed(close_error, trainer)
     if trainer.signals.received is not None:  # checkpointed: requeue, or let the signal do what it would have done
-        print(f"k3train: stopped by {trainer.signals.received.name} at step {trainer.state.step}; continue in the "
-              "same output directory with resume=auto", file=sys.stderr, flush=True)
+        print(
+            f"k3train: stopped by {trainer.signals.received.name} at step {trainer.state.step}; continue in the "
+            "same output directory with resume=auto",
+            file=sys.stderr,
+            flush=True,
+        )
         slurm.end_after_signal(trainer.signals)
     slurm.ignore_late_warnings()
     if failure is not None:
@@ -186,8 +198,7 @@ def _train(cfg: DictConfig, run_dir: Path, parts: dict, multirun: bool) -> Optio
     return reason
 
 
-def _close(trainer: Trainer, metrics: MetricsLogger, manifest: Optional[RunManifest],
-           reason: str) -> Optional[OSError]:
+def _close(trainer: Trainer, metrics: MetricsLogger, manifest: RunManifest | None, reason: str) -> OSError | None:
     """End the session's log and manifest entry; a write that fails is returned (the run is already over)."""
     error = None
     closes = [metrics.close]
@@ -224,8 +235,10 @@ def _write_failed(exc: OSError, trainer: Trainer) -> str:
         fix = f"make {trainer.run_dir} writable"
     else:
         fix = "fix the cause"
-    return (f"writing {path} failed at step {trainer.state.step} ({exc.strerror or exc}); {kept}; {fix}, then "
-            "continue with resume=auto")
+    return (
+        f"writing {path} failed at step {trainer.state.step} ({exc.strerror or exc}); {kept}; {fix}, then "
+        "continue with resume=auto"
+    )
 
 
 def _fail(message: str, status: int, multirun: bool) -> None:
@@ -235,23 +248,43 @@ def _fail(message: str, status: int, multirun: bool) -> None:
     sys.exit(status)
 
 
-def _open_session(cfg: DictConfig, run_dir: Path, *, trainer: Trainer, metrics: MetricsLogger, data,
-                  resume_path: Optional[Path], threads: ThreadChoice) -> tuple[Optional[RunManifest], MetricsLogger]:
+def _open_session(
+    cfg: DictConfig,
+    run_dir: Path,
+    *,
+    trainer: Trainer,
+    metrics: MetricsLogger,
+    data,
+    resume_path: Path | None,
+    threads: ThreadChoice,
+) -> tuple[RunManifest | None, MetricsLogger]:
     if not current_world().is_main:
         return None, metrics  # rank 0 writes run.json and shows the summary
     model, optimizer = trainer.model, trainer.optimizer
     manifest = RunManifest(run_dir)
     manifest.start_session(
-        config=OmegaConf.to_container(cfg, resolve=True), overrides=list(HydraConfig.get().overrides.task),
-        model={"class": type(model).__name__, "config": dataclasses.asdict(model.config),
-               "params": model.param_counts()},
-        data=data.identity(), optimizer=summarize_param_groups(optimizer.param_groups),
+        config=OmegaConf.to_container(cfg, resolve=True),
+        overrides=list(HydraConfig.get().overrides.task),
+        model={
+            "class": type(model).__name__,
+            "config": dataclasses.asdict(model.config),
+            "params": model.param_counts(),
+        },
+        data=data.identity(),
+        optimizer=summarize_param_groups(optimizer.param_groups),
         env={**environment(trainer.device), "cpu": cpu_runtime(threads)},
         resume_from=str(resume_path) if resume_path else None,
         resume_step=trainer.state.step if resume_path else None,
-        slurm=job.describe() if (job := slurm.current_job()) else None, flops=trainer.mfu.as_dict())
-    metrics.log("session", session=manifest.session["session"], step=trainer.state.step,
-                run_dir=str(run_dir), resume_from=manifest.session["resume_from"])
+        slurm=job.describe() if (job := slurm.current_job()) else None,
+        flops=trainer.mfu.as_dict(),
+    )
+    metrics.log(
+        "session",
+        session=manifest.session["session"],
+        step=trainer.state.step,
+        run_dir=str(run_dir),
+        resume_from=manifest.session["resume_from"],
+    )
     _print_summary(run_dir, trainer, threads)
     return manifest, metrics
 
@@ -272,6 +305,8 @@ def _print_summary(run_dir: Path, trainer: Trainer, threads: ThreadChoice) -> No
     lines.append(f"  schedule: {schedule.describe()}")
     lines += [f"  {callback.describe()}" for callback in trainer.callbacks.values()]
     lines.append(f"  {trainer.mfu.describe()}")
-    lines.append(f"  token plan: {trainer.tokens_per_update:,} tokens per nominal update x {trainer.total_steps} "
-                 f"= {trainer.tokens_per_update * trainer.total_steps:,} tokens (a plan, not a measurement)")
+    lines.append(
+        f"  token plan: {trainer.tokens_per_update:,} tokens per nominal update x {trainer.total_steps} "
+        f"= {trainer.tokens_per_update * trainer.total_steps:,} tokens (a plan, not a measurement)"
+    )
     print("\n".join(lines), flush=True)

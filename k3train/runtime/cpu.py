@@ -104,9 +104,14 @@ def flush_denormals() -> str:
     # a denormal as 0 under DAZ.
     probe = torch.full((1 << 20,), 1e-30) * 1e-10
     kept = int(torch.count_nonzero(probe.view(torch.int32)))
-    _denormals = "flushed to zero" if kept == 0 else (
-        f"flushed on the main thread only ({kept / probe.numel():.0%} of the probe kept them): torch's threads "
-        "started before flush_denormals() ran")
+    _denormals = (
+        "flushed to zero"
+        if kept == 0
+        else (
+            f"flushed on the main thread only ({kept / probe.numel():.0%} of the probe kept them): torch's threads "
+            "started before flush_denormals() ran"
+        )
+    )
     return _denormals
 
 
@@ -195,8 +200,7 @@ def choose_threads(setting: str | int, launcher: dict | None = None) -> ThreadCh
     target = str((launcher or {}).get("_target_", ""))
     per_task = (launcher or {}).get("cpus_per_task") if "submitit" in target.lower() else None
     if per_task:
-        return ThreadChoice(max(1, min(cpus, int(per_task))), f"auto: {why}; launcher cpus_per_task={per_task}",
-                            policy)
+        return ThreadChoice(max(1, min(cpus, int(per_task))), f"auto: {why}; launcher cpus_per_task={per_task}", policy)
     jobs, jobs_why = local_jobs(launcher)
     threads = max(1, cpus // jobs)
     return ThreadChoice(threads, f"auto: {why}" + (f"; shared by {jobs_why}" if jobs > 1 else ""), policy)
@@ -281,8 +285,12 @@ def cpu_description() -> dict:
                 break
     except OSError:
         pass
-    return {"cpu_model": model, "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "native_bf16": cpu_has_native_bf16(), "load_average": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "cpu_model": model,
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "native_bf16": cpu_has_native_bf16(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
 
 
 def cpu_runtime(choice: ThreadChoice) -> dict:

@@ -17,8 +17,8 @@ import os
 import re
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,8 +30,8 @@ class World:
     size: int = 1
     local_rank: int = 0
     local_size: int = 1
-    master_addr: Optional[str] = None
-    master_port: Optional[int] = None
+    master_addr: str | None = None
+    master_port: int | None = None
 
     @property
     def is_main(self) -> bool:
@@ -49,32 +49,48 @@ class LaunchError(ValueError):
 def world_from_env(env: Mapping[str, str] = os.environ) -> World:
     """The World a launcher described in the environment (a single process when none did)."""
     if int(env.get("WORLD_SIZE", "1")) > 1 and "RANK" not in env:
-        raise LaunchError(f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: start the processes with torchrun "
-                          "(which sets both), or unset WORLD_SIZE to run one process")
+        raise LaunchError(
+            f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: start the processes with torchrun "
+            "(which sets both), or unset WORLD_SIZE to run one process"
+        )
     if "RANK" in env and "WORLD_SIZE" in env:  # torchrun, or a launcher that sets the same variables
-        world = World(rank=int(env["RANK"]), size=int(env["WORLD_SIZE"]), local_rank=int(env.get("LOCAL_RANK", 0)),
-                     local_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
-                     master_addr=env.get("MASTER_ADDR"), master_port=_int_or_none(env.get("MASTER_PORT")))
+        world = World(
+            rank=int(env["RANK"]),
+            size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            local_size=int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+            master_addr=env.get("MASTER_ADDR"),
+            master_port=_int_or_none(env.get("MASTER_PORT")),
+        )
         if not 0 <= world.rank < world.size:
             raise LaunchError(f"RANK={world.rank} is not one of the WORLD_SIZE={world.size} ranks 0..{world.size - 1}")
         if world.distributed and world.master_port is None:
-            raise LaunchError(f"RANK={world.rank} and WORLD_SIZE={world.size} are set but MASTER_PORT is not: start the "
-                              "processes with torchrun (which sets it), or set MASTER_ADDR and MASTER_PORT")
+            raise LaunchError(
+                f"RANK={world.rank} and WORLD_SIZE={world.size} are set but MASTER_PORT is not: start the "
+                "processes with torchrun (which sets it), or set MASTER_ADDR and MASTER_PORT"
+            )
         return world
-    if int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1"))) > 1 and "SLURM_PROCID" in env \
-            and "SLURM_STEP_ID" in env:  # tasks of one srun step (an sbatch script's own shell is not one)
+    if (
+        int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1"))) > 1
+        and "SLURM_PROCID" in env
+        and "SLURM_STEP_ID" in env
+    ):  # tasks of one srun step (an sbatch script's own shell is not one)
         size = int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS")))
         local_size = int(env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0] or size)
         job = int(env.get("SLURM_JOB_ID", "0"))
-        return World(rank=int(env["SLURM_PROCID"]), size=size, local_rank=int(env.get("SLURM_LOCALID", 0)),
-                     local_size=local_size,
-                     master_addr=env.get("MASTER_ADDR") or _first_host(env.get("SLURM_STEP_NODELIST")
-                                                                       or env.get("SLURM_JOB_NODELIST", "")),
-                     master_port=_int_or_none(env.get("MASTER_PORT")) or 20000 + job % 20000)
+        return World(
+            rank=int(env["SLURM_PROCID"]),
+            size=size,
+            local_rank=int(env.get("SLURM_LOCALID", 0)),
+            local_size=local_size,
+            master_addr=env.get("MASTER_ADDR")
+            or _first_host(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")),
+            master_port=_int_or_none(env.get("MASTER_PORT")) or 20000 + job % 20000,
+        )
     return World()
 
 
-def _int_or_none(value: Optional[str]) -> Optional[int]:
+def _int_or_none(value: str | None) -> int | None:
     return int(value) if value else None
 
 
@@ -83,8 +99,9 @@ def _first_host(nodelist: str) -> str:
     if not nodelist:
         return "127.0.0.1"
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
-                             timeout=30, check=True).stdout.split()
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
+        ).stdout.split()
         return out[0]
     except (OSError, subprocess.SubprocessError, IndexError):  # no scontrol here: expand the first entry by hand
         first = re.match(r"([^,\[]+)(?:\[([^\],-]+))?", nodelist)
@@ -104,9 +121,13 @@ def init_from_env(env: Mapping[str, str] = os.environ) -> World:
         if world.master_port is not None:
             os.environ.setdefault("MASTER_PORT", str(world.master_port))
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method="env://", rank=world.rank, world_size=world.size,
-                                timeout=datetime.timedelta(minutes=int(os.environ.get("K3TRAIN_DIST_TIMEOUT_MIN",
-                                                                                      "30"))))
+        dist.init_process_group(
+            backend,
+            init_method="env://",
+            rank=world.rank,
+            world_size=world.size,
+            timeout=datetime.timedelta(minutes=int(os.environ.get("K3TRAIN_DIST_TIMEOUT_MIN", "30"))),
+        )
         start = [_START_TIME]
         dist.broadcast_object_list(start, src=0)
         _START_TIME = start[0]
@@ -160,7 +181,7 @@ def close(wait_for_others: bool) -> None:
 _LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
-def failure_line(exc: BaseException, world: World) -> Optional[str]:
+def failure_line(exc: BaseException, world: World) -> str | None:
     """The line a failing rank prints about itself (None in one process, where the error says it all): its rank, and
     whether it only lost a peer that ended first (the launcher's summary names that one)."""
     if not world.distributed:
@@ -168,6 +189,8 @@ def failure_line(exc: BaseException, world: World) -> Optional[str]:
     first = (str(exc).strip().splitlines() or [""])[0]
     who = f"k3train: rank {world.rank} of {world.size}"
     if any(marker in str(exc) for marker in _LOST_PEER):
-        return (f"{who} lost contact with another rank in a collective ({type(exc).__name__}): that rank ended "
-                "first; its own error, or the launcher's summary (torchrun's Root Cause, srun's task N), names it")
+        return (
+            f"{who} lost contact with another rank in a collective ({type(exc).__name__}): that rank ended "
+            "first; its own error, or the launcher's summary (torchrun's Root Cause, srun's task N), names it"
+        )
     return f"{who} failed: {type(exc).__name__}: {first}"

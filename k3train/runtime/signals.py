@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from typing import Optional
 
 
 class StopSignals:
@@ -20,7 +19,7 @@ class StopSignals:
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
     def __init__(self) -> None:
-        self.received: Optional[signal.Signals] = None  # the first: it names the end reason
+        self.received: signal.Signals | None = None  # the first: it names the end reason
         self.received_all: list[signal.Signals] = []
         self._previous: dict = {}
 
@@ -32,7 +31,7 @@ class StopSignals:
         self._restore()
         os.kill(os.getpid(), signum)
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         global _early
         if threading.current_thread() is threading.main_thread():  # Python only delivers signals there
             if _early is not None:  # take over what arrived while the process started, and the handlers before it
@@ -52,14 +51,14 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         self._restore()
 
-    def redeliver(self, sig: Optional[signal.Signals] = None) -> None:
+    def redeliver(self, sig: signal.Signals | None = None) -> None:
         """Send the previous handlers the first signal received (or `sig`)."""
         if self.received is not None:
             self._restore()
             os.kill(os.getpid(), sig or self.received)
 
 
-_early: Optional[StopSignals] = None
+_early: StopSignals | None = None
 
 
 def catch_early() -> None:

@@ -60,10 +60,14 @@ def current_job(env: Mapping[str, str] = os.environ) -> SlurmJob | None:
     """The SLURM job this process runs in, or None outside SLURM."""
     if not env.get("SLURM_JOB_ID"):
         return None
-    return SlurmJob(job_id=env["SLURM_JOB_ID"], array_job_id=env.get("SLURM_ARRAY_JOB_ID"),
-                    array_task_id=env.get("SLURM_ARRAY_TASK_ID"),
-                    restart_count=int(env.get("SLURM_RESTART_COUNT") or 0),
-                    node_list=env.get("SLURM_JOB_NODELIST", ""), submitit="SUBMITIT_FOLDER" in env)
+    return SlurmJob(
+        job_id=env["SLURM_JOB_ID"],
+        array_job_id=env.get("SLURM_ARRAY_JOB_ID"),
+        array_task_id=env.get("SLURM_ARRAY_TASK_ID"),
+        restart_count=int(env.get("SLURM_RESTART_COUNT") or 0),
+        node_list=env.get("SLURM_JOB_NODELIST", ""),
+        submitit="SUBMITIT_FOLDER" in env,
+    )
 
 
 def run_name(fmt: str) -> str:
@@ -121,8 +125,10 @@ def requeue(job: SlurmJob, received: signal.Signals) -> str:
     # A SIGTERM is the time limit only once the job has run that long (JobState says COMPLETING for scancel and the
     # time limit alike); otherwise it is scancel, which must stay cancelled, or scontrol requeue, which needs nothing.
     if received == signal.SIGTERM and not _past_time_limit(info):
-        return (f"job {job.name} got SIGTERM before its time limit (scancel, scontrol requeue, preemption): not "
-                "requeued by k3train")
+        return (
+            f"job {job.name} got SIGTERM before its time limit (scancel, scontrol requeue, preemption): not "
+            "requeued by k3train"
+        )
     result = subprocess.run(["scontrol", "requeue", job.name], capture_output=True, text=True, timeout=60)
     if result.returncode != 0:
         return f"`scontrol requeue {job.name}` failed: {result.stderr.strip()}; resubmit the job to continue"
@@ -131,8 +137,13 @@ def requeue(job: SlurmJob, received: signal.Signals) -> str:
 
 def _job_info(job: SlurmJob) -> dict[str, str] | None:
     try:
-        out = subprocess.run(["scontrol", "show", "job", "--oneliner", job.job_id], capture_output=True, text=True,
-                             timeout=60, check=True).stdout
+        out = subprocess.run(
+            ["scontrol", "show", "job", "--oneliner", job.job_id],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     return dict(re.findall(r"(\w+)=(\S*)", out))
@@ -190,8 +201,10 @@ def job_log(run_dir: Path | None):
         return
     job = current_job()
     with open(Path(run_dir) / LOG_NAME, "a", encoding="utf-8", buffering=1) as log:
-        log.write(f"==== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} job {job.name if job else '-'} restart "
-                  f"{job.restart_count if job else '-'} on {socket.gethostname()} (pid {os.getpid()}) ====\n")
+        log.write(
+            f"==== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} job {job.name if job else '-'} restart "
+            f"{job.restart_count if job else '-'} on {socket.gethostname()} (pid {os.getpid()}) ====\n"
+        )
         out, err = sys.stdout, sys.stderr
         sys.stdout, sys.stderr = _Tee(out, log), _Tee(err, log)
         try:

@@ -47,10 +47,15 @@ class DDP:
         if not several_ranks():
             return model
         # Buffers are synced from rank 0 once, at wrap time, not before every forward (torch 2.13 renamed the option).
-        no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_OPTIONS
-                          else {"broadcast_buffers": False})
-        return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
-                                       bucket_cap_mb=self.bucket_cap_mb, **no_buffer_sync)
+        no_buffer_sync = (
+            {"forward_sync_buffers": False} if "forward_sync_buffers" in _DDP_OPTIONS else {"broadcast_buffers": False}
+        )
+        return DistributedDataParallel(
+            model,
+            device_ids=[device] if device.type == "cuda" else None,
+            bucket_cap_mb=self.bucket_cap_mb,
+            **no_buffer_sync,
+        )
 
     def no_sync(self, module: nn.Module):
         """Backward without the gradient all-reduce (all but the last micro-batch of an update)."""
@@ -79,8 +84,9 @@ class FSDP:
         if not several_ranks():
             return model
         self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-        annotations = {name: {"head_split": p.head_split} for name, p in model.named_parameters()
-                       if hasattr(p, "head_split")}
+        annotations = {
+            name: {"head_split": p.head_split} for name, p in model.named_parameters() if hasattr(p, "head_split")
+        }
         blocks = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
         for block in blocks:
             fully_shard(block, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from k3train.config import TrainConfig
 from k3train.train.state import TrainState
@@ -15,8 +15,9 @@ class TrainingPlan:
     max_steps or max_tokens changed (skipped updates consume data, so re-deriving it from the data left would shift
     the lr)."""
 
-    def __init__(self, config: TrainConfig, state: TrainState, train_loader, tokens_per_update: int,
-                 schedule_factory: Callable):
+    def __init__(
+        self, config: TrainConfig, state: TrainState, train_loader, tokens_per_update: int, schedule_factory: Callable
+    ):
         self.config, self.state, self.train_loader = config, state, train_loader
         self.tokens_per_update = tokens_per_update
         self.total_steps = self._derive_total()
@@ -41,7 +42,7 @@ class TrainingPlan:
             )
         return total
 
-    def done(self) -> Optional[str]:
+    def done(self) -> str | None:
         """Why the run as planned is over (max_steps, max_tokens, end_of_data), or None while work is left."""
         s, c = self.state, self.config
         if c.max_steps is not None and s.step >= c.max_steps:
@@ -53,8 +54,11 @@ class TrainingPlan:
         return None
 
     def state_dict(self) -> dict:
-        return {"total_steps": self.total_steps, "max_steps": self.config.max_steps,
-                "max_tokens": self.config.max_tokens}
+        return {
+            "total_steps": self.total_steps,
+            "max_steps": self.config.max_steps,
+            "max_tokens": self.config.max_tokens,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore after the counters and the train loader (the Trainer adds this part after them)."""

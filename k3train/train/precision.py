@@ -46,9 +46,11 @@ class Precision:
         slowdown = matmul_slowdown(self.torch_dtype)
         if slowdown < SLOW_CPU_RATIO:
             return None
-        warning = (f"k3train: warning: precision={self.dtype} on this CPU ({cpu_description()['cpu_model']}, "
-                   f"{torch.backends.cpu.get_cpu_capability()}): a {self.dtype} matmul measured {slowdown:.1f}x "
-                   f"slower than fp32, so autocast makes training slower, not faster; use precision=fp32")
+        warning = (
+            f"k3train: warning: precision={self.dtype} on this CPU ({cpu_description()['cpu_model']}, "
+            f"{torch.backends.cpu.get_cpu_capability()}): a {self.dtype} matmul measured {slowdown:.1f}x "
+            f"slower than fp32, so autocast makes training slower, not faster; use precision=fp32"
+        )
         print(warning, file=sys.stderr, flush=True)
         return warning
 
@@ -59,5 +61,6 @@ class Precision:
 
     def make_scaler(self, device: torch.device) -> torch.amp.GradScaler:
         # Disabled scalers are pass-throughs, so the update loop has one code path for every precision.
-        return torch.amp.GradScaler(device.type, init_scale=self.init_scale, growth_interval=self.growth_interval,
-                                    enabled=self.dtype == "fp16")
+        return torch.amp.GradScaler(
+            device.type, init_scale=self.init_scale, growth_interval=self.growth_interval, enabled=self.dtype == "fp16"
+        )

@@ -16,27 +16,28 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
+from k3train.checkpoint.checkpointer import Checkpointer
 from k3train.config import ProfileConfig, TrainConfig
 from k3train.data import EndOfData
 from k3train.models.protocol import LanguageModel
-from k3train.train.callbacks import Callback
-from k3train.checkpoint.checkpointer import Checkpointer
-from k3train.runtime.distributed import any_across_ranks, current_world, mean_across_ranks
-from k3train.train.evaluate import evaluate
 from k3train.observe.metrics import MetricsLogger
 from k3train.observe.mfu import MFU
+from k3train.observe.profile import make_profiler
+from k3train.observe.progress import Progress, Window, peak_memory_mb, say
+from k3train.runtime.distributed import any_across_ranks, current_world, mean_across_ranks
+from k3train.runtime.signals import StopSignals
+from k3train.train.callbacks import Callback
+from k3train.train.evaluate import evaluate
 from k3train.train.parallel import DDP, full_value
 from k3train.train.plan import TrainingPlan
 from k3train.train.precision import Precision
-from k3train.observe.profile import make_profiler
-from k3train.observe.progress import Progress, Window, peak_memory_mb, say
 from k3train.train.rng import RNGState
-from k3train.runtime.signals import StopSignals
 from k3train.train.state import ConfiguredOptimizer, TrainState
 
 
@@ -52,10 +53,23 @@ class ReportsDiagnostics(Protocol):
 
 
 class Trainer:
-    def __init__(self, *, model: LanguageModel, optimizer: torch.optim.Optimizer, schedule_factory: Callable,
-                 precision: Precision, train_loader, val_loader, config: TrainConfig, device: torch.device,
-                 metrics: MetricsLogger, checkpointer: Checkpointer, callbacks: Optional[dict[str, Callback]] = None,
-                 parallel: Optional[DDP] = None, profile: Optional[ProfileConfig] = None):
+    def __init__(
+        self,
+        *,
+        model: LanguageModel,
+        optimizer: torch.optim.Optimizer,
+        schedule_factory: Callable,
+        precision: Precision,
+        train_loader,
+        val_loader,
+        config: TrainConfig,
+        device: torch.device,
+        metrics: MetricsLogger,
+        checkpointer: Checkpointer,
+        callbacks: dict[str, Callback] | None = None,
+        parallel: DDP | None = None,
+        profile: ProfileConfig | None = None,
+    ):
         self.model = model  # the unwrapped, uncompiled module: its state_dict keys stay stable
         self.parallel = parallel or DDP()
         self.replicated = self.parallel.wrap(model, device)  # the model itself in one process
@@ -80,16 +94,24 @@ class Trainer:
         # Global: every rank's rows of the batch (the loaders' data-parallel view), so plans and logs are per run.
         self.tokens_per_update = train_loader.global_tokens_per_batch * config.gradient_accumulation_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.mfu = MFU.for_model(model, config.seq_len, device, precision.dtype, config.peak_flops,
-                                 devices=current_world().size)
-        self._fixed_batches: Optional[list] = None  # overfit_batch mode
+        self.mfu = MFU.for_model(
+            model, config.seq_len, device, precision.dtype, config.peak_flops, devices=current_world().size
+        )
+        self._fixed_batches: list | None = None  # overfit_batch mode
         self.plan = TrainingPlan(config, self.state, train_loader, self.tokens_per_update, schedule_factory)
         self.schedule = self.plan.schedule
         self._optimizer_part = ConfiguredOptimizer(optimizer)
-        self._resumed_from: Optional[Path] = None
-        parts = {"model": model, "optimizer": self._optimizer_part, "scaler": self.scaler,
-                 "train_loader": train_loader, "val_loader": val_loader, "rng": RNGState(), "trainer": self.state,
-                 "plan": self.plan}  # restored in this order: the plan re-derives from the counters and cursor
+        self._resumed_from: Path | None = None
+        parts = {
+            "model": model,
+            "optimizer": self._optimizer_part,
+            "scaler": self.scaler,
+            "train_loader": train_loader,
+            "val_loader": val_loader,
+            "rng": RNGState(),
+            "trainer": self.state,
+            "plan": self.plan,
+        }  # restored in this order: the plan re-derives from the counters and cursor
         for name, part in parts.items():
             checkpointer.add(name, part)
         for callback in self.callbacks.values():
@@ -99,7 +121,7 @@ class Trainer:
     def total_steps(self) -> int:
         return self.plan.total_steps
 
-    def _stop_reason(self) -> Optional[str]:
+    def _stop_reason(self) -> str | None:
         if self.config.stop_after is not None and self.state.step - self.session_start_step >= self.config.stop_after:
             return self.plan.done() or "stop_after"
         return self.plan.done()
@@ -198,34 +220,52 @@ class Trainer:
 
     def _announce(self) -> None:
         c = self.config
-        line = (f"{self.label}training {self.total_steps} updates of {self.tokens_per_update:,} tokens "
-                f"(batch {c.batch_size} x seq {c.seq_len} x accum {c.gradient_accumulation_steps}) "
-                f"from step {self.state.step} on {self.device}, precision {self.precision.dtype}")
+        line = (
+            f"{self.label}training {self.total_steps} updates of {self.tokens_per_update:,} tokens "
+            f"(batch {c.batch_size} x seq {c.seq_len} x accum {c.gradient_accumulation_steps}) "
+            f"from step {self.state.step} on {self.device}, precision {self.precision.dtype}"
+        )
         print(line, flush=True)
 
     def _on_skip(self, result: dict) -> None:
         s = self.state
-        self.metrics.log("skip", step=s.step, tokens=s.tokens, loss=result["loss"], grad_norm=result["grad_norm"],
-                         skipped_updates=s.skipped_updates, consecutive=s.consecutive_skips,
-                         loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None)
-        say(f"{self.label}step {s.step}: non-finite loss {result['loss']} or grad norm "
-            f"{result['grad_norm']}; update skipped ({s.consecutive_skips} in a row)")
+        self.metrics.log(
+            "skip",
+            step=s.step,
+            tokens=s.tokens,
+            loss=result["loss"],
+            grad_norm=result["grad_norm"],
+            skipped_updates=s.skipped_updates,
+            consecutive=s.consecutive_skips,
+            loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
+        )
+        say(
+            f"{self.label}step {s.step}: non-finite loss {result['loss']} or grad norm "
+            f"{result['grad_norm']}; update skipped ({s.consecutive_skips} in a row)"
+        )
         if s.consecutive_skips >= self.config.max_consecutive_skips:
-            self.metrics.log("end", step=s.step, tokens=s.tokens, reason="diverged",
-                             skipped_updates=s.skipped_updates)
+            self.metrics.log("end", step=s.step, tokens=s.tokens, reason="diverged", skipped_updates=s.skipped_updates)
             fix = "lower optim.lr" + (" or train.grad_clip" if self.config.clip_norm else " or enable train.grad_clip")
-            raise TrainingDiverged(f"{s.consecutive_skips} non-finite updates in a row at step {s.step}: the run "
-                                   f"has diverged. {self.checkpointer.set_aside_diverged(s.step, fix)}")
+            raise TrainingDiverged(
+                f"{s.consecutive_skips} non-finite updates in a row at step {s.step}: the run "
+                f"has diverged. {self.checkpointer.set_aside_diverged(s.step, fix)}"
+            )
 
     def _after_update(self, window: Window, progress: Progress) -> None:
         s, c = self.state, self.config
         if s.step % c.log_interval == 0 or s.step == self.total_steps:
             figures = window.summary()
-            record = self.metrics.log("train", step=s.step, tokens=s.tokens, **figures,
-                                      mfu=self.mfu.of(figures["tokens_per_s"]),
-                                      lr={g["name"]: g["lr"] for g in self.optimizer.param_groups},
-                                      peak_memory_mb=peak_memory_mb(self.device),
-                                      skipped_updates=s.skipped_updates, **self._diagnostics())
+            record = self.metrics.log(
+                "train",
+                step=s.step,
+                tokens=s.tokens,
+                **figures,
+                mfu=self.mfu.of(figures["tokens_per_s"]),
+                lr={g["name"]: g["lr"] for g in self.optimizer.param_groups},
+                peak_memory_mb=peak_memory_mb(self.device),
+                skipped_updates=s.skipped_updates,
+                **self._diagnostics(),
+            )
             progress.log_line(record)
             window.reset()
         if c.eval_interval and s.step % c.eval_interval == 0 and s.step < self.total_steps:
@@ -243,7 +283,7 @@ class Trainer:
                 out[name] = figures
         return out
 
-    def run_eval(self, progress: Optional[Progress] = None) -> dict:
+    def run_eval(self, progress: Progress | None = None) -> dict:
         result = evaluate(self.model, self.val_loader, self.config.eval_batches, self.precision, self.device)
         self.metrics.log("eval", step=self.state.step, tokens=self.state.tokens, **result)
         msg = f"{self.label}eval step {self.state.step}: val loss {result['loss']:.4f} ({result['batches']} batches)"
@@ -258,8 +298,13 @@ class Trainer:
             self.save()
         if self.plan.done() is not None:
             self.checkpointer.update_went_on()  # the run is complete: no update will ever go on from last.pt
-        self.metrics.log("end", step=self.state.step, tokens=self.state.tokens, reason=reason,
-                         skipped_updates=self.state.skipped_updates)
+        self.metrics.log(
+            "end",
+            step=self.state.step,
+            tokens=self.state.tokens,
+            reason=reason,
+            skipped_updates=self.state.skipped_updates,
+        )
         say(f"{self.label}stopped at step {self.state.step} ({reason}); checkpoint {self.checkpointer.path}")
 
     # ---- checkpointing ------------------------------------------------------------------------------------------
@@ -267,8 +312,14 @@ class Trainer:
         """Checkpoint at an update boundary (gradients are already cleared)."""
         t0 = time.perf_counter()
         size = self.checkpointer.save(self.state.step)
-        self.metrics.log("checkpoint", step=self.state.step, tokens=self.state.tokens,
-                         path=str(self.checkpointer.path), bytes=size, seconds=round(time.perf_counter() - t0, 3))
+        self.metrics.log(
+            "checkpoint",
+            step=self.state.step,
+            tokens=self.state.tokens,
+            path=str(self.checkpointer.path),
+            bytes=size,
+            seconds=round(time.perf_counter() - t0, 3),
+        )
 
     def resume(self, path: Path) -> None:
         """Continue from a checkpoint: the Checkpointer checks it against this run and restores every part.
@@ -281,10 +332,18 @@ class Trainer:
     def _log_resume(self) -> None:
         s, path, changed = self.state, str(self._resumed_from), self._optimizer_part.changed
         cursor = self.train_loader.state_dict()["cursor"]
-        self.metrics.log("resume", step=s.step, tokens=s.tokens, path=path, train_cursor=cursor,
-                         lr={g["name"]: g["initial_lr"] * self.schedule.factor(s.step)
-                             for g in self.optimizer.param_groups},
-                         total_steps=self.total_steps, changed_settings=changed)
-        say(f"{self.label}resumed from {path} at step {s.step} ({s.tokens:,} tokens), train cursor {cursor}, "
-            f"RNG restored" + (f"; settings changed: {changed}" if changed else ""))
+        self.metrics.log(
+            "resume",
+            step=s.step,
+            tokens=s.tokens,
+            path=path,
+            train_cursor=cursor,
+            lr={g["name"]: g["initial_lr"] * self.schedule.factor(s.step) for g in self.optimizer.param_groups},
+            total_steps=self.total_steps,
+            changed_settings=changed,
+        )
+        say(
+            f"{self.label}resumed from {path} at step {s.step} ({s.tokens:,} tokens), train cursor {cursor}, "
+            f"RNG restored" + (f"; settings changed: {changed}" if changed else "")
+        )
         self._resumed_from = None

@@ -21,10 +21,13 @@ class MLACache:
     length: int = 0
 
     @classmethod
-    def empty(cls, batch: int, capacity: int, kv_lora_rank: int, rope_dim: int, device: torch.device,
-              dtype: torch.dtype) -> MLACache:
-        return cls(torch.zeros(batch, capacity, kv_lora_rank, device=device, dtype=dtype),
-                   torch.zeros(batch, capacity, rope_dim, device=device, dtype=dtype))
+    def empty(
+        cls, batch: int, capacity: int, kv_lora_rank: int, rope_dim: int, device: torch.device, dtype: torch.dtype
+    ) -> MLACache:
+        return cls(
+            torch.zeros(batch, capacity, kv_lora_rank, device=device, dtype=dtype),
+            torch.zeros(batch, capacity, rope_dim, device=device, dtype=dtype),
+        )
 
     @property
     def capacity(self) -> int:
@@ -34,11 +37,13 @@ class MLACache:
         """Store T new positions ([B, T, r], [B, T, dr]); return every position so far."""
         T = latent.shape[1]
         if self.length + T > self.capacity:
-            raise ValueError(f"MLA cache holds {self.capacity} positions; {self.length} are filled and {T} more "
-                             "were given: build the cache with a larger capacity (prompt + new tokens)")
+            raise ValueError(
+                f"MLA cache holds {self.capacity} positions; {self.length} are filled and {T} more "
+                "were given: build the cache with a larger capacity (prompt + new tokens)"
+            )
         end = self.length + T
-        self.latent[:, self.length:end] = latent
-        self.k_rope[:, self.length:end] = k_rope
+        self.latent[:, self.length : end] = latent
+        self.k_rope[:, self.length : end] = k_rope
         self.length = end
         return self.latent[:, :end], self.k_rope[:, :end]
 

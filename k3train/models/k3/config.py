@@ -69,9 +69,23 @@ class KimiK3Config:
             raise ValueError(f"model_type={self.model_type!r}: KimiK3Config only builds 'kimi_k3'")
         if self.vocab_size is not None:
             _positive(self, "vocab_size")
-        for name in ("d_model", "n_layers", "max_seq_len", "mla_n_heads", "kv_lora_rank", "qk_rope_head_dim",
-                     "v_head_dim", "kda_n_heads", "kda_head_dim", "kda_conv_size", "kda_chunk_size",
-                     "n_routed_experts", "experts_per_token", "expert_ffn_dim", "dense_ffn_dim"):
+        for name in (
+            "d_model",
+            "n_layers",
+            "max_seq_len",
+            "mla_n_heads",
+            "kv_lora_rank",
+            "qk_rope_head_dim",
+            "v_head_dim",
+            "kda_n_heads",
+            "kda_head_dim",
+            "kda_conv_size",
+            "kda_chunk_size",
+            "n_routed_experts",
+            "experts_per_token",
+            "expert_ffn_dim",
+            "dense_ffn_dim",
+        ):
             _positive(self, name)
         for name in ("qk_nope_head_dim", "n_shared_experts", "first_k_dense"):
             if getattr(self, name) < 0:
@@ -82,16 +96,19 @@ class KimiK3Config:
         if self.q_lora_rank is not None:
             _positive(self, "q_lora_rank")
         if self.mla_rope and self.qk_rope_head_dim % 2:
-            raise ValueError(f"qk_rope_head_dim={self.qk_rope_head_dim} must be even when mla_rope=true "
-                             "(rotary pairs up channels)")
+            raise ValueError(
+                f"qk_rope_head_dim={self.qk_rope_head_dim} must be even when mla_rope=true (rotary pairs up channels)"
+            )
         if self.kda_chunk_size & (self.kda_chunk_size - 1):
             raise ValueError(f"kda_chunk_size={self.kda_chunk_size} must be a power of two (16, 32, 64, ...)")
         _choice(self, "kda_implementation", KDA_IMPLEMENTATIONS)
         _choice(self, "kda_gate", KDA_GATES)
         _choice(self, "router", ROUTERS)
         if self.experts_per_token >= self.n_routed_experts:
-            raise ValueError(f"experts_per_token={self.experts_per_token} must be < n_routed_experts="
-                             f"{self.n_routed_experts}; lower experts_per_token or add experts")
+            raise ValueError(
+                f"experts_per_token={self.experts_per_token} must be < n_routed_experts="
+                f"{self.n_routed_experts}; lower experts_per_token or add experts"
+            )
         if self.first_k_dense > self.n_layers:
             raise ValueError(f"first_k_dense={self.first_k_dense} exceeds n_layers={self.n_layers}")
         if self.layer_types is not None:
@@ -104,11 +121,15 @@ class KimiK3Config:
         """The mixer of each layer, e.g. ['kda', 'kda', 'kda', 'mla'] for n_layers=4 and kda_mla_ratio='3:1'."""
         if self.layer_types is not None:
             if self.kda_mla_ratio is not None:
-                raise ValueError("set either kda_mla_ratio or layer_types, not both: "
-                                 "use kda_mla_ratio=null with an explicit layer_types list")
+                raise ValueError(
+                    "set either kda_mla_ratio or layer_types, not both: "
+                    "use kda_mla_ratio=null with an explicit layer_types list"
+                )
             if len(self.layer_types) != self.n_layers:
-                raise ValueError(f"layer_types has {len(self.layer_types)} entries but n_layers={self.n_layers}; "
-                                 "give one entry per layer")
+                raise ValueError(
+                    f"layer_types has {len(self.layer_types)} entries but n_layers={self.n_layers}; "
+                    "give one entry per layer"
+                )
             bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
             if bad:
                 raise ValueError(f"layer_types contains {bad}; each entry must be one of {LAYER_TYPES}")
@@ -130,8 +151,10 @@ def _parse_ratio(ratio: str) -> tuple[int, int]:
     try:
         n_kda, n_mla = (int(p) for p in parts)
     except ValueError:
-        raise ValueError(f"kda_mla_ratio={ratio!r} must look like '3:1' (KDA layers : MLA layers "
-                         "per group); quote it in YAML, where an unquoted 3:1 reads as the base-60 integer 181") from None
+        raise ValueError(
+            f"kda_mla_ratio={ratio!r} must look like '3:1' (KDA layers : MLA layers "
+            "per group); quote it in YAML, where an unquoted 3:1 reads as the base-60 integer 181"
+        ) from None
     if n_kda < 0 or n_mla < 0 or n_kda + n_mla == 0:
         raise ValueError(f"kda_mla_ratio={ratio!r} needs non-negative counts with at least one layer per group")
     return n_kda, n_mla

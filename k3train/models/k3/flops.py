@@ -67,4 +67,6 @@ def chunk_state_macs(K: int, V: int, C: int, seq_len: int) -> float:
 
 def moe_macs(c: KimiK3Config) -> float:
     """Per token: the router over every routed expert, then SwiGLU in the k chosen and the shared ones."""
-    return c.d_model * c.n_routed_experts + (c.experts_per_token + c.n_shared_experts) * 3 * c.d_model * c.expert_ffn_dim
+    return (
+        c.d_model * c.n_routed_experts + (c.experts_per_token + c.n_shared_experts) * 3 * c.d_model * c.expert_ffn_dim
+    )

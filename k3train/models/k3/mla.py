@@ -37,8 +37,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
         """x [B, T, H, dr] -> same shape, x[:, t] rotated as position start + t."""
         T = x.shape[1]
-        cos = self.cos[start:start + T, None, :].to(x.dtype)  # [T, 1, dr/2]
-        sin = self.sin[start:start + T, None, :].to(x.dtype)
+        cos = self.cos[start : start + T, None, :].to(x.dtype)  # [T, 1, dr/2]
+        sin = self.sin[start : start + T, None, :].to(x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
@@ -76,7 +76,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.o_proj = nn.Linear(n_heads * self.dv, d_model, bias=False)
         self.rotary = RotaryEmbedding(self.dr, max_seq_len, rope_theta) if rope else None
 
-        # Muon may orthogonalise these per head (`head_split`, docs/contracts.md): rows [H*dh, in] or columns [out, H*dh].
+        # Muon may orthogonalise these per head (`head_split`, docs/contracts.md): rows [H*dh, in] or columns
+        # [out, H*dh].
         self.q_out_proj.weight.head_split = (n_heads, 0)
         self.kv_b_proj.weight.head_split = (n_heads, 0)
         self.o_proj.weight.head_split = (n_heads, 1)
@@ -131,8 +132,10 @@ class MultiHeadLatentAttention(nn.Module):
         H, dn, dr, dv, r = self.n_heads, self.dn, self.dr, self.dv, self.kv_lora_rank
         start = cache.length
         if self.rotary is not None and start + T > self.rotary.cos.shape[0]:
-            raise ValueError(f"position {start + T - 1} is past the rotary table's {self.rotary.cos.shape[0]} "
-                             "positions (max_seq_len): decode a shorter context")
+            raise ValueError(
+                f"position {start + T - 1} is past the rotary table's {self.rotary.cos.shape[0]} "
+                "positions (max_seq_len): decode a shorter context"
+            )
         q_nope, q_rope = self._query(x).view(B, T, H, dn + dr).split([dn, dr], dim=-1)
         c_kv, k_rope = self.kv_a_proj(x).split([r, dr], dim=-1)
         if self.rotary is not None:
@@ -143,8 +146,9 @@ class MultiHeadLatentAttention(nn.Module):
         w_kv = self.kv_b_proj.weight.view(H, dn + dv, r)
         # q_nope . (W_uk c) == (W_uk^T q_nope) . c: the query moves into the latent space once per new token.
         q_latent = torch.einsum("bthd,hdr->bthr", q_nope, w_kv[:, :dn])
-        scores = (torch.einsum("bthr,bsr->bhts", q_latent, latent)
-                  + torch.einsum("bthd,bsd->bhts", q_rope, k_rope)) * self.scale  # [B, H, T, S]
+        scores = (
+            torch.einsum("bthr,bsr->bhts", q_latent, latent) + torch.einsum("bthd,bsd->bhts", q_rope, k_rope)
+        ) * self.scale  # [B, H, T, S]
         # New token t sits at position start + t and sees positions 0..start + t.
         visible = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
         weights = scores.masked_fill(~visible, -math.inf).softmax(dim=-1, dtype=torch.float32).to(latent.dtype)

@@ -36,22 +36,40 @@ class Block(nn.Module):
         self.mixer_norm = RMSNorm(c.d_model, eps=c.norm_eps)
         if self.mixer_type == "kda":
             self.mixer = KimiDeltaAttention(
-                c.d_model, c.kda_n_heads, c.kda_head_dim, conv_size=c.kda_conv_size,
-                implementation=c.kda_implementation, chunk_size=c.kda_chunk_size, gate=c.kda_gate,
+                c.d_model,
+                c.kda_n_heads,
+                c.kda_head_dim,
+                conv_size=c.kda_conv_size,
+                implementation=c.kda_implementation,
+                chunk_size=c.kda_chunk_size,
+                gate=c.kda_gate,
                 norm_eps=c.norm_eps,
             )
         else:
             self.mixer = MultiHeadLatentAttention(
-                c.d_model, c.mla_n_heads, c.kv_lora_rank, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim,
-                q_lora_rank=c.q_lora_rank, rope=c.mla_rope, rope_theta=c.rope_theta, max_seq_len=c.max_seq_len,
+                c.d_model,
+                c.mla_n_heads,
+                c.kv_lora_rank,
+                c.qk_nope_head_dim,
+                c.qk_rope_head_dim,
+                c.v_head_dim,
+                q_lora_rank=c.q_lora_rank,
+                rope=c.mla_rope,
+                rope_theta=c.rope_theta,
+                max_seq_len=c.max_seq_len,
                 norm_eps=c.norm_eps,
             )
         self.ffn_norm = RMSNorm(c.d_model, eps=c.norm_eps)
         if c.is_moe_layer(layer_idx):
             self.ffn: nn.Module = MoE(
-                c.d_model, c.n_routed_experts, c.experts_per_token, c.expert_ffn_dim,
-                n_shared_experts=c.n_shared_experts, routed_scaling_factor=c.routed_scaling_factor,
-                balancing=c.router, aux_free_bias_rate=c.aux_free_bias_rate,
+                c.d_model,
+                c.n_routed_experts,
+                c.experts_per_token,
+                c.expert_ffn_dim,
+                n_shared_experts=c.n_shared_experts,
+                routed_scaling_factor=c.routed_scaling_factor,
+                balancing=c.router,
+                aux_free_bias_rate=c.aux_free_bias_rate,
             )
         else:
             self.ffn = SwiGLU(c.d_model, c.dense_ffn_dim)
@@ -76,8 +94,10 @@ class KimiK3(nn.Module):
     def __init__(self, config: KimiK3Config) -> None:
         super().__init__()
         if config.vocab_size is None:
-            raise ValueError("KimiK3 needs config.vocab_size; vocab_size=null is filled in from the dataset by the "
-                             "entry point, so set it when building the model directly")
+            raise ValueError(
+                "KimiK3 needs config.vocab_size; vocab_size=null is filled in from the dataset by the "
+                "entry point, so set it when building the model directly"
+            )
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
@@ -112,8 +132,9 @@ class KimiK3(nn.Module):
                 nn.init.normal_(module.w_up, std=std)
                 nn.init.normal_(module.w_down, std=residual_std)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """x [B, T] token ids -> (logits [B, T, V], None); with targets [B, T] -> (None, the mean next-token
         cross-entropy over all B*T positions in fp32) (targets are already shifted: targets[:, t] follows x[:, t]).
 
@@ -129,7 +150,7 @@ class KimiK3(nn.Module):
 
     def empty_cache(self, batch: int, capacity: int) -> list[KDAState | MLACache]:
         """One decoding cache per layer for `batch` sequences of up to `capacity` positions (prompt + new tokens):
-        a fixed-size KDAState for a KDA layer, an MLACache of the latent for an MLA layer (k3train/models/k3/cache.py)."""
+        a fixed-size KDAState for a KDA layer, an MLACache of the latent for an MLA layer (models/k3/cache.py)."""
         weight = self.embed_tokens.weight
         return [layer.empty_cache(batch, capacity, weight.device, weight.dtype) for layer in self.layers]
 
@@ -150,11 +171,15 @@ class KimiK3(nn.Module):
         """
         c = self.config
         if vocab_size != c.vocab_size:
-            raise ValueError(f"the data's vocab_size is {vocab_size} but the model's is {c.vocab_size}: set "
-                             f"model.vocab_size=null (take it from the data) or {vocab_size}")
+            raise ValueError(
+                f"the data's vocab_size is {vocab_size} but the model's is {c.vocab_size}: set "
+                f"model.vocab_size=null (take it from the data) or {vocab_size}"
+            )
         if seq_len > c.max_seq_len:
-            raise ValueError(f"seq_len={seq_len} exceeds the model's max_seq_len={c.max_seq_len}: lower seq_len "
-                             f"or raise model.max_seq_len")
+            raise ValueError(
+                f"seq_len={seq_len} exceeds the model's max_seq_len={c.max_seq_len}: lower seq_len "
+                f"or raise model.max_seq_len"
+            )
 
     def moe_layers(self) -> dict[int, MoE]:
         return {i: layer.ffn for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)}
@@ -174,8 +199,9 @@ class KimiK3(nn.Module):
         idle = 0
         for moe in self.moe_layers().values():
             # numel / E, not w[0].numel(): indexing an FSDP2-sharded stack is a collective (rank 0 calls this)
-            per_expert = sum(w.numel() // w.shape[0]
-                             for w in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down))
+            per_expert = sum(
+                w.numel() // w.shape[0] for w in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down)
+            )
             idle += (moe.n_experts - moe.k) * per_expert
         return {"total": total, "active": total - idle, "embedding": self.embed_tokens.weight.numel()}
 

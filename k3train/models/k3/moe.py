@@ -101,8 +101,7 @@ class RoutedExperts(nn.Module):
         for w in (self.w_gate, self.w_up, self.w_down):
             nn.init.normal_(w, std=0.02)  # the model re-initialises with its init_std
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int], row_scale: torch.Tensor | None = None
-                ) -> torch.Tensor:
+    def forward(self, x_sorted: torch.Tensor, counts: list[int], row_scale: torch.Tensor | None = None) -> torch.Tensor:
         """x_sorted [S, d]: token slots grouped by expert, counts[e] rows for expert e -> [S, d], each row times
         row_scale [S] when given (the slots' gate weights)."""
         return GroupedSwiGLU.apply(x_sorted, self.w_gate, self.w_up, self.w_down, counts, row_scale)
@@ -318,6 +317,7 @@ def quantile_bias(required: torch.Tensor, k: int, n_tokens: int | None = None) -
 
 # --- data-parallel balancing: every rank ends with the same bias, the one of all ranks' tokens together ----------
 
+
 def all_gather_rows(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """[R, ...] from each of W ranks (the same R) -> [W*R, ...], rank 0's rows first, the same on every rank."""
     out = local.new_empty(dist.get_world_size(group) * local.shape[0], *local.shape[1:])
@@ -337,7 +337,8 @@ def check_equal_tokens(tokens_per_rank: list[int]) -> None:
     if len(set(tokens_per_rank)) > 1:
         raise ValueError(
             f"Quantile Balancing over ranks needs the same number of tokens on every rank, got {tokens_per_rank} "
-            "(tokens per rank, in rank order): give every rank the same batch_size and seq_len")
+            "(tokens per rank, in rank order): give every rank the same batch_size and seq_len"
+        )
 
 
 def global_quantile_bias(required: torch.Tensor, k: int, group: dist.ProcessGroup) -> torch.Tensor:

@@ -110,7 +110,8 @@ class _ChunkKDA(torch.autograd.Function):
         S = q.new_zeros(*q.shape[:-3], K, v.shape[-1]) if initial_state is None else initial_state
         starts, v_new = q.new_empty(*q.shape[:-2], K, v.shape[-1]), torch.empty_like(u)  # [..., N, K|C, V]
         for start, v_new_n, u_n, w_n, k_out_n, decay_n in zip(
-                *(x.unbind(-3) for x in (starts, v_new, u, w, k_out, chunk_decay))):
+            *(x.unbind(-3) for x in (starts, v_new, u, w, k_out, chunk_decay))
+        ):
             start.copy_(S)
             torch.sub(u_n, w_n @ S, out=v_new_n)  # [..., C, V]: the values the state fails to predict
             S = decay_n * S + k_out_n @ v_new_n
@@ -141,8 +142,9 @@ class _ChunkKDA(torch.autograd.Function):
         dv_new_from_o = A_qk.transpose(-1, -2) @ do  # [..., N, C, V]
         dS_from_o = q_in.transpose(-1, -2) @ do  # [..., N, K, V]
         dv_new, dS_ends = torch.empty_like(v_new), torch.empty_like(starts)
-        for dS_end, dv_new_n, dv_o, dS_o, k_out_n, w_n, decay_n in reversed(list(zip(
-                *(x.unbind(-3) for x in (dS_ends, dv_new, dv_new_from_o, dS_from_o, k_out, w, chunk_decay))))):
+        for dS_end, dv_new_n, dv_o, dS_o, k_out_n, w_n, decay_n in reversed(
+            list(zip(*(x.unbind(-3) for x in (dS_ends, dv_new, dv_new_from_o, dS_from_o, k_out, w, chunk_decay))))
+        ):
             dS_end.copy_(dS)
             torch.add(dv_o, k_out_n @ dS, out=dv_new_n)
             dS = dS_o - w_n.transpose(-1, -2) @ dv_new_n + decay_n * dS
@@ -160,8 +162,7 @@ class _ChunkKDA(torch.autograd.Function):
         dA_qk, dA_kk = dA.unbind(0)
         torch.matmul(do, v_new.transpose(-1, -2), out=dA_qk).tril_()
         torch.matmul(dR_k, w.transpose(-1, -2), out=dA_kk).add_(dR_v @ u.transpose(-1, -2)).tril_(-1).neg_()
-        dbeta = ((dR_k * kg).sum(-1, keepdim=True) + (dR_v * v).sum(-1, keepdim=True)
-                 + (dA_kk * P).sum(-1, keepdim=True))
+        dbeta = (dR_k * kg).sum(-1, keepdim=True) + (dR_v * v).sum(-1, keepdim=True) + (dA_kk * P).sum(-1, keepdim=True)
         dA_kk.mul_(beta)  # A_kk = beta P: now dP
         dv = beta * dR_v
         # The decay-weighted products: A_qk's and P's gradients back onto their rows and columns.
@@ -229,7 +230,7 @@ def _decays(G: Tensor, block: int | None = None) -> _Decays:
 
 def _block_middles(G: Tensor, block: int) -> Tensor:
     """G at each block's middle row: [..., C, K] -> [..., C/block, 1, K]."""
-    return G.unflatten(-2, (G.shape[-2] // block, block))[..., block // 2:block // 2 + 1, :]
+    return G.unflatten(-2, (G.shape[-2] // block, block))[..., block // 2 : block // 2 + 1, :]
 
 
 def _span(G: Tensor, block: int) -> float:
@@ -320,6 +321,6 @@ def _apply(A: Tensor, X: Tensor) -> Tensor:
     if A.shape[-1] <= 2:
         out = A[..., :, :1] * X[..., :1, :]
         for j in range(1, A.shape[-1]):
-            out.addcmul_(A[..., :, j:j + 1], X[..., j:j + 1, :])
+            out.addcmul_(A[..., :, j : j + 1], X[..., j : j + 1, :])
         return out
     return torch.einsum("...ij,...jk->...ik", A, X)

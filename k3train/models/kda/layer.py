@@ -124,8 +124,16 @@ class KimiDeltaAttention(nn.Module):
 
     def empty_state(self, batch: int, device: torch.device, dtype: torch.dtype) -> KDAState:
         key_dim = self.n_heads * self.head_dim
-        return KDAState.empty(batch, self.conv_size, key_dim, self.n_value_heads * self.head_dim,
-                              self.n_value_heads, self.head_dim, device, dtype)
+        return KDAState.empty(
+            batch,
+            self.conv_size,
+            key_dim,
+            self.n_value_heads * self.head_dim,
+            self.n_value_heads,
+            self.head_dim,
+            device,
+            dtype,
+        )
 
     def forward_cached(self, x: Tensor, state: KDAState) -> Tensor:
         """forward() continued from `state`, which is updated in place: a prompt (T > 1) or one new token."""
@@ -138,8 +146,15 @@ class KimiDeltaAttention(nn.Module):
         v, state.conv_v = self._short_conv_continued(self.v_conv, v, state.conv_v)
         q, k = l2_normalize(q.view(B, T, H, K)), l2_normalize(k.view(B, T, H, K))
         recurrence = self._continued_recurrence(T)
-        o, state.recurrent = recurrence(q, k, v.view(B, T, HV, K), self._forget_gate(f_a), b.sigmoid(),
-                                        initial_state=state.recurrent, output_final_state=True)
+        o, state.recurrent = recurrence(
+            q,
+            k,
+            v.view(B, T, HV, K),
+            self._forget_gate(f_a),
+            b.sigmoid(),
+            initial_state=state.recurrent,
+            output_final_state=True,
+        )
         return self._gated_output(g_a, o)
 
     def _gated_output(self, g_a: Tensor, o: Tensor) -> Tensor:
@@ -154,7 +169,7 @@ class KimiDeltaAttention(nn.Module):
 
         Zeros as the first tail reproduce forward()'s causal padding exactly."""
         window = torch.cat((tail.to(x.dtype), x), dim=1)  # [B, conv_size - 1 + T, D]
-        return F.silu(causal_depthwise_conv(window, conv.weight)), window[:, window.shape[1] - tail.shape[1]:]
+        return F.silu(causal_depthwise_conv(window, conv.weight)), window[:, window.shape[1] - tail.shape[1] :]
 
     def _continued_recurrence(self, T: int):
         """The kernel that continues a state: chunked for a prompt, the per-step recurrence for one token
@@ -194,7 +209,7 @@ def causal_depthwise_conv(window: Tensor, weight: Tensor) -> Tensor:
     T = window.shape[1] - W + 1
     out = window[:, :T] * weight[:, 0, 0]
     for i in range(1, W):
-        out.addcmul_(window[:, i:i + T], weight[:, 0, i])
+        out.addcmul_(window[:, i : i + T], weight[:, 0, i])
     return out
 
 
@@ -213,7 +228,7 @@ class CausalConvSiLU(torch.autograd.Function):
         w = weight[:, 0]  # [D, W]; out[t] = sum_s w[:, W - 1 - s] * x[t - s]: no padded copy of x
         pre = x * w[:, W - 1]
         for s in range(1, min(W, T)):
-            pre[:, s:].addcmul_(x[:, :T - s], w[:, W - 1 - s])
+            pre[:, s:].addcmul_(x[:, : T - s], w[:, W - 1 - s])
         ctx.save_for_backward(x, weight, pre)
         return F.silu(pre)
 
@@ -229,7 +244,7 @@ class CausalConvSiLU(torch.autograd.Function):
         grad_w = torch.empty(weight.shape, dtype=acc, device=weight.device)
         grad_w[:, 0, W - 1] = (grad_pre * x).sum((0, 1), dtype=acc)
         for s in range(1, min(W, T)):
-            grad_x[:, :T - s].addcmul_(grad_pre[:, s:], w[:, W - 1 - s])
-            grad_w[:, 0, W - 1 - s] = (grad_pre[:, s:] * x[:, :T - s]).sum((0, 1), dtype=acc)
-        grad_w[:, 0, :max(W - T, 0)] = 0  # taps that only ever saw the padding
+            grad_x[:, : T - s].addcmul_(grad_pre[:, s:], w[:, W - 1 - s])
+            grad_w[:, 0, W - 1 - s] = (grad_pre[:, s:] * x[:, : T - s]).sum((0, 1), dtype=acc)
+        grad_w[:, 0, : max(W - T, 0)] = 0  # taps that only ever saw the padding
         return grad_x.to(x.dtype), grad_w.to(weight.dtype)
