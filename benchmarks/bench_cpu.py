@@ -166,7 +166,7 @@ def quickstart(steps: int, planned_steps: int = 200) -> dict:
             sys.executable,
             "-m",
             "k3train",
-            "+experiment=quickstart",
+            "experiment=quickstart",
             f"train.max_steps={steps}",
             "train.eval_interval=0",
             f"train.log_interval={steps // 2}",

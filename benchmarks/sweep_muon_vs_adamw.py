@@ -1,6 +1,6 @@
 """Muon + AdamW versus AdamW on k3_tiny and the built-in corpus, at equal steps, each at its best of three lrs.
 
-Runs the sweep conf/experiment/muon_vs_adamw.yaml describes (`python -m k3train -m +experiment=muon_vs_adamw`),
+Runs the sweep conf/experiment/muon_vs_adamw.yaml describes (`python -m k3train -m experiment=muon_vs_adamw`),
 reads each job's metrics.jsonl, prints a table and writes benchmarks/results/muon_vs_adamw.json. The grid, the
 steps and the model are the experiment's unless given here.
 
@@ -36,7 +36,7 @@ def main() -> None:
         "-m",
         "k3train",
         "-m",
-        "+experiment=muon_vs_adamw",
+        "experiment=muon_vs_adamw",
         *(f"{key}={value}" for key, value in given.items() if value is not None),
         f"hydra.sweep.dir={sweep_dir}",
     ]

@@ -1,21 +1,17 @@
 """`python -m k3train [overrides]`: compose the config with Hydra and hand it to the runner. Nothing else."""
 
-from k3train.runtime.cpu import configure_openmp
+from k3train.runtime.bootstrap import bootstrap
 
-configure_openmp()  # before anything imports torch: OpenMP reads its wait policy once, when it loads
+bootstrap(catch_stop_signals=True)  # before torch loads (runtime/bootstrap.py)
 
-from k3train.runtime.signals import catch_early  # noqa: E402
+import os
+import sys
 
-catch_early()  # a stop signal during start-up (imports, data, model) stops the run after its first update
+import hydra
+from omegaconf import DictConfig
 
-import os  # noqa: E402
-import sys  # noqa: E402
-
-import hydra  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
-
-from k3train.config import register_configs  # noqa: E402
-from k3train.runtime import distributed  # noqa: E402
+from k3train.config import register_configs
+from k3train.runtime import distributed
 
 register_configs()
 

@@ -110,6 +110,14 @@ class ProfileConfig:
 
 
 @dataclass
+class PathsConfig:
+    """conf/paths/: the output root (runs/, sweeps/ under it) and the cache root (prepared data, calibrations)."""
+
+    outputs: str = "outputs"
+    cache: str = "~/.cache/k3train"
+
+
+@dataclass
 class Config:
     model: Any = MISSING
     optim: Any = MISSING
@@ -121,6 +129,7 @@ class Config:
     logger: Any = field(default_factory=dict)  # name -> `_target_` node of a metrics sink, besides metrics.jsonl
     train: TrainConfig = field(default_factory=TrainConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
     # null: a fresh run | auto: continue from this output directory's checkpoint if there is one | a path
     resume: str | None = None
 

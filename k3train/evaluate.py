@@ -5,28 +5,28 @@ the checkpoint. The loss is k3train/train/evaluate.py's, the one training report
 
 from __future__ import annotations
 
-from k3train.runtime.cpu import configure_openmp
+from k3train.runtime.bootstrap import bootstrap
 
-configure_openmp()  # before torch loads OpenMP: idle threads sleep rather than spin (README, CPU speed)
+bootstrap()  # before torch loads (runtime/bootstrap.py)
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import sys  # noqa: E402
+import argparse
+import json
+import math
+import sys
 
-from hydra import compose, initialize_config_module  # noqa: E402
-from hydra.errors import HydraException  # noqa: E402
-from hydra.utils import instantiate  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-from omegaconf.errors import OmegaConfBaseException  # noqa: E402
+from hydra import compose, initialize_config_module
+from hydra.errors import HydraException
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from k3train.config import register_configs  # noqa: E402
-from k3train.data.tokenizers import ByteTokenizer  # noqa: E402
-from k3train.files import write_atomic  # noqa: E402
-from k3train.generate import pick_device  # noqa: E402
-from k3train.inference.loading import Loaded, load  # noqa: E402
-from k3train.train.evaluate import evaluate  # noqa: E402
-from k3train.train.precision import Precision  # noqa: E402
+from k3train.config import register_configs
+from k3train.data.tokenizers import ByteTokenizer
+from k3train.files import write_atomic
+from k3train.inference.loading import Loaded, load
+from k3train.runtime.devices import parse_device
+from k3train.train.evaluate import evaluate
+from k3train.train.precision import Precision
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        loaded = load(args.source, pick_device(args.device))
+        loaded = load(args.source, parse_device(args.device, "--device"))
         data = instantiate(data_config(loaded, args.overrides))
         result = evaluate_split(loaded, data, args)
     except (ValueError, OSError, HydraException, OmegaConfBaseException) as exc:

@@ -6,19 +6,20 @@ recurrent state, MLA's latent cache: k3train/inference/sampling.py) and streamed
 
 from __future__ import annotations
 
-from k3train.runtime.cpu import configure_openmp
+from k3train.runtime.bootstrap import bootstrap
 
-configure_openmp()  # before torch loads OpenMP: idle threads sleep rather than spin (README, CPU speed)
+bootstrap()  # before torch loads (runtime/bootstrap.py)
 
-import argparse  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import sys
+import time
+from pathlib import Path
 
-import torch  # noqa: E402
+import torch
 
-from k3train.inference.loading import Loaded, load  # noqa: E402
-from k3train.inference.sampling import Sampler, generate, supports_cache  # noqa: E402
+from k3train.inference.loading import Loaded, load
+from k3train.inference.sampling import Sampler, generate, supports_cache
+from k3train.runtime.devices import parse_device
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--max-new-tokens and --num-samples must be >= 1")
         sampler = Sampler(args.temperature, args.top_k, args.top_p)
         prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompt_file)
-        loaded = load(args.source, pick_device(args.device))
+        loaded = load(args.source, parse_device(args.device, "--device"))
     except (ValueError, OSError) as exc:  # SourceError, CheckpointError and bad options are ValueErrors
         print(f"k3train.generate: error: {exc}", file=sys.stderr)
         return 2
@@ -134,15 +135,6 @@ def read_prompts(path: Path) -> list[str]:
     if not prompts:
         raise ValueError(f"{path} holds no prompts: write one prompt per line")
     return prompts
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name} but CUDA is not available here: use --device cpu")
-    return device
 
 
 if __name__ == "__main__":

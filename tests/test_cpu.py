@@ -57,13 +57,16 @@ def test_auto_threads_share_the_cpus_among_local_jobs(clean_env) -> None:
     choice = cpu.choose_threads("auto")
     assert choice.threads == 2 and "LOCAL_WORLD_SIZE=4" in choice.reason
     clean_env.delenv("LOCAL_WORLD_SIZE")
-    clean_env.setenv("PYTEST_XDIST_WORKER_COUNT", "16")  # more workers than CPUs: one thread each
-    assert cpu.choose_threads("auto").threads == 1
-    clean_env.delenv("PYTEST_XDIST_WORKER_COUNT")
-    joblib = {"_target_": "hydra_plugins.hydra_joblib_launcher.joblib_launcher.JoblibLauncher", "n_jobs": 2}
+    # A test runner's workers are not the product's business: the caller states train.cpu_threads.
+    clean_env.setenv("PYTEST_XDIST_WORKER_COUNT", "16")
+    assert cpu.choose_threads("auto").threads == 8
+    # The launcher's config says how many jobs run at once (n_jobs) or what each asked for (cpus_per_task),
+    # whatever the launcher's class is called.
+    joblib = {"_target_": "some.parallel.Launcher", "n_jobs": 2}
     assert cpu.choose_threads("auto", joblib).threads == 4
-    submitit = {"_target_": "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher", "cpus_per_task": 3}
+    submitit = {"_target_": "another.Launcher", "cpus_per_task": 3}
     assert cpu.choose_threads("auto", submitit).threads == 3
+    assert cpu.choose_threads("auto", {"_target_": "hydra...joblib...", "cpus_per_task": None}).threads == 8
     # an explicit count wins over everything
     assert cpu.choose_threads("5", joblib) == cpu.ThreadChoice(
         5, "train.cpu_threads", os.environ.get("OMP_WAIT_POLICY", "default")

@@ -67,16 +67,25 @@ def route_logits(step: int) -> torch.Tensor:
     )
 
 
-def make_moe(balancing: str) -> MoE:
+def make_moe(balancing: str, on_ranks: bool = False) -> MoE:
+    """on_ranks: balanced over the data-parallel group (dist's default group), as a run's parallelize function
+    hands it over; otherwise over this process's tokens alone."""
     torch.manual_seed(0)
-    return MoE(D, N_EXP, K, expert_ffn_dim=24, balancing=balancing).train()
+    return with_group(MoE(D, N_EXP, K, expert_ffn_dim=24, balancing=balancing).train(), on_ranks)
+
+
+def with_group(model: torch.nn.Module, on_ranks: bool) -> torch.nn.Module:
+    for module in model.modules():
+        if hasattr(module, "process_group"):
+            module.process_group = dist.group.WORLD if on_ranks else None
+    return model
 
 
 def route_run(balancing: str, rank: int | None = None) -> list[dict]:
     """Route ROUTE_STEPS batches (rank None: all tokens; else that rank's half).
 
     Returns per step the bias, the choices and the diagnostics."""
-    moe = make_moe(balancing)
+    moe = make_moe(balancing, on_ranks=rank is not None)
     steps = []
     for step in range(ROUTE_STEPS):
         logits = route_logits(step)
@@ -146,9 +155,9 @@ def k3_biases(model: KimiK3) -> list[torch.Tensor]:
 def two_rank_scenarios(rank: int, world_size: int) -> dict:
     """Everything a rank of the 2-rank group does, in one spawn (a spawn costs seconds of imports)."""
     out = {"route": {b: route_run(b, rank) for b in BALANCING}}
-    moe = make_moe("quantile_balancing")
+    moe = make_moe("quantile_balancing", on_ranks=True)
     out["moe"] = train_run(moe, lambda m: [m.expert_bias], [moe_batch(s) for s in range(MOE_STEPS)], moe_loss, rank)
-    out["k3"] = train_run(make_k3(), k3_biases, k3_batches(), k3_loss, rank)
+    out["k3"] = train_run(with_group(make_k3(), True), k3_biases, k3_batches(), k3_loss, rank)
 
     # Eval passes are collective-free: rank 0 alone runs one (a collective there would pair with rank 1's next
     # one and fail, or time out).
@@ -163,10 +172,14 @@ def two_rank_scenarios(rank: int, world_size: int) -> dict:
     local.process_group = own
     local.route(rank_rows(route_logits(0), rank))
     out["own_group_bias"] = local.expert_bias.clone()
+    # No group handed over: the MoE never asks torch.distributed for one and balances over its own tokens.
+    ungrouped = make_moe("quantile_balancing")
+    ungrouped.route(rank_rows(route_logits(0), rank))
+    out["no_group_bias"] = ungrouped.expert_bias.clone()
 
     # Uneven token counts: every rank refuses, with the counts.
     try:
-        make_moe("quantile_balancing").route(torch.randn(32 + 16 * rank, N_EXP))
+        make_moe("quantile_balancing", on_ranks=True).route(torch.randn(32 + 16 * rank, N_EXP))
         out["uneven"] = None
     except ValueError as e:
         out["uneven"] = str(e)
@@ -234,6 +247,7 @@ def test_a_process_group_of_one_rank_balances_over_its_own_tokens(ranks):
         alone = make_moe("quantile_balancing")
         alone.route(rank_rows(route_logits(0), rank))
         assert torch.equal(result["own_group_bias"], alone.expert_bias), rank
+        assert torch.equal(result["no_group_bias"], alone.expert_bias), rank
         assert not torch.equal(result["own_group_bias"], result["route"]["quantile_balancing"][0]["bias"]), rank
 
 

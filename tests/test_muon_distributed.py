@@ -37,13 +37,12 @@ def test_newton_schulz_cost_is_symmetric_in_a_matrix_transpose() -> None:
     assert newton_schulz_cost((64, 8, 32)) == 64 * newton_schulz_cost((1, 8, 32))
 
 
-def test_spread_only_with_another_rank(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dist, "is_initialized", lambda: False)
-    assert data_parallel_group(None) is None  # one process: Newton-Schulz as before, no collective
-    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+def test_spread_only_over_the_group_handed_in(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)  # even with torch.distributed up ...
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2 if group == "pair" else 1)
-    assert data_parallel_group(None) is None  # a default world of one
-    assert data_parallel_group("pair") == "pair"  # the process_group given wins over the default one
+    assert data_parallel_group(None) is None  # ... no group handed in: Newton-Schulz alone, no collective
+    assert data_parallel_group("one") is None  # a group of one rank: nobody to share with
+    assert data_parallel_group("pair") == "pair"
 
 
 # ---- 2 processes ------------------------------------------------------------------------------------------------
@@ -61,7 +60,7 @@ def _params() -> list[nn.Parameter]:
     return [nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
 
 
-def _optimizer(params: list[nn.Parameter]) -> MuonAdamW:
+def _optimizer(params: list[nn.Parameter], process_group=None) -> MuonAdamW:
     n32, n16 = len(MUON_FP32), len(MUON_BF16)
     return MuonAdamW(
         [
@@ -78,6 +77,7 @@ def _optimizer(params: list[nn.Parameter]) -> MuonAdamW:
         lr=0.02,
         weight_decay=0.1,
         orthogonality_check_interval=1,
+        process_group=process_group,
     )
 
 
@@ -89,7 +89,7 @@ def _run_counting_newton_schulz(params: list[nn.Parameter] | None = None, grad_l
     muon_module.zeropower_via_newtonschulz5 = lambda G, *a, **kw: calls.append(tuple(G.shape)) or real(G, *a, **kw)
     try:
         params = _params() if params is None else params
-        opt = _optimizer(params)
+        opt = _optimizer(params, dist.group.WORLD if dist.is_initialized() else None)
         gen = torch.Generator().manual_seed(1)
         for _ in range(STEPS):  # the same gradients on every rank, as DDP's all-reduce leaves them
             for i, p in enumerate(params):

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from k3train.data.manifest import FORMAT_VERSION, MANIFEST_NAME
 from k3train.data.prepare import write_dataset
 from k3train.data.sources import plan_split, split_by_plan
 from k3train.data.tokenizers import ByteTokenizer, Tokenizer
+from k3train.runtime.paths import cache_root
 
 BUILTIN_VAL_FRACTION = 0.05
 
@@ -28,10 +28,6 @@ def builtin_documents() -> list[str]:
     from pydoc_data.topics import topics
 
     return [topics[key] for key in sorted(topics)]
-
-
-def cache_root(cache_dir: str | Path | None = None) -> Path:
-    return Path(cache_dir or os.environ.get("K3TRAIN_CACHE") or Path.home() / ".cache" / "k3train").expanduser()
 
 
 def builtin_path(cache_dir: str | Path | None = None, tokenizer: Tokenizer | None = None) -> Path:

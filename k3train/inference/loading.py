@@ -18,9 +18,10 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from k3train.checkpoint.checkpointer import SHARDED_STORE, load_checkpoint
+from k3train.checkpoint.latest import newest_checkpoint
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 from k3train.models.kda.fla import require_fla
-from k3train.run.build import resolve_resume
+from k3train.observe.run_manifest import read_run_json
 
 EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_TOKENIZER = "config.json", "model.safetensors", "tokenizer.json"
 # The class of a model whose run directory is gone, by its config's model_type.
@@ -63,7 +64,7 @@ def _checkpoint_file(path: Path) -> Path:
         raise SourceError(f"{path} does not exist: give a run directory, a checkpoint (.pt) or an export directory")
     if (path / ".metadata").is_file():
         return path  # a sharded (FSDP2) checkpoint: load_checkpoint gathers its shards whole, in this process
-    newest = resolve_resume("auto", path)  # last.pt, or a sharded run's last.dcp: the newer, as a resume takes
+    newest = newest_checkpoint(path)  # last.pt, or a sharded run's last.dcp: the newer, as a resume takes
     if newest is not None:
         return newest
     raise SourceError(
@@ -85,7 +86,7 @@ def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
         )
     model = build_model(target, fields, device)
     model.load_state_dict(payload["model"])
-    manifest = _read_json(run_dir / "run.json")
+    manifest = read_run_json(run_dir)
     data = (hydra_config or {}).get("data")
     tokenizer_identity = (manifest or {}).get("data", {}).get("tokenizer")
     return Loaded(

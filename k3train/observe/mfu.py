@@ -23,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from k3train.data.builtin import cache_root
 from k3train.files import write_atomic
 from k3train.models.protocol import CountsFlops
 from k3train.runtime.cpu import cpu_description
+from k3train.runtime.paths import cache_root
 
 TERA = 1e12
 # Dense peaks by dtype in FLOP/s, from NVIDIA's datasheets (their tensor-core figures are quoted with sparsity:

@@ -18,6 +18,19 @@ import torch
 
 from k3train.files import write_atomic
 
+RUN_JSON = "run.json"
+RUN_LOCK = ".lock"  # held by the live process that owns the run directory (run/rundir.py)
+
+
+def read_run_json(run_dir: Path) -> dict:
+    """A run's manifest, or {} when it has none yet or it is being replaced: readers (reports, sinks, loading) do
+    without it rather than fail."""
+    try:
+        manifest = json.loads((Path(run_dir) / RUN_JSON).read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return manifest if isinstance(manifest, dict) else {}
+
 
 def environment(device: torch.device) -> dict:
     env = {
@@ -57,7 +70,7 @@ def _git_commit() -> str | None:
 
 class RunManifest:
     def __init__(self, run_dir: Path, enabled: bool = True):
-        self.path = Path(run_dir) / "run.json"
+        self.path = Path(run_dir) / RUN_JSON
         self.enabled = enabled
         self.data: dict = {}
         self.session: dict = {}

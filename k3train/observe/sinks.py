@@ -13,6 +13,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+from k3train.observe.run_manifest import read_run_json
+
 NOT_SCALARS = ("event", "time", "step")  # the tag, the wall time and the x axis of every scalar
 
 
@@ -114,10 +116,7 @@ class WandbSink:
     def _open(self):
         import wandb
 
-        try:
-            manifest = json.loads((self.run_dir / "run.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            manifest = {}  # a sink used outside the runner: a fresh W&B run id
+        manifest = read_run_json(self.run_dir)  # {} for a sink used outside the runner: a fresh W&B run id
         settings = {**self.settings, "name": self.settings["name"] or self.run_dir.name}
         return wandb.init(
             dir=str(self.run_dir),

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from k3train.optim.checks import check_adamw_settings, check_muon_settings
@@ -60,6 +61,7 @@ def muon_adamw(
     head_wise: bool,
     orthogonality_check_interval: int,
     ns_dtype: str = "auto",
+    process_group: dist.ProcessGroup | None = None,
 ) -> MuonAdamW:
     """Muon for hidden matrices, AdamW for the rest (see param_groups.py), sharing lr and weight decay
     (Moonlight's RMS matching makes that work); groups in the order of param_groups.GROUPS, empty ones left out."""
@@ -95,6 +97,7 @@ def muon_adamw(
         rms_match=rms_match,
         orthogonality_check_interval=orthogonality_check_interval,
         ns_dtype=ns_dtype,
+        process_group=process_group,
     )
 
 

@@ -12,10 +12,10 @@ Momentum follows torch.optim.Muon exactly (EMA form: buf.lerp_(g, 1 - mu); Neste
 buffer is (1 - mu) times a classic `mu * buf + g` buffer, so checkpoints of the two forms are not interchangeable.
 Which parameter goes to which group, and why, is decided in k3train/optim/param_groups.py.
 
-Data-parallel (torch.distributed initialised with more than one rank in `process_group`, the default group when
-None): each rank orthogonalises a share of every Muon group's parameters and the results are all-gathered, so every
-rank applies the same update as a 1-process run would, bit for bit (k3train/optim/muon_distributed.py). Every rank
-still keeps the whole optimizer state, so rank 0's state_dict is the checkpoint.
+Data-parallel (`process_group` with more than one rank; the run hands its ParallelDims' data-parallel group, None in
+one process): each rank orthogonalises a share of every Muon group's parameters and the results are all-gathered, so
+every rank applies the same update as a 1-process run would, bit for bit (k3train/optim/muon_distributed.py). Every
+rank still keeps the whole optimizer state, so rank 0's state_dict is the checkpoint.
 
 Sources: KellerJordan/Muon (muon.py), torch/optim/_muon.py, MoonshotAI/Moonlight.
 """
@@ -163,7 +163,7 @@ class MuonAdamW(torch.optim.Optimizer):
             "adamw": dict(betas=tuple(betas), eps=eps),
         }
         self.orthogonality_check_interval = orthogonality_check_interval
-        self.process_group = process_group  # the data-parallel ranks to spread Newton-Schulz over (None: default)
+        self.process_group = process_group  # the data-parallel ranks to spread Newton-Schulz over (None: alone)
         # Diagnostics: they never shape an update. The update RMS is the last step's; the orthogonality error is
         # the last measurement (every orthogonality_check_interval steps), so it travels in state_dict: a resumed
         # run reports it at the same steps as an uninterrupted one.

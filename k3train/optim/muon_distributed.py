@@ -41,12 +41,11 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 
 
 def data_parallel_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
-    """The group to spread Newton-Schulz over (the default group when None is given), or None when there is no
-    other rank to share with: torch.distributed not initialised, or a world of one."""
-    if not (dist.is_available() and dist.is_initialized()):
+    """The group to spread Newton-Schulz over, or None when there is no other rank to share with: no group given
+    (one process: the run's ParallelDims hands None) or a group of one."""
+    if process_group is None:
         return None
-    group = process_group if process_group is not None else dist.group.WORLD
-    return group if dist.get_world_size(group) > 1 else None
+    return process_group if dist.get_world_size(process_group) > 1 else None
 
 
 def newton_schulz_cost(matrices_shape: Sequence[int]) -> int:

@@ -6,11 +6,12 @@ and key weights scaled so that the same inputs would give logits times gamma_h =
 tau / S_h) for every head; heads at or under tau keep gamma 1 and are not touched). It never clips scores inside
 the forward pass: it keeps the weights from growing logits further.
 
-It runs as a training callback (QKClip, conf/callbacks/qk_clip.yaml): `setup` turns the max-logit measurement on;
-after each successful update `qk_clip_` reads the running max logits of the training forward passes since its last
-call (all micro-batches of the update), clears them and clips; after a skipped update `reset_max_logits` drops them:
-a forward pass that produced a non-finite loss may have measured inf/NaN logits, and an inf would give gamma = 0 and
-wipe the head's query and key rows. Any module with the MaxLogitTracking attributes takes part (MLA has them).
+It runs as a training callback (QKClip in k3train/train/callbacks.py, conf/callbacks/qk_clip.yaml): `setup` turns
+the max-logit measurement on; after each successful update `qk_clip_` reads the running max logits of the training
+forward passes since its last call (all micro-batches of the update), clears them and clips; after a skipped update
+`reset_max_logits` drops them: a forward pass that produced a non-finite loss may have measured inf/NaN logits, and
+an inf would give gamma = 0 and wipe the head's query and key rows. Any module with the MaxLogitTracking attributes
+takes part (MLA has them).
 """
 
 from __future__ import annotations
@@ -20,9 +21,6 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from k3train.runtime.distributed import several_ranks
-from k3train.train.callbacks import Callback
 
 
 @runtime_checkable
@@ -64,12 +62,13 @@ def reset_max_logits(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def qk_clip_(model: nn.Module, tau: float) -> dict:
+def qk_clip_(model: nn.Module, tau: float, group: dist.ProcessGroup | None = None) -> dict:
     """Clip every MLA head whose last measured max logit exceeds tau. Returns, for metrics:
     {"max_logit": {module name: float (max over heads, before clipping)},
      "clipped_heads": {module name: [head indices clipped]}, "n_clipped": int}.
     MLA modules with no measurement (tracking off, or no training forward since the last call) are skipped.
-    Under data parallelism the measurement is the max over every rank's tokens, so every rank clips alike.
+    With `group` (the data-parallel ranks; None in one process) the measurement is the max over every rank's
+    tokens, so every rank clips alike.
     """
     if not tau > 0:
         raise ValueError(f"QK-Clip threshold tau={tau} must be > 0")
@@ -78,10 +77,10 @@ def qk_clip_(model: nn.Module, tau: float) -> dict:
     for name, m in _mla_modules(model).items():
         if m.max_logit is None:
             continue
-        if several_ranks():
+        if group is not None:
             # NaN as inf first: a max with NaN depends on the order of the operands, inf is non-finite on every rank.
             m.max_logit = torch.nan_to_num(m.max_logit, nan=float("inf"))
-            dist.all_reduce(m.max_logit, op=dist.ReduceOp.MAX)
+            dist.all_reduce(m.max_logit, op=dist.ReduceOp.MAX, group=group)
         s = m.max_logit
         m.max_logit = None  # consumed: the next update's forward passes start a fresh running max
         max_logit[name] = s.max().item()
@@ -93,55 +92,3 @@ def qk_clip_(model: nn.Module, tau: float) -> dict:
             m.scale_qk_heads_(gamma)
             clipped[name] = over.nonzero().flatten().tolist()
     return {"max_logit": max_logit, "clipped_heads": clipped, "n_clipped": sum(len(v) for v in clipped.values())}
-
-
-class QKClip(Callback):
-    """QK-Clip after every successful update, with threshold tau; its `metrics()` gather every update's clipping
-    since the last train event: max logit per module (the largest seen), heads clipped, clip count."""
-
-    def __init__(self, tau: float):
-        if not tau > 0:
-            raise ValueError(f"callbacks.qk_clip.tau={tau} must be > 0 (remove callbacks.qk_clip to turn QK-Clip off)")
-        self.tau = tau
-        self.model: nn.Module | None = None
-        self.n_modules = 0
-        self._reset_window()
-
-    def _reset_window(self) -> None:
-        self.max_logit: dict[str, float] = {}
-        self.clipped_heads: dict[str, set] = {}
-        self.n_clipped = 0
-
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model = model
-        self.n_modules = set_max_logit_tracking(model, True)
-
-    def after_optimizer_step(self, step: int) -> None:
-        if not self.n_modules:
-            return
-        result = qk_clip_(self.model, self.tau)
-        for name, value in result["max_logit"].items():
-            self.max_logit[name] = max(value, self.max_logit.get(name, value))
-        for name, heads in result["clipped_heads"].items():
-            self.clipped_heads.setdefault(name, set()).update(heads)
-        self.n_clipped += result["n_clipped"]
-
-    def after_skipped_step(self, step: int) -> None:
-        if self.n_modules:
-            reset_max_logits(self.model)  # measured by the failed forward: never act on it
-
-    def metrics(self) -> dict:
-        if not self.max_logit:
-            return {}
-        out = {
-            "max_logit": self.max_logit,
-            "n_clipped": self.n_clipped,
-            "clipped_heads": {k: sorted(v) for k, v in self.clipped_heads.items()},
-        }
-        self._reset_window()
-        return out
-
-    def describe(self) -> str:
-        if not self.n_modules:
-            return "QK-Clip: off (the model has no attention module that measures its max logits)"
-        return f"QK-Clip: tau {self.tau:g} on {self.n_modules} attention module(s)"

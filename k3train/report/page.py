@@ -8,9 +8,9 @@ import html
 import time
 from pathlib import Path
 
+from k3train.observe.sweep_table import COLUMNS, cells, to_html
 from k3train.report.figures import Chart
 from k3train.report.runs import Run, Sweep
-from k3train.report.sweep_table import COLUMNS, cells, to_html
 
 STYLE = """
 body { font-family: sans-serif; margin: 2em; max-width: 1100px; }

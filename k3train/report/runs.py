@@ -8,14 +8,14 @@ crashed runs read the same way.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from k3train.observe.metrics import read_metrics
+from k3train.observe.run_manifest import read_run_json
 from k3train.observe.sinks import scalar
-from k3train.report.sweep_table import JobRow, find_jobs, read_job, table_order, varying_keys
+from k3train.observe.sweep_table import JobRow, find_jobs, read_job, table_order, varying_keys
 
 
 class NotARunError(ValueError):
@@ -87,10 +87,7 @@ def is_run_dir(path: Path) -> bool:
 def load_run(run_dir: Path, label: str | None = None) -> Run:
     metrics = run_dir / "metrics.jsonl"
     events = read_metrics(metrics, final_only=True) if metrics.is_file() else []
-    try:
-        config = json.loads((run_dir / "run.json").read_text()).get("config") or {}
-    except (OSError, json.JSONDecodeError, AttributeError):
-        config = {}  # not written yet, or being replaced: the figures do without the settings
+    config = read_run_json(run_dir).get("config") or {}  # {} before run.json exists: figures do without it
     return Run(
         run_dir=run_dir,
         label=label or str(run_dir),

@@ -8,6 +8,7 @@ value, missing data, an incompatible checkpoint, a finished run) leaves no trace
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from pathlib import Path
 
 import torch
@@ -17,11 +18,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from k3train.checkpoint.checkpointer import Checkpointer, CheckpointError, ShardedCheckpointer
+from k3train.checkpoint.latest import newest_checkpoint
 from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig, check_known_keys
 from k3train.models.protocol import missing_members
 from k3train.observe.metrics import MetricsLogger, MetricsSink
 from k3train.runtime.cpu import apply_threads, choose_threads, prepare_cpu_training
+from k3train.runtime.devices import device_for_rank
 from k3train.runtime.distributed import World, current_world
+from k3train.runtime.parallel_dims import ParallelDims
 from k3train.train.callbacks import Callback
 from k3train.train.rng import configure_determinism, seed_everything
 from k3train.train.trainer import Trainer
@@ -29,31 +33,6 @@ from k3train.train.trainer import Trainer
 
 class RunFinished(Exception):
     """A resumed run that has nothing left to do."""
-
-
-def resolve_device(name: str, world: World) -> torch.device:
-    """train.device; with several processes per node, CUDA means this process's local GPU."""
-    device = _parse_device(name)
-    if device.type == "cuda" and world.distributed:
-        if device.index is None:
-            device = torch.device("cuda", world.local_rank)
-        torch.cuda.set_device(device)
-    return device
-
-
-def _parse_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as exc:
-        raise ValueError(f"train.device={name} is not a device: use auto, cpu, cuda or cuda:N") from exc
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"train.device={name} but CUDA is not available here: use train.device=cpu or auto")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"train.device={name} but this machine has {torch.cuda.device_count()} GPU(s)")
-    return device
 
 
 RUN_FILES = ("last.pt", "last.dcp", "run.json", "metrics.jsonl")
@@ -67,8 +46,7 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
     refused there, so nobody's checkpoint, metrics or manifest is overwritten or mixed with another run's.
     """
     if resume == "auto":
-        own = [p for p in (run_dir / "last.pt", run_dir / "last.dcp") if p.exists()]
-        return max(own, key=lambda p: p.stat().st_mtime) if own else None
+        return newest_checkpoint(run_dir)
     path = Path(resume).expanduser() if resume is not None else None
     if path is not None and not path.exists():
         raise CheckpointError(f"resume={resume}: no such checkpoint")
@@ -114,7 +92,7 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     train_cfg: TrainConfig = OmegaConf.to_object(cfg.train)
     profile_cfg = OmegaConf.to_object(cfg.profile)
     world = current_world()
-    device = resolve_device(train_cfg.device, world)
+    device = device_for_rank(train_cfg.device, world)
     precision = instantiate(cfg.precision)
     precision.check_device(device)
     resume_path = resolve_resume(cfg.resume, run_dir)
@@ -126,6 +104,8 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
 
     configure_determinism(train_cfg.deterministic)
     seed_everything(train_cfg.seed)
+    parallel = instantiate(cfg.parallel)
+    dims = ParallelDims.for_strategy(parallel.name, world.size, world.rank, device.type)
     data = instantiate(cfg.data)
     # vocab_size: null in a model YAML means "the data's"; a value the user set is kept, and check_data refuses a
     # mismatch.
@@ -138,12 +118,11 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
         )
     model.check_data(data.vocab_size, train_cfg.seq_len)
     train_loader, val_loader = data.loaders(
-        train_cfg.batch_size, train_cfg.seq_len, rank=world.rank, world_size=world.size
+        train_cfg.batch_size, train_cfg.seq_len, rank=dims.dp_rank, world_size=dims.dp_size
     )
     model.to(device)
-    parallel = instantiate(cfg.parallel)
-    model = parallel.shard(model, device)  # before the optimizer: FSDP2 replaces the parameters
-    optimizer = instantiate(cfg.optim)(model)
+    model = parallel.shard(model, device, dims)  # before the optimizer: FSDP2 replaces the parameters
+    optimizer = _build_optimizer(instantiate(cfg.optim), model, dims)
     callbacks = _build_named(cfg.callbacks, Callback, "callbacks")
     sinks = _build_named(cfg.logger, MetricsSink, "logger", run_dir=str(run_dir))
 
@@ -169,6 +148,7 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
         checkpointer=checkpointer,
         callbacks=callbacks,
         parallel=parallel,
+        dims=dims,
         profile=profile_cfg,
     )
     if resume_path is not None:
@@ -177,6 +157,13 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
         if done is not None:
             raise RunFinished(_finished_message(resume_path, done, trainer))
     return {"trainer": trainer, "metrics": metrics, "data": data, "resume_path": resume_path, "threads": threads}
+
+
+def _build_optimizer(factory, model, dims: ParallelDims) -> torch.optim.Optimizer:
+    """optim's factory applied to the model; one that takes a `process_group` (Muon: distributed Newton-Schulz)
+    gets the data-parallel group, so an optimizer that needs none keeps the plain `factory(model)` signature."""
+    takes_group = "process_group" in inspect.signature(factory).parameters
+    return factory(model, **({"process_group": dims.dp_group} if takes_group else {}))
 
 
 def _build_named(nodes: DictConfig, kind: type, group: str, **kwargs) -> dict:

@@ -17,7 +17,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-LOCK_NAME = ".lock"
+from k3train.observe.run_manifest import RUN_LOCK
+
 HYDRA_DIR = ".hydra"
 
 
@@ -48,7 +49,7 @@ class RunDirClaim:
                     path.parent.mkdir(parents=True, exist_ok=True)
                     path.write_bytes(data)
         if self.lock_before is None:
-            (self.path / LOCK_NAME).unlink(missing_ok=True)  # safe: lockers check they hold the file at the path
+            (self.path / RUN_LOCK).unlink(missing_ok=True)  # safe: lockers check they hold the file at the path
         elif self.fd is not None:
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, self.lock_before, 0)
@@ -79,7 +80,7 @@ def claim(run_dir: Path) -> RunDirClaim:
     if path in _claims:
         return _claims[path]
     created = [p for p in reversed([path, *path.parents]) if not p.exists()]
-    lock = path / LOCK_NAME
+    lock = path / RUN_LOCK
     try:
         path.mkdir(parents=True, exist_ok=True)
         existed = lock.exists()

@@ -20,7 +20,6 @@ from pathlib import Path
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
-from hydra.experimental.callback import Callback as HydraCallback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
@@ -30,9 +29,8 @@ from k3train.files import remove_stale_temp_files
 from k3train.observe.metrics import MetricsLogger
 from k3train.observe.run_manifest import RunManifest, environment
 from k3train.optim.summary import format_param_groups, summarize_param_groups
-from k3train.report.sweep_table import write_sweep_summary
 from k3train.run import rundir
-from k3train.run.build import RunFinished, build_parts, resolve_resume
+from k3train.run.build import RunFinished, build_parts
 from k3train.run.rundir import RunDirError
 from k3train.runtime import distributed, slurm
 from k3train.runtime.cpu import ThreadChoice, cpu_runtime, denormal_setting, malloc_setting
@@ -57,59 +55,10 @@ class NotOwner:
         pass
 
 
-class RunDirGuard(HydraCallback):
-    """Claims a single run's directory (creates it, locks it, notes its .hydra/) before Hydra writes .hydra/ into
-    it, and refuses a second writer or a run that would write into another run's files. Multirun jobs are
-    claimed and checked in run(), after Hydra has written their (new) job directory."""
-
-    def on_run_start(self, config: DictConfig, **kwargs) -> None:
-        HydraConfig.instance().set_config(config)  # run.dir may use ${hydra:...}; run_job sets the same config
-        if not current_world().is_main:
-            return  # rank 0 owns the directory; the other ranks write nothing to it
-        run_dir = Path(config.hydra.run.dir)
-        claim = None
-        try:
-            claim = rundir.claim(run_dir)
-            resolve_resume(slurm.resume_setting(config.resume), run_dir)
-        except USER_ERRORS as exc:
-            if claim is not None:
-                claim.undo()
-            _fail(_describe(exc), 2, multirun=False)
-
-    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        world = current_world()
-        if world.distributed:
-            _fail(
-                f"a multirun (-m) started as {world.size} processes would run every job in each of them: start "
-                "the sweep as one process (its jobs may each use several processes through the submitit launcher)",
-                2,
-                multirun=False,
-            )
-
-
-class SweepSummary(HydraCallback):
-    """Writes the sweep's table (k3train/report/sweep_table.py) as each job ends, so it is there even when a job
-    fails or the sweep is stopped, and prints it when the multirun ends (for every launcher: basic, submitit)."""
-
-    def on_job_end(self, config: DictConfig, job_return, **kwargs) -> None:
-        sweep_dir = OmegaConf.select(config, "hydra.sweep.dir")
-        if HydraConfig.get().mode == RunMode.MULTIRUN and current_world().is_main and Path(sweep_dir).is_dir():
-            write_sweep_summary(Path(sweep_dir))
-
-    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        sweep_dir = Path(config.hydra.sweep.dir)
-        if sweep_dir.is_dir():
-            print(
-                f"sweep {sweep_dir} (also in {sweep_dir / 'sweep_summary.md'} and .csv):\n"
-                + write_sweep_summary(sweep_dir),
-                end="",
-                flush=True,
-            )
-
-
 def run(cfg: DictConfig) -> str | None:
     # A submitit job's tasks run this function directly (not __main__.main): start their process group here.
     own_group = not distributed.several_ranks() and distributed.init_from_env().distributed
+    os.environ["K3TRAIN_CACHE"] = str(cfg.paths.cache)  # one cache root for the data, the MFU peaks and children
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     clean = False
@@ -117,7 +66,7 @@ def run(cfg: DictConfig) -> str | None:
         try:
             claim = (rundir.claimed(run_dir) or rundir.claim(run_dir)) if current_world().is_main else NotOwner()
         except USER_ERRORS as exc:
-            return _fail(_describe(exc), 2, multirun)
+            return fail(describe_error(exc), 2, multirun)
         try:
             result = _run(cfg, run_dir, claim, multirun)
             clean = True
@@ -148,7 +97,7 @@ def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bo
         cause = exc.__cause__ if isinstance(exc, InstantiationException) else exc
         if not isinstance(cause, (*USER_ERRORS, MissingMandatoryValue)) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        return _fail(_describe(cause), 2, multirun)
+        return fail(describe_error(cause), 2, multirun)
     removed = remove_stale_temp_files(run_dir) if current_world().is_main else []  # the lock is ours: their
     # writers are dead
     if removed:
@@ -166,7 +115,7 @@ def _train(cfg: DictConfig, run_dir: Path, parts: dict, multirun: bool) -> str |
     try:
         manifest, metrics = _open_session(cfg, run_dir, **parts)
     except OSError as exc:
-        return _fail(_write_failed(exc, trainer), 1, multirun)
+        return fail(_write_failed(exc, trainer), 1, multirun)
     failure = None
     with trainer.signals:  # SIGTERM/SIGUSR1/SIGUSR2 now stop at an update boundary instead of killing the process
         try:
@@ -194,7 +143,7 @@ def _train(cfg: DictConfig, run_dir: Path, parts: dict, multirun: bool) -> str |
         slurm.end_after_signal(trainer.signals)
     slurm.ignore_late_warnings()
     if failure is not None:
-        return _fail(failure, 1, multirun)
+        return fail(failure, 1, multirun)
     return reason
 
 
@@ -212,7 +161,7 @@ def _close(trainer: Trainer, metrics: MetricsLogger, manifest: RunManifest | Non
     return error
 
 
-def _describe(exc: BaseException) -> str:
+def describe_error(exc: BaseException) -> str:
     if isinstance(exc, MissingMandatoryValue):
         return f"{exc.full_key} is not set: add {exc.full_key}=... to the command"
     if isinstance(exc, RunDirError):
@@ -241,7 +190,7 @@ def _write_failed(exc: OSError, trainer: Trainer) -> str:
     )
 
 
-def _fail(message: str, status: int, multirun: bool) -> None:
+def fail(message: str, status: int, multirun: bool) -> None:
     print(f"k3train: error: {message}", file=sys.stderr, flush=True)
     if multirun:
         raise RunFailed(message)
@@ -301,7 +250,7 @@ def _print_summary(run_dir: Path, trainer: Trainer, threads: ThreadChoice) -> No
     if trainer.device.type == "cpu":
         lines.insert(2, f"  cpu: {threads.describe()}; malloc: {malloc_setting()}; denormals: {denormal_setting()}")
     lines += ["    " + row for row in format_param_groups(optimizer.param_groups).splitlines()]
-    lines.append(f"  parallel: {trainer.parallel.describe()}")
+    lines.append(f"  parallel: {trainer.dims.describe()}")
     lines.append(f"  schedule: {schedule.describe()}")
     lines += [f"  {callback.describe()}" for callback in trainer.callbacks.values()]
     lines.append(f"  {trainer.mfu.describe()}")

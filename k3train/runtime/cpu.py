@@ -1,25 +1,11 @@
-"""CPU runtime choices, made once at start-up: OpenMP's wait policy, the thread count, and which dtype is fast.
+"""CPU runtime choices, made once at start-up: OpenMP's wait policy, the thread count, which dtype is fast, denormal
+flushing and malloc's handling of freed memory.
 
-Why each matters (measured on 2-core machines with torch 2.13):
-- OpenMP wait policy. torch's intra-op threads spin at the end of every parallel region waiting for the others;
-  when another process holds a core, the spinning thread burns its slice while the thread it waits for is
-  descheduled. Beside other busy processes a k3_tiny train step took 9-22 s with 2 threads and the default
-  policy, 1.3-2.0 s with OMP_WAIT_POLICY=PASSIVE (threads sleep instead of spinning), the same as 1 thread.
-  OpenMP reads the variable when it loads, at `import torch`, so `configure_openmp()` must run before that.
-- Threads. torch defaults to the host's physical cores, not the CPUs this process may use (affinity, a cgroup
-  quota) nor its share when several local jobs run at once (torchrun, pytest-xdist, a parallel Hydra launcher).
-- Dtype. A CPU without native bf16 (AVX2 only) runs bf16 matmuls 10-200x slower than fp32, so Newton-Schulz
-  picks its dtype from the hardware (k3train/optim/build.py) and precision=bf16/fp16 warns with a measured ratio.
-- Denormals. Fast-decaying KDA gates drive products of decays below fp32's normal range (|x| < 1.2e-38), where
-  x86 arithmetic takes a slow path: after the quickstart's 200 steps one k3_tiny KDA layer's gates spanned e^-142
-  within a chunk and a train step ran 10-18% slower than with denormals flushed; chunk_kda on gates of ~1.4 per
-  step ran 1.5-1.8x slower, ~3.2 per step 2.8-3x. `flush_denormals()` has the CPU treat them as zero, as GPU
-  kernels and TensorFlow's CPU runtime do: results change only where a value below 1.2e-38 met a normal one.
-- Freed memory. glibc's malloc gives large blocks fresh pages from the kernel and hands them back on free, and
-  torch's aligned allocations rarely refit a freed block, so every step's large tensors (activations, the MoE's
-  expert gradients) were new memory: k3_small took ~250k page faults per step (0.5 s of kernel time, and the
-  step ~10% longer). `keep_freed_memory()` asks malloc to keep and reuse them (mallopt), as GPU caching
-  allocators do; the process's resident memory then stays at its peak.
+`configure_openmp()` must run before `import torch` (OpenMP reads OMP_WAIT_POLICY when it loads; every CLI calls it
+through k3train/runtime/bootstrap.py). `choose_threads()` divides the CPUs this process may use (affinity, cgroup
+quota, SLURM_CPUS_PER_TASK) among the local jobs its launcher says run at once. `prepare_cpu_training()` flushes
+denormals and keeps freed memory before the first step. `cpu_runtime()` is run.json's record of all of it.
+Why each choice is made, with the measurements behind it: docs/decisions/cpu-runtime.md.
 """
 
 from __future__ import annotations
@@ -159,22 +145,18 @@ def usable_cpus() -> tuple[int, str]:
 
 
 def local_jobs(launcher: dict | None = None) -> tuple[int, str]:
-    """How many processes of this kind share this machine's CPUs by design, and how that is known.
-
-    launcher: the Hydra launcher's config in a multirun (None otherwise). joblib runs n_jobs at once; for
-    submitit_local the number of concurrent jobs is not known to a job, so its cpus_per_task is used when set.
-    """
+    """How many processes share this machine's CPUs by design, as the launcher states it: torchrun's
+    LOCAL_WORLD_SIZE, or in a multirun the launcher config's `n_jobs` (jobs run at once, joblib's convention:
+    -1 = one per CPU). launcher: the Hydra launcher's config in a multirun, None otherwise. Any other sharing
+    (a test runner's workers, say) is the caller's to state with train.cpu_threads."""
     local_world = os.environ.get("LOCAL_WORLD_SIZE", "")
     if local_world.isdigit() and int(local_world) > 1:
         return int(local_world), f"torchrun LOCAL_WORLD_SIZE={local_world}"
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "")
-    if workers.isdigit() and int(workers) > 1:
-        return int(workers), f"{workers} pytest-xdist workers"
-    target = str((launcher or {}).get("_target_", ""))
-    if "joblib" in target.lower():
-        n_jobs = int(launcher.get("n_jobs") or -1)
-        n = n_jobs if n_jobs > 0 else max(1, (os.cpu_count() or 1) + 1 + n_jobs)  # joblib: -1 = every CPU
-        return n, f"Hydra joblib launcher n_jobs={n_jobs}"
+    n_jobs = (launcher or {}).get("n_jobs")
+    if n_jobs is not None:
+        n_jobs = int(n_jobs)
+        n = n_jobs if n_jobs > 0 else max(1, (os.cpu_count() or 1) + 1 + n_jobs)
+        return n, f"launcher n_jobs={n_jobs}"
     return 1, ""
 
 
@@ -197,8 +179,7 @@ def choose_threads(setting: str | int, launcher: dict | None = None) -> ThreadCh
     if str(setting) != "auto":
         return ThreadChoice(parse_threads(setting), "train.cpu_threads", policy)
     cpus, why = usable_cpus()
-    target = str((launcher or {}).get("_target_", ""))
-    per_task = (launcher or {}).get("cpus_per_task") if "submitit" in target.lower() else None
+    per_task = (launcher or {}).get("cpus_per_task")  # submitit's launchers: the CPUs each job asked for
     if per_task:
         return ThreadChoice(max(1, min(cpus, int(per_task))), f"auto: {why}; launcher cpus_per_task={per_task}", policy)
     jobs, jobs_why = local_jobs(launcher)

@@ -149,21 +149,21 @@ def several_ranks() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1
 
 
-def mean_across_ranks(value: float, device: torch.device) -> float:
-    """The mean of a per-rank figure over all ranks (the figure itself in one process)."""
-    if not several_ranks():
+def mean_across_ranks(value: float, device: torch.device, group: dist.ProcessGroup | None) -> float:
+    """The mean of a per-rank figure over the ranks of `group` (the figure itself when group is None)."""
+    if group is None:
         return value
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.item() / dist.get_world_size()
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
 
 
-def any_across_ranks(flag: bool, device: torch.device) -> bool:
-    """Whether any rank's flag is set (the flag itself in one process)."""
-    if not several_ranks():
+def any_across_ranks(flag: bool, device: torch.device, group: dist.ProcessGroup | None) -> bool:
+    """Whether any rank of `group` has its flag set (the flag itself when group is None)."""
+    if group is None:
         return flag
     t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
 
 

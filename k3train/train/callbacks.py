@@ -1,9 +1,9 @@
-"""Hook points of the update loop, for what acts beside the optimizer (QK-Clip) or watches the run.
+"""Hook points of the update loop, for what acts beside the optimizer (QK-Clip, here) or watches the run.
 
 A callback subclasses Callback and overrides what it needs. The runner builds the callbacks listed under
 `callbacks` in the config (conf/callbacks/; name -> `_target_` node) and the Trainer calls, for each one:
 
-    setup(model, optimizer)     once, before the first update of the session
+    setup(model, optimizer, dims)  once, before the first update of the session (dims: the run's ParallelDims)
     after_optimizer_step(step)  after each successful update (the weights just changed; step counts it)
     after_skipped_step(step)    after an update skipped for a non-finite loss or gradient
     metrics() -> dict           its figures since the last call, logged in each train event under its name
@@ -13,11 +13,15 @@ A callback subclasses Callback and overrides what it needs. The runner builds th
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
+
+from k3train.optim.qk_clip import qk_clip_, reset_max_logits, set_max_logit_tracking
+from k3train.runtime.parallel_dims import ParallelDims
 
 
 class Callback:
-    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, dims: ParallelDims) -> None:
         pass
 
     def after_optimizer_step(self, step: int) -> None:
@@ -31,3 +35,57 @@ class Callback:
 
     def describe(self) -> str:
         return type(self).__name__
+
+
+class QKClip(Callback):
+    """QK-Clip after every successful update, with threshold tau; its `metrics()` gather every update's clipping
+    since the last train event: max logit per module (the largest seen), heads clipped, clip count."""
+
+    def __init__(self, tau: float):
+        if not tau > 0:
+            raise ValueError(f"callbacks.qk_clip.tau={tau} must be > 0 (remove callbacks.qk_clip to turn QK-Clip off)")
+        self.tau = tau
+        self.model: nn.Module | None = None
+        self.group: dist.ProcessGroup | None = None
+        self.n_modules = 0
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self.max_logit: dict[str, float] = {}
+        self.clipped_heads: dict[str, set] = {}
+        self.n_clipped = 0
+
+    def setup(self, model: nn.Module, optimizer: torch.optim.Optimizer, dims: ParallelDims) -> None:
+        self.model = model
+        self.group = dims.dp_group
+        self.n_modules = set_max_logit_tracking(model, True)
+
+    def after_optimizer_step(self, step: int) -> None:
+        if not self.n_modules:
+            return
+        result = qk_clip_(self.model, self.tau, self.group)
+        for name, value in result["max_logit"].items():
+            self.max_logit[name] = max(value, self.max_logit.get(name, value))
+        for name, heads in result["clipped_heads"].items():
+            self.clipped_heads.setdefault(name, set()).update(heads)
+        self.n_clipped += result["n_clipped"]
+
+    def after_skipped_step(self, step: int) -> None:
+        if self.n_modules:
+            reset_max_logits(self.model)  # measured by the failed forward: never act on it
+
+    def metrics(self) -> dict:
+        if not self.max_logit:
+            return {}
+        out = {
+            "max_logit": self.max_logit,
+            "n_clipped": self.n_clipped,
+            "clipped_heads": {k: sorted(v) for k, v in self.clipped_heads.items()},
+        }
+        self._reset_window()
+        return out
+
+    def describe(self) -> str:
+        if not self.n_modules:
+            return "QK-Clip: off (the model has no attention module that measures its max logits)"
+        return f"QK-Clip: tau {self.tau:g} on {self.n_modules} attention module(s)"

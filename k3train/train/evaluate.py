@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from k3train.data import EndOfData
 from k3train.runtime.distributed import mean_across_ranks
@@ -10,7 +11,9 @@ from k3train.train.rng import capture_rng_state, restore_rng_state
 
 
 @torch.no_grad()
-def evaluate(model, val_loader, num_batches: int, precision, device: torch.device) -> dict:
+def evaluate(
+    model, val_loader, num_batches: int, precision, device: torch.device, group: dist.ProcessGroup | None = None
+) -> dict:
     """Mean loss over the first num_batches val batches (fewer if the split is shorter).
 
     Model mode, the val cursor and all RNG states are restored afterwards, so evaluating never changes what
@@ -36,5 +39,5 @@ def evaluate(model, val_loader, num_batches: int, precision, device: torch.devic
         restore_rng_state(rng)
         model.train(was_training)
     # Every rank read its rows of the same global batches: their mean is the global batch's loss.
-    loss = mean_across_ranks(torch.stack(losses).mean().item(), device)
+    loss = mean_across_ranks(torch.stack(losses).mean().item(), device, group)
     return {"loss": loss, "batches": len(losses), "val_tokens": len(losses) * val_loader.global_tokens_per_batch}

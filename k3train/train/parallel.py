@@ -1,7 +1,9 @@
 """How the model is spread over the ranks of a run (conf/parallel/): DDP replicates it, FSDP2 shards it.
 
-Each strategy has `shard(model, device)` (called before the optimizer is built: FSDP2 replaces the parameters),
-`wrap(model, device)` (the module the Trainer runs forward through), `no_sync(module)` and `describe()`. In one
+Each strategy has `shard(model, device, dims)` (called before the optimizer is built: FSDP2 replaces the
+parameters; both hand the data-parallel group to the modules that balance over it), `wrap(model, device, dims)`
+(the module the Trainer runs forward through), and `no_sync(module)`; `dims` is the run's
+ParallelDims (k3train/runtime/parallel_dims.py). In one
 process `shard` and `wrap` return the model itself and `no_sync` does nothing, so the update loop has one code path.
 DDP (torch.nn.parallel.DistributedDataParallel) all-reduces (averages) gradients during backward; under gradient
 accumulation only the last micro-batch's backward does (`no_sync` for the others), so an update costs one
@@ -16,20 +18,27 @@ import contextlib
 import inspect
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from k3train.runtime.distributed import several_ranks
+from k3train.runtime.parallel_dims import ParallelDims
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """A figure computed from FSDP2-sharded tensors (a DTensor, e.g. a gradient norm with a pending sum over
     shards) as a plain tensor; a plain tensor as it is. A collective for a DTensor: every rank must call it."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def hand_data_parallel_group(model: nn.Module, dims: ParallelDims) -> None:
+    """Give every module that reduces over the data-parallel ranks (a `process_group` attribute: the MoE's Quantile
+    Balancing) the run's group; None in one process."""
+    for module in model.modules():
+        if hasattr(module, "process_group"):
+            module.process_group = dims.dp_group
 
 
 _DDP_OPTIONS = inspect.signature(DistributedDataParallel.__init__).parameters
@@ -39,12 +48,15 @@ class DDP:
     def __init__(self, bucket_cap_mb: int = 25):
         self.bucket_cap_mb = bucket_cap_mb
 
-    def shard(self, model: nn.Module, device: torch.device) -> nn.Module:
+    name = "ddp"
+
+    def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         """DDP keeps every parameter whole on every rank."""
+        hand_data_parallel_group(model, dims)
         return model
 
-    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
-        if not several_ranks():
+    def wrap(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
+        if not dims.several_ranks:
             return model
         # Buffers are synced from rank 0 once, at wrap time, not before every forward (torch 2.13 renamed the option).
         no_buffer_sync = (
@@ -60,9 +72,6 @@ class DDP:
     def no_sync(self, module: nn.Module):
         """Backward without the gradient all-reduce (all but the last micro-batch of an update)."""
         return module.no_sync() if isinstance(module, DistributedDataParallel) else contextlib.nullcontext()
-
-    def describe(self) -> str:
-        return f"DDP over {dist.get_world_size()} process(es)" if several_ranks() else "one process"
 
 
 class FSDP:
@@ -80,10 +89,13 @@ class FSDP:
         self.reshard_after_forward = reshard_after_forward
         self.mesh: DeviceMesh | None = None
 
-    def shard(self, model: nn.Module, device: torch.device) -> nn.Module:
-        if not several_ranks():
+    name = "fsdp"
+
+    def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
+        hand_data_parallel_group(model, dims)
+        if not dims.several_ranks:
             return model
-        self.mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+        self.mesh = dims.shard_mesh
         annotations = {
             name: {"head_split": p.head_split} for name, p in model.named_parameters() if hasattr(p, "head_split")
         }
@@ -96,7 +108,7 @@ class FSDP:
                 setattr(p, key, value)
         return model
 
-    def wrap(self, model: nn.Module, device: torch.device) -> nn.Module:
+    def wrap(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         return model  # fully_shard changed the model in place
 
     @contextlib.contextmanager
@@ -110,6 +122,3 @@ class FSDP:
             yield
         finally:
             module.set_requires_gradient_sync(True)
-
-    def describe(self) -> str:
-        return f"FSDP2 over {dist.get_world_size()} process(es)" if several_ranks() else "one process"

@@ -30,7 +30,8 @@ from k3train.observe.metrics import MetricsLogger
 from k3train.observe.mfu import MFU
 from k3train.observe.profile import make_profiler
 from k3train.observe.progress import Progress, Window, peak_memory_mb, say
-from k3train.runtime.distributed import any_across_ranks, current_world, mean_across_ranks
+from k3train.runtime.distributed import any_across_ranks, mean_across_ranks
+from k3train.runtime.parallel_dims import ParallelDims
 from k3train.runtime.signals import StopSignals
 from k3train.train.callbacks import Callback
 from k3train.train.evaluate import evaluate
@@ -68,11 +69,13 @@ class Trainer:
         checkpointer: Checkpointer,
         callbacks: dict[str, Callback] | None = None,
         parallel: DDP | None = None,
+        dims: ParallelDims | None = None,
         profile: ProfileConfig | None = None,
     ):
         self.model = model  # the unwrapped, uncompiled module: its state_dict keys stay stable
         self.parallel = parallel or DDP()
-        self.replicated = self.parallel.wrap(model, device)  # the model itself in one process
+        self.dims = dims or ParallelDims(device_type=device.type)
+        self.replicated = self.parallel.wrap(model, device, self.dims)  # the model itself in one process
         # Compile outside DDP, as torch recommends: its DDPOptimizer splits the graph at the gradient buckets.
         self.forward = torch.compile(self.replicated) if config.compile else self.replicated
         self.optimizer = optimizer
@@ -95,7 +98,7 @@ class Trainer:
         self.tokens_per_update = train_loader.global_tokens_per_batch * config.gradient_accumulation_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.mfu = MFU.for_model(
-            model, config.seq_len, device, precision.dtype, config.peak_flops, devices=current_world().size
+            model, config.seq_len, device, precision.dtype, config.peak_flops, devices=self.dims.world_size
         )
         self._fixed_batches: list | None = None  # overfit_batch mode
         self.plan = TrainingPlan(config, self.state, train_loader, self.tokens_per_update, schedule_factory)
@@ -115,7 +118,7 @@ class Trainer:
         for name, part in parts.items():
             checkpointer.add(name, part)
         for callback in self.callbacks.values():
-            callback.setup(model, optimizer)
+            callback.setup(model, optimizer, self.dims)
 
     @property
     def total_steps(self) -> int:
@@ -155,7 +158,7 @@ class Trainer:
             losses.append(loss.detach().float())
         self.state.tokens += self.tokens_per_update
         # The global batch's loss, so every rank takes the same skip-or-step decision (a NaN anywhere is NaN here).
-        loss = mean_across_ranks(torch.stack(losses).mean().item(), self.device)
+        loss = mean_across_ranks(torch.stack(losses).mean().item(), self.device, self.dims.dp_group)
 
         self.scaler.unscale_(self.optimizer)
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -211,7 +214,7 @@ class Trainer:
                     self._after_update(window, progress)
                 # Every rank stops at the same boundary, whichever of them a signal reached.
                 received = self.signals.received
-                if any_across_ranks(received is not None, self.device):
+                if any_across_ranks(received is not None, self.device, self.dims.dp_group):
                     reason = f"signal:{received.name}" if received else "signal:another rank"
                 else:
                     reason = self._stop_reason()
@@ -284,7 +287,9 @@ class Trainer:
         return out
 
     def run_eval(self, progress: Progress | None = None) -> dict:
-        result = evaluate(self.model, self.val_loader, self.config.eval_batches, self.precision, self.device)
+        result = evaluate(
+            self.model, self.val_loader, self.config.eval_batches, self.precision, self.device, self.dims.dp_group
+        )
         self.metrics.log("eval", step=self.state.step, tokens=self.state.tokens, **result)
         msg = f"{self.label}eval step {self.state.step}: val loss {result['loss']:.4f} ({result['batches']} batches)"
         (progress.write if progress else say)(msg)

@@ -43,9 +43,9 @@ The bias is a persistent buffer (it travels in state_dict) and changes only in t
 - "none": the bias stays zero.
 
 Choices to know about:
-- Data-parallel training: when torch.distributed is initialised with more than one rank (or `moe.process_group`
-  names a group: the data-parallel one, when the world is split other ways too), a training-mode pass balances
-  over the GLOBAL batch. Every rank all-gathers its candidates for step 3 (its m+1 smallest r per expert, m from
+- Data-parallel training: when `moe.process_group` names a group of more than one rank (the run's data-parallel
+  group, handed over by the parallelize function from ParallelDims), a training-mode pass balances over the
+  GLOBAL batch. Every rank all-gathers its candidates for step 3 (its m+1 smallest r per expert, m from
   the global token count: the global m+1 smallest are among them, so the quantile is exactly the one over all
   ranks' r, for about min(1, W k / n) of the traffic of gathering r itself); every rank computes the same bias.
   The load counts are summed over ranks, so aux_free_bias steps on the global load and the diagnostics describe
@@ -212,7 +212,7 @@ class MoE(nn.Module):
         self.register_buffer("expert_bias", torch.zeros(n_routed_experts))  # persistent: in state_dict
         # Diagnostics of the last training-mode pass: tokens per expert [n]. Not state: not in state_dict.
         self.last_load: torch.Tensor | None = None
-        # The ranks whose tokens are balanced together; None: the default group when torch.distributed is on.
+        # The ranks whose tokens are balanced together (set by the parallelize function); None: this process's alone.
         self.process_group: dist.ProcessGroup | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -271,8 +271,6 @@ class MoE(nn.Module):
     def _balancing_group(self) -> dist.ProcessGroup | None:
         """The group whose tokens are balanced together, or None to balance over this process's tokens alone."""
         group = self.process_group
-        if group is None and dist.is_available() and dist.is_initialized():
-            group = dist.group.WORLD
         return group if group is not None and dist.get_world_size(group) > 1 else None
 
     def diagnostics(self) -> dict[str, float]:

@@ -1,0 +1,187 @@
+"""The table of a sweep: one row per job, sorted by final val loss, as markdown and CSV.
+
+A row holds the overrides that differ between the sweep's jobs (the ones every job shares say nothing about the
+comparison), how the job ended, its final and best val loss, tokens trained, mean tokens/s and its directory. It is
+read from what each job left on disk (.hydra/overrides.yaml, run.json, metrics.jsonl), so it works on finished,
+running and crashed jobs alike: a torn last metrics line is skipped and a step a resumed session redid counts once.
+
+    python -m k3train.report.sweep_table SWEEP_DIR     # prints the table, writes SWEEP_DIR/sweep_summary.{md,csv}
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import html
+import io
+import math
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from k3train.files import write_atomic
+from k3train.observe.metrics import read_metrics
+from k3train.observe.run_manifest import RUN_LOCK, read_run_json
+
+SUMMARY_STEM = "sweep_summary"
+
+
+@dataclass
+class JobRow:
+    run_dir: Path
+    overrides: dict[str, str] = field(default_factory=dict)
+    end: str = "not started"  # the last session's end reason, "running", or "stopped without an end" (killed)
+    final_val_loss: float | None = None
+    best_val_loss: float | None = None
+    step: int = 0
+    tokens: int = 0
+    tokens_per_s: float | None = None
+
+
+def find_jobs(sweep_dir: Path) -> list[Path]:
+    """The job directories of a sweep: those Hydra wrote a .hydra/ or k3train a run.json into, in job order."""
+    jobs = [d for d in sweep_dir.iterdir() if d.is_dir() and ((d / ".hydra").is_dir() or (d / "run.json").exists())]
+    return sorted(jobs, key=lambda d: (not d.name.isdigit(), int(d.name) if d.name.isdigit() else 0, d.name))
+
+
+def read_job(run_dir: Path, events: list[dict] | None = None) -> JobRow:
+    """The job's row; events: its metrics.jsonl as read_metrics(final_only=True) gives it, when already read."""
+    row = JobRow(run_dir=run_dir, overrides=_overrides(run_dir))
+    run = read_run_json(run_dir)
+    sessions = (run or {}).get("sessions") or []
+    if events is None:
+        metrics = run_dir / "metrics.jsonl"
+        events = read_metrics(metrics, final_only=True) if metrics.exists() else []
+    evals = [e["loss"] for e in events if e.get("event") == "eval" and isinstance(e.get("loss"), (int, float))]
+    if evals:
+        row.final_val_loss, row.best_val_loss = evals[-1], min(evals)
+    progressed = [e for e in events if "step" in e and "tokens" in e]
+    if progressed:
+        row.step, row.tokens = progressed[-1]["step"], progressed[-1]["tokens"]
+    speeds = [e["tokens_per_s"] for e in events if e.get("event") == "train" and e.get("tokens_per_s")]
+    if speeds:
+        row.tokens_per_s = sum(speeds) / len(speeds)
+    if _is_running(run_dir):
+        row.end = "running"
+    elif sessions:
+        row.end = sessions[-1].get("end_reason") or "stopped without an end"
+    return row
+
+
+def varying_keys(rows: list[JobRow]) -> list[str]:
+    """Override keys whose value is not the same in every job (a key some jobs lack counts as varying)."""
+    keys = sorted({k for r in rows for k in r.overrides})
+    return [k for k in keys if len({r.overrides.get(k) for r in rows}) > 1]
+
+
+def sweep_table(sweep_dir: Path) -> tuple[list[str], list[JobRow]]:
+    """The varying override keys and the job rows, best final val loss first (jobs without one last)."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise FileNotFoundError(f"no sweep directory {sweep_dir}: pass the directory a `-m` run printed")
+    rows = sorted((read_job(d) for d in find_jobs(sweep_dir)), key=table_order)
+    return varying_keys(rows), rows
+
+
+def table_order(row: JobRow) -> tuple[bool, float]:
+    """Sort key: best final val loss first, jobs without a finite one last."""
+    return (
+        row.final_val_loss is None or not math.isfinite(row.final_val_loss),
+        row.final_val_loss if row.final_val_loss is not None else 0.0,
+    )
+
+
+COLUMNS = ["final val loss", "best val loss", "step", "tokens", "tokens/s", "end", "run dir"]
+
+
+def cells(row: JobRow, keys: list[str], sweep_dir: Path) -> list[str]:
+    def number(x: float | None, fmt: str) -> str:
+        return "" if x is None else format(x, fmt)
+
+    run_dir = row.run_dir.relative_to(sweep_dir) if row.run_dir.is_relative_to(sweep_dir) else row.run_dir
+    return [row.overrides.get(k, "") for k in keys] + [
+        number(row.final_val_loss, ".4f"),
+        number(row.best_val_loss, ".4f"),
+        str(row.step),
+        str(row.tokens),
+        number(row.tokens_per_s, ".0f"),
+        row.end,
+        str(run_dir),
+    ]
+
+
+def to_markdown(keys: list[str], rows: list[JobRow], sweep_dir: Path) -> str:
+    header = keys + COLUMNS
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r, keys, sweep_dir)) + " |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(keys: list[str], rows: list[JobRow], sweep_dir: Path) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(keys + COLUMNS)
+    writer.writerows(cells(r, keys, sweep_dir) for r in rows)
+    return out.getvalue()
+
+
+def to_html(keys: list[str], rows: list[JobRow], sweep_dir: Path) -> str:
+    header = "".join(f"<th>{html.escape(h)}</th>" for h in keys + COLUMNS)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells(r, keys, sweep_dir)) + "</tr>\n" for r in rows
+    )
+    return f"<table>\n<tr>{header}</tr>\n{body}</table>\n"
+
+
+def write_sweep_summary(sweep_dir: Path, table: tuple[list[str], list[JobRow]] | None = None) -> str:
+    """Write SWEEP_DIR/sweep_summary.md and .csv (each atomically) and return the markdown table; `table` (keys,
+    rows) when the caller has read the jobs already."""
+    sweep_dir = Path(sweep_dir)
+    keys, rows = table if table is not None else sweep_table(sweep_dir)
+    markdown = to_markdown(keys, rows, sweep_dir)
+    for suffix, text in ((".md", markdown), (".csv", to_csv(keys, rows, sweep_dir))):
+        write_atomic(sweep_dir / f"{SUMMARY_STEM}{suffix}", lambda f, text=text: f.write(text.encode()))
+    return markdown
+
+
+def _overrides(run_dir: Path) -> dict[str, str]:
+    path = run_dir / ".hydra" / "overrides.yaml"
+    try:
+        listed = yaml.safe_load(path.read_text()) or []
+    except (OSError, yaml.YAMLError):
+        listed = (read_run_json(run_dir).get("sessions") or [{}])[0].get("overrides") or []
+    pairs = (str(o).split("=", 1) for o in listed if "=" in str(o))
+    return {k.lstrip("+~"): v for k, v in pairs if not k.startswith("hydra.")}
+
+
+def _is_running(run_dir: Path) -> bool:
+    """A live k3train process holds the run directory's lock (run/rundir.py)."""
+    try:
+        with open(run_dir / RUN_LOCK, "rb") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            return False
+    except OSError:
+        return False  # no lock file: k3train never started here
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m k3train.report.sweep_table SWEEP_DIR", file=sys.stderr)
+        return 2
+    try:
+        print(write_sweep_summary(Path(args[0])), end="")
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

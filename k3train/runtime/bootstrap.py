@@ -1,0 +1,21 @@
+"""What every command-line entry point does first, before anything imports torch.
+
+    from k3train.runtime.bootstrap import bootstrap
+    bootstrap()                      # then the CLI's own imports
+
+OpenMP reads its wait policy once, when torch loads it, so `configure_openmp` (runtime/cpu.py) must come before
+`import torch`; training also catches stop signals from the first moment (runtime/signals.py), so a SIGTERM during
+start-up stops the run after its first update instead of killing it without a checkpoint. The CLI modules are
+exempt from ruff's E402 (imports after code) for this reason alone (pyproject.toml).
+"""
+
+from __future__ import annotations
+
+from k3train.runtime.cpu import configure_openmp
+from k3train.runtime.signals import catch_early
+
+
+def bootstrap(catch_stop_signals: bool = False) -> None:
+    configure_openmp()
+    if catch_stop_signals:
+        catch_early()

@@ -1,0 +1,77 @@
+"""The house rules: the paths group and where the environment and the command line win, experiments chosen
+without `+`, and ParallelDims as the one description of how ranks divide the work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.config import composed
+from helpers.tiny_k3 import tiny_model
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from k3train.config import register_configs
+from k3train.runtime.parallel_dims import ParallelDims
+from k3train.train.parallel import DDP
+
+
+def _run_dirs(monkeypatch, env: dict, *overrides: str) -> tuple[str, str]:
+    for name in ("K3TRAIN_OUTPUTS", "K3TRAIN_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    register_configs()
+    with initialize_config_module(config_module="k3train.conf", version_base="1.3"):
+        cfg = compose(config_name="config", overrides=list(overrides), return_hydra_config=True)
+    return OmegaConf.select(cfg, "hydra.sweep.dir"), cfg.paths.cache
+
+
+def test_output_and_cache_roots_come_from_paths_with_the_environment_over_the_file(monkeypatch) -> None:
+    sweep, cache = _run_dirs(monkeypatch, {})
+    assert sweep.startswith("outputs/sweeps/") and cache == "~/.cache/k3train"
+    sweep, cache = _run_dirs(monkeypatch, {"K3TRAIN_OUTPUTS": "/env/out", "K3TRAIN_CACHE": "/env/cache"})
+    assert sweep.startswith("/env/out/sweeps/") and cache == "/env/cache"
+    # the command line wins over both
+    sweep, cache = _run_dirs(monkeypatch, {"K3TRAIN_OUTPUTS": "/env/out"}, "paths.outputs=/cli/out", "paths.cache=/c")
+    assert sweep.startswith("/cli/out/sweeps/") and cache == "/c"
+
+
+def test_an_experiment_is_chosen_without_a_plus_and_the_command_line_still_wins() -> None:
+    default = OmegaConf.to_container(composed(), resolve=False)
+    quickstart = OmegaConf.to_container(composed("experiment=quickstart"), resolve=False)
+    assert quickstart == default  # quickstart spells the default run out
+    small = composed("experiment=k3_small_gpu", "train.max_steps=7")
+    assert small.model.d_model == composed("model=k3_small").model.d_model  # the experiment's override /model
+    assert small.train.max_steps == 7
+    with pytest.raises(Exception, match="(?i)could not (find|load)|not found"):
+        composed("experiment=no_such_recipe")
+
+
+def test_parallel_dims_say_how_the_ranks_divide_the_work() -> None:
+    one = ParallelDims()
+    assert (one.world_size, one.several_ranks, one.dp_group, one.describe()) == (1, False, None, "one process")
+    ddp = ParallelDims.for_strategy("ddp", world_size=4, rank=3, device_type="cpu")
+    assert (ddp.dp_replicate, ddp.dp_shard, ddp.dp_size, ddp.dp_rank) == (4, 1, 4, 3)
+    assert ddp.describe() == "DDP over 4 process(es)"
+    fsdp = ParallelDims.for_strategy("fsdp", world_size=2, rank=0, device_type="cpu")
+    assert (fsdp.dp_replicate, fsdp.dp_shard) == (1, 2) and fsdp.describe() == "FSDP2 over 2 process(es)"
+    with pytest.raises(ValueError, match="no dp_shard dimension"):
+        ddp.shard_mesh  # noqa: B018 - a DDP run has nothing to shard over
+    with pytest.raises(ValueError, match="HSDP"):
+        ParallelDims(dp_replicate=2, dp_shard=2)
+    with pytest.raises(ValueError, match="rank 4 outside a world of 4"):
+        ParallelDims(dp_replicate=4, rank=4)
+    with pytest.raises(ValueError, match="unknown parallel strategy 'tp'"):
+        ParallelDims.for_strategy("tp", world_size=2, rank=0, device_type="cpu")
+    assert not dist.is_initialized()  # none of this asked torch.distributed anything
+
+
+def test_the_parallelize_function_hands_every_moe_the_run_group_and_none_in_one_process() -> None:
+    model = tiny_model()
+    moes = [m for m in model.modules() if hasattr(m, "process_group")]
+    assert moes  # k3_tiny-shaped: MoE layers that balance over a group
+    for module in moes:
+        module.process_group = "stale"
+    assert DDP().shard(model, torch.device("cpu"), ParallelDims()) is model
+    assert all(m.process_group is None for m in moes)
