@@ -6,6 +6,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# tests/ on sys.path under any --import-mode (prepend, pytest's default, adds it too; importlib would not): the test
+# files import what they share as `from helpers.NAME import ...` (tests/helpers/), never from another test file.
+TESTS = str(REPO / "tests")
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
 # As `python -m k3train` does (k3train/runtime/cpu.py): this file loads before any test imports torch, so the suite's
 # own threads sleep instead of spinning when another job holds a core.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -46,7 +51,7 @@ def run_cli(k3_cache):
 @pytest.fixture(scope="session")
 def tiny_data_dir(tmp_path_factory) -> Path:
     """A prepared dataset of a few thousand byte tokens: small enough that a run can use it all up."""
-    from data_helpers import make_dataset
+    from helpers.data import make_dataset
 
     return make_dataset(tmp_path_factory.mktemp("tiny-data"), shard_tokens=1000)
 

@@ -8,7 +8,6 @@ from importlib.resources import files
 
 import pytest
 import torch
-from config_helpers import composed
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import ConfigCompositionException
@@ -18,6 +17,8 @@ from omegaconf import OmegaConf
 
 from k3train.config import ProfileConfig, TrainConfig, check_known_keys
 from k3train.train.precision import Precision
+
+from helpers.config import composed
 
 GROUPS = ("model", "optim", "schedule", "precision", "data")
 NAMED_GROUPS = ("callbacks", "logger")  # groups whose options list any number of named `_target_` nodes
@@ -245,11 +246,11 @@ def planned_updates(train: TrainConfig):
 
 @pytest.mark.parametrize("name", options("experiment"))
 def test_every_experiment_and_each_job_of_its_sweep_builds(name):
-    """What `python -m k3train +experiment=NAME` runs (each job, for a sweep) passes the runner's checks and builds
+    """What `python -m k3train experiment=NAME` runs (each job, for a sweep) passes the runner's checks and builds
     every part but the data: a recipe can only leave data.path to the user."""
-    experiment = composed(f"+experiment={name}", return_hydra_config=True)
+    experiment = composed(f"experiment={name}", return_hydra_config=True)
     for job in sweep_jobs(experiment):
-        cfg = composed(f"+experiment={name}", *job) if job else experiment
+        cfg = composed(f"experiment={name}", *job) if job else experiment
         check_known_keys(cfg)
         train = OmegaConf.to_object(cfg.train)  # the cross-field checks
         assert isinstance(OmegaConf.to_object(cfg.profile), ProfileConfig)
@@ -266,14 +267,14 @@ def test_every_experiment_and_each_job_of_its_sweep_builds(name):
 def test_the_muon_vs_adamw_sweep_runs_both_optimizers_at_each_lr():
     """benchmarks/sweep_muon_vs_adamw.py's table: each optimizer at each lr of the grid, once (the test above
     composes and builds each of these jobs)."""
-    experiment = composed("+experiment=muon_vs_adamw", return_hydra_config=True)
+    experiment = composed("experiment=muon_vs_adamw", return_hydra_config=True)
     assert experiment.hydra.mode == RunMode.MULTIRUN  # a sweep even without -m
     jobs = sorted((job[0], float(job[1].split("=")[1])) for job in sweep_jobs(experiment))
     assert jobs == [(f"optim={optim}", lr) for optim in ("adamw", "muon_adamw") for lr in (1e-3, 3e-3, 1e-2)]
 
 
 def test_the_quickstart_experiment_is_the_default_run():
-    quickstart = without_hydra(composed("+experiment=quickstart", return_hydra_config=True))
+    quickstart = without_hydra(composed("experiment=quickstart", return_hydra_config=True))
     default = without_hydra(composed(return_hydra_config=True))
     assert OmegaConf.to_container(quickstart) == OmegaConf.to_container(default)
 
@@ -281,24 +282,85 @@ def test_the_quickstart_experiment_is_the_default_run():
 @pytest.mark.parametrize("option", options("parallel"))
 def test_every_parallel_option_leaves_one_process_as_it_is(option):
     """In one process (no process group) a strategy runs the model itself: the single-process path is unchanged."""
-    strategy = instantiate(with_option("parallel", option).parallel)
+    from k3train.runtime.parallel_dims import ParallelDims
+
+    strategy, dims = instantiate(with_option("parallel", option).parallel), ParallelDims()
     model = torch.nn.Linear(2, 2)
-    assert strategy.wrap(model, torch.device("cpu")) is model
+    assert strategy.shard(model, torch.device("cpu"), dims) is model
+    assert strategy.wrap(model, torch.device("cpu"), dims) is model
     with strategy.no_sync(model):
         pass
-    assert strategy.describe() == "one process"
+    assert dims.describe() == "one process"
 
 
-@pytest.mark.parametrize("group,option", [(g, o) for g in NAMED_GROUPS for o in options(g)])
+@pytest.mark.parametrize("group,option", [(g, o) for g in NAMED_GROUPS for o in options(g) if o != "none"])
 def test_every_callbacks_and_logger_option_builds_what_the_runner_checks(group, option, tmp_path):
     from k3train.observe.metrics import MetricsSink
+    from k3train.runtime.parallel_dims import ParallelDims
     from k3train.train.callbacks import Callback
 
     kind, kwargs = (Callback, {}) if group == "callbacks" else (MetricsSink, {"run_dir": str(tmp_path)})
-    for name, node in with_option(group, option)[group].items():
+    nodes = with_option(group, option)[group]
+    assert len(nodes) >= 1, f"{group}={option} lists nothing to build"  # `none` is the one that may: below
+    for name, node in nodes.items():
         part = instantiate(node, **kwargs)
         assert isinstance(part, kind), f"{group}.{name}"
         if group == "callbacks":
-            part.setup(tiny_model(with_option("model", "k3_tiny")), None)
+            part.setup(tiny_model(with_option("model", "k3_tiny")), None, ParallelDims())  # one process
             assert part.describe()
     assert list(tmp_path.iterdir()) == []  # nothing is written before the first event
+
+
+def built_run(monkeypatch, run_dir, data_dir, *overrides):
+    """build_parts (k3train/run/build.py) on the composed config, as the runner calls it in one process, for the
+    smoke model on a tiny prepared dataset. Its process-wide CPU set-up (threads, malloc, denormals) is left out."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from k3train.run import build
+
+    cfg = composed(
+        *overrides,
+        "model=smoke_test_lm",
+        "data=prepared",
+        f"data.path={data_dir}",
+        "train.seq_len=16",
+        "train.batch_size=2",
+        "train.device=cpu",
+        return_hydra_config=True,
+    )
+    monkeypatch.setattr(build, "apply_threads", lambda choice: None)
+    monkeypatch.setattr(build, "prepare_cpu_training", lambda: {})
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # put back after the test
+    HydraConfig.instance().set_config(cfg)
+    return cfg, build.build_parts(cfg, run_dir)
+
+
+def test_callbacks_none_builds_no_callback_and_the_run_still_builds_and_steps(monkeypatch, tmp_path, tiny_data_dir):
+    from k3train.train.callbacks import QKClip
+
+    cfg, parts = built_run(monkeypatch, tmp_path / "none", tiny_data_dir, "callbacks=none")
+    assert OmegaConf.to_container(cfg.callbacks) == {}  # the option lists no callback...
+    trainer = parts["trainer"]
+    assert trainer.callbacks == {}  # ...and the runner builds none, not the default QK-Clip
+    trainer.train_step()  # an update runs without any callback
+    assert trainer.state.step == 1
+    assert not (tmp_path / "none").exists()  # building writes nothing
+    # The default builds QK-Clip through the same path: `none` is an empty group, not a group the builder skips.
+    _, parts = built_run(monkeypatch, tmp_path / "default", tiny_data_dir, "callbacks=default")
+    assert list(parts["trainer"].callbacks) == ["qk_clip"] and isinstance(parts["trainer"].callbacks["qk_clip"], QKClip)
+
+
+def test_logger_none_builds_no_sink_beside_metrics_jsonl_and_the_run_still_builds(monkeypatch, tmp_path, tiny_data_dir):
+    from k3train.observe.metrics import JsonlSink
+    from k3train.observe.sinks import TensorBoardSink
+
+    cfg, parts = built_run(monkeypatch, tmp_path / "none", tiny_data_dir, "logger=none")
+    assert OmegaConf.to_container(cfg.logger) == {}  # the option lists no sink...
+    sinks = parts["metrics"].sinks
+    assert [type(s) for s in sinks] == [JsonlSink]  # ...so metrics.jsonl, always written, is the only one
+    assert sinks[0].path == tmp_path / "none" / "metrics.jsonl"
+    assert list(parts["trainer"].callbacks) == ["qk_clip"]  # the rest of the run is the default's
+    assert not (tmp_path / "none").exists()  # building writes nothing
+    # Another logger adds its sink after metrics.jsonl's through the same path.
+    _, parts = built_run(monkeypatch, tmp_path / "tb", tiny_data_dir, "logger=tensorboard")
+    assert [type(s) for s in parts["metrics"].sinks] == [JsonlSink, TensorBoardSink]

@@ -5,13 +5,14 @@ from pathlib import Path
 import hydra.utils
 import numpy as np
 import pytest
-from data_helpers import train_tiny_bpe
 from omegaconf import OmegaConf
 
 import k3train.data.builtin as builtin
 import k3train.data.prepare as prepare_mod
 from k3train.data import HFTokenizer, TokenData, prepare_builtin
 from k3train.data.manifest import MANIFEST_NAME
+
+from helpers.data import train_tiny_bpe
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "data"
 

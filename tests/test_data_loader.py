@@ -3,11 +3,12 @@ import json
 import numpy as np
 import pytest
 import torch
-from data_helpers import DOCS, byte_stream, make_dataset, train_tiny_bpe, write_jsonl
 
 import k3train.data.dataset as dataset_mod
 from k3train.data import EndOfData, HFTokenizer, ShardedTokenDataset, TokenData, TokenDataLoader, prepare_dataset
 from k3train.data.manifest import MANIFEST_NAME
+
+from helpers.data import DOCS, byte_stream, make_dataset, train_tiny_bpe, write_jsonl
 
 
 @pytest.fixture

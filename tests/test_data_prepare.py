@@ -8,12 +8,13 @@ import sys
 
 import numpy as np
 import pytest
-from data_helpers import DOCS, VAL_DOCS, byte_stream, make_dataset, train_tiny_bpe, write_jsonl
 
 import k3train.data.prepare as prepare_mod
 import k3train.data.sources as sources
 from k3train.data import ByteTokenizer, HFTokenizer, PrepareError, ShardedTokenDataset, TokenData, prepare_dataset
 from k3train.data.manifest import MANIFEST_NAME
+
+from helpers.data import DOCS, VAL_DOCS, byte_stream, make_dataset, train_tiny_bpe, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

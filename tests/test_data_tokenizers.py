@@ -3,9 +3,10 @@ import pickle
 import numpy as np
 import pytest
 import tokenizers
-from data_helpers import DOCS, train_tiny_bpe
 
 from k3train.data import ByteTokenizer, HFTokenizer, load_tokenizer
+
+from helpers.data import DOCS, train_tiny_bpe
 
 TEXTS = ["", "plain ascii", "héllo wörld ✓ 日本語 🐍", "line\r\nbreaks\n\n\ttabs"]
 

@@ -1,4 +1,4 @@
-"""Adding a model, an optimizer and a logger is one Python file plus one YAML file each, as README says.
+"""Adding a model, an optimizer and a logger is one Python file plus one YAML file each, as docs/extending.md says.
 
 The files live outside the repository here (PYTHONPATH and hydra.searchpath point at them) so the test cannot
 lean on anything but the documented seams: the LanguageModel protocol, the `factory(model)` optimizer target and

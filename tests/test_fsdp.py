@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_distributed import K3, SMOKE, kill_a_rank_then_resume, launch, steps
 
 from k3train import export
 from k3train.checkpoint.checkpointer import FORMAT_VERSION, CheckpointError, ShardedCheckpointer, load_checkpoint
@@ -17,6 +16,8 @@ from k3train.checkpoint.dcp import EXTRA, PLACEHOLDER, read_sharded, whole_tenso
 from k3train.consolidate import consolidate
 from k3train.inference.loading import load as load_for_inference
 from k3train.observe.metrics import read_metrics
+
+from helpers.distributed_runs import K3, SMOKE, kill_a_rank_then_resume, launch, steps
 
 FSDP = ["parallel=fsdp"]
 

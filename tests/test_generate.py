@@ -2,8 +2,6 @@
 
 import pytest
 import torch
-from config_helpers import model_config
-from hydra.utils import instantiate
 
 from k3train.inference import sampling
 from k3train.inference.sampling import Sampler, generate
@@ -11,32 +9,9 @@ from k3train.models.k3 import KimiK3, KimiK3Config
 from k3train.models.k3.cache import MLACache
 from k3train.models.kda.state import KDAState
 
+from helpers.decoding import V, build, incremental_logits, relative_error
+
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-V = 257
-
-
-def build(name: str, seed: int = 0, **changes) -> KimiK3:
-    """conf/model/NAME.yaml with the byte vocabulary, in eval mode, with a non-zero router bias: decoding must
-    steer the experts exactly as the full forward does."""
-    torch.manual_seed(seed)
-    model = instantiate(model_config(name), vocab_size=V, **changes).eval()
-    for moe in model.moe_layers().values():
-        moe.expert_bias.normal_(std=0.05)
-    return model
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).abs().max() / b.abs().max()).item()
-
-
-@torch.no_grad()
-def incremental_logits(model: KimiK3, tokens: torch.Tensor, prefill: int) -> torch.Tensor:
-    """The prompt tokens[:, :prefill] in one forward, then the rest one token at a time."""
-    cache = model.empty_cache(tokens.shape[0], tokens.shape[1])
-    steps = [model.forward_cached(tokens[:, :prefill], cache)]
-    steps += [model.forward_cached(tokens[:, t : t + 1], cache) for t in range(prefill, tokens.shape[1])]
-    return torch.cat(steps, dim=1)
 
 
 @pytest.mark.parametrize(

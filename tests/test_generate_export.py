@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-from data_helpers import make_dataset, train_tiny_bpe
 from omegaconf import OmegaConf
 
 from k3train import export, generate
@@ -14,6 +13,8 @@ from k3train.checkpoint.checkpointer import FORMAT_VERSION
 from k3train.data import TokenData
 from k3train.inference.loading import load
 from k3train.models.k3 import KimiK3, KimiK3Config
+
+from helpers.data import make_dataset, train_tiny_bpe
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -4,7 +4,8 @@ without flash-linear-attention and triton (pip install 'k3train[gpu]')."""
 
 import pytest
 import torch
-from test_generate import build, incremental_logits
+
+from helpers.decoding import build, incremental_logits
 
 pytestmark = [
     pytest.mark.gpu,

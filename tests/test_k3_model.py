@@ -5,12 +5,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from config_helpers import model_config
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from k3train.models.k3 import KimiK3, KimiK3Config
 from k3train.models.k3.moe import MoE
+
+from helpers.config import model_config
+from helpers.tiny_k3 import V, batch, tiny_model
 
 # A tiny model runs hundreds of tiny ops a step: with a thread pool each waits for both threads, and one thread
 # descheduled by another busy process stalls them all (measured: the memorisation test took 32 s instead of 2.5 s
@@ -18,44 +20,6 @@ from k3train.models.k3.moe import MoE
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
-V = 61
-# A model small enough for a unit test that still has every kind of part: 3 KDA + 1 MLA, a dense first layer,
-# 3 MoE layers with a shared expert. 4 experts top-2 over B*T = 128 tokens: ~64 slots per expert per layer, and
-# at seed 0 every expert of every layer gets tokens (the gradient test would name any that did not).
-TINY = dict(
-    vocab_size=V,
-    d_model=32,
-    n_layers=4,
-    kda_mla_ratio="3:1",
-    max_seq_len=64,
-    mla_n_heads=2,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
-    kda_n_heads=2,
-    kda_head_dim=16,
-    kda_chunk_size=16,
-    n_routed_experts=4,
-    experts_per_token=2,
-    n_shared_experts=1,
-    expert_ffn_dim=16,
-    first_k_dense=1,
-    dense_ffn_dim=48,
-)
-
-
-def tiny_model(seed: int = 0, **overrides) -> KimiK3:
-    torch.manual_seed(seed)
-    return KimiK3.from_fields(**{**TINY, **overrides})
-
-
-def batch(B=4, T=32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, V, (B, T), generator=g)
-    return x, torch.randint(0, V, (B, T), generator=g)
-
-
 # --- config -------------------------------------------------------------------------------------------------------
 
 

@@ -11,10 +11,11 @@ import contextlib
 
 import pytest
 import torch
-from test_k3_model import batch, tiny_model
-from test_kda import NAMES, assert_close, make_inputs, run
 
 from k3train.models.kda import KimiDeltaAttention, chunk_kda, fla_chunk_kda, naive_recurrent_kda
+
+from helpers.kda_problems import NAMES, assert_close, make_inputs, run
+from helpers.tiny_k3 import batch, tiny_model
 
 # slow too: on a GPU machine Triton's autotuning alone takes minutes, too long for the fast tier.
 pytestmark = [

@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers.config import composed
-from helpers.tiny_k3 import tiny_model
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from k3train.config import register_configs
 from k3train.runtime.parallel_dims import ParallelDims
 from k3train.train.parallel import DDP
+
+from helpers.config import composed
+from helpers.tiny_k3 import tiny_model
 
 
 def _run_dirs(monkeypatch, env: dict, *overrides: str) -> tuple[str, str]:

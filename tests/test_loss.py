@@ -2,8 +2,6 @@
 gradients, in fp32 and under bf16 autocast, with ignored targets, at chunk sizes that do and do not divide N; and
 KimiK3's fused path against its old lm_head + F.cross_entropy path, tied and untied."""
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -11,24 +9,7 @@ import torch.nn.functional as F
 from k3train.models.k3 import KimiK3
 from k3train.models.loss import IGNORE_INDEX, default_chunk_size, linear_cross_entropy
 
-
-def problem(n: int, d: int, v: int, ignored: float = 0.0, seed: int = 0, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(n, d, generator=g).to(dtype).requires_grad_()
-    weight = (torch.randn(v, d, generator=g) / math.sqrt(d) * 3).to(dtype).requires_grad_()  # logits of std ~3
-    targets = torch.randint(0, v, (n,), generator=g)
-    targets[torch.rand(n, generator=g) < ignored] = IGNORE_INDEX
-    return hidden, weight, targets
-
-
-def reference(hidden, weight, targets):
-    return F.cross_entropy(F.linear(hidden, weight).float(), targets)
-
-
-def loss_and_grads(loss_fn, hidden, weight, targets, grad_scale=1.0, **kwargs):
-    """The loss and d(grad_scale * loss)/d(hidden, weight): a grad_output other than 1 checks backward's scaling."""
-    loss = loss_fn(hidden, weight, targets, **kwargs)
-    return (loss, *torch.autograd.grad(loss * grad_scale, (hidden, weight)))
+from helpers.loss_problems import loss_and_grads, problem, reference
 
 
 def assert_matches_reference(hidden, weight, targets, rtol=1e-5, atol=1e-7, **kwargs):

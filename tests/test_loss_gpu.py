@@ -4,9 +4,10 @@ block. Skipped without CUDA."""
 
 import pytest
 import torch
-from test_loss import loss_and_grads, problem, reference
 
 from k3train.models.loss import linear_cross_entropy
+
+from helpers.loss_problems import loss_and_grads, problem, reference
 
 pytestmark = [
     pytest.mark.gpu,

@@ -4,12 +4,13 @@ import json
 
 import pytest
 import torch
-from test_trainer import WrapsSmoke, make_trainer
 
 from k3train.config import TrainConfig
 from k3train.observe import mfu as mfu_module
 from k3train.observe.metrics import read_metrics
 from k3train.observe.mfu import MFU, Peak, calibrate_cpu_matmul, cpu_peak, gpu_peak
+
+from helpers.trainer import WrapsSmoke, make_trainer
 
 
 class CountedSmoke(WrapsSmoke):
@@ -20,18 +21,28 @@ class CountedSmoke(WrapsSmoke):
 
 
 @pytest.mark.parametrize(
-    "name, dtype, peak",
-    [
-        ("NVIDIA H200", "bf16", 989.5e12),
-        ("NVIDIA H100 80GB HBM3", "bf16", 989.5e12),
-        ("NVIDIA H100 PCIe", "bf16", 756e12),  # not the SXM figure
-        ("NVIDIA H200 NVL", "fp16", 835e12),
-        ("NVIDIA A100-SXM4-80GB", "fp32", 19.5e12),
+    "name, dtype, peak, row",
+    [  # torch.cuda.get_device_name() -> the datasheet's dense figure and the table row that gave it
+        ("NVIDIA H200", "bf16", 989.5e12, "H200"),
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.5e12, "H100"),
+        ("NVIDIA H100 PCIe", "bf16", 756e12, "H100 PCIe"),  # not the SXM figure
+        ("NVIDIA H200 NVL", "fp16", 835e12, "H200 NVL"),
+        ("NVIDIA A100-SXM4-80GB", "fp32", 19.5e12, "A100"),  # fp32 without TF32: the CUDA-core figure
     ],
 )
-def test_known_gpus_get_their_datasheet_peak(name, dtype, peak):
-    assert gpu_peak(name, dtype) == Peak(peak, gpu_peak(name, dtype).source)
-    assert "datasheet" in gpu_peak(name, dtype).source
+def test_known_gpus_get_their_datasheet_peak(name, dtype, peak, row):
+    assert torch.get_float32_matmul_precision() == "highest"  # torch's default: fp32 matmuls are not TF32
+    assert gpu_peak(name, dtype) == Peak(peak, f"datasheet: NVIDIA {row} dense {dtype}")
+
+
+def test_fp32_matmuls_allowed_tf32_get_the_tf32_peak():
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("high")
+        assert gpu_peak("NVIDIA A100-SXM4-80GB", "fp32") == Peak(156e12, "datasheet: NVIDIA A100 dense tf32")
+        assert gpu_peak("NVIDIA H100 PCIe", "bf16") == Peak(756e12, "datasheet: NVIDIA H100 PCIe dense bf16")
+    finally:
+        torch.set_float32_matmul_precision(before)
 
 
 def test_an_unknown_gpu_has_no_peak_and_says_how_to_give_one():

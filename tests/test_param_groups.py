@@ -7,13 +7,14 @@ from pathlib import Path
 import hydra
 import pytest
 import torch
-from config_helpers import model_config
 from omegaconf import OmegaConf
 from torch import nn
 
 from k3train.optim.muon import MuonAdamW
 from k3train.optim.param_groups import check_partition, partition_parameters
 from k3train.optim.summary import format_param_groups
+
+from helpers.config import model_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 D, H, DH, E, F = 16, 4, 8, 3, 24

@@ -189,7 +189,7 @@ def test_without_matplotlib_the_report_says_how_to_install_it_and_training_never
         "pip install 'k3train[report]'\n"
     )
     proc = _python(
-        "import sys, k3train.__main__, k3train.run.runner, k3train.report.sweep_table\n"
+        "import sys, k3train.__main__, k3train.run.runner, k3train.observe.sweep_table\n"
         "assert 'matplotlib' not in sys.modules, 'training imported matplotlib'"
     )
     assert proc.returncode == 0, proc.stderr
@@ -201,7 +201,7 @@ def test_every_chart_is_listed_once():
 
 # ---- in CI: the report on a real quickstart run and a real 4-job sweep ------------------------------------------
 SMALL = [
-    "+experiment=quickstart",
+    "experiment=quickstart",
     "train.max_steps=4",
     "train.batch_size=2",
     "train.seq_len=32",

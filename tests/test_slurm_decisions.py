@@ -152,7 +152,7 @@ def test_launcher_presets_and_profiles_requeue_and_leave_time_to_checkpoint(laun
     """conf/hydra/launcher/ and launchers/profiles/: submitit's own defaults never requeue after a timeout
     (max_num_timeout 0) and count every warning of a job of 10 minutes or less as a timeout."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the presets need pip install '.[slurm]'")
-    from config_helpers import composed
+    from helpers.config import composed
 
     profiles = Path(__file__).resolve().parents[1] / "launchers" / "profiles"
     cfg = composed(f"hydra.searchpath=[file://{profiles}]", f"hydra/launcher={launcher}", return_hydra_config=True)

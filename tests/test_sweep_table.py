@@ -4,7 +4,7 @@ import csv
 import fcntl
 import json
 
-from k3train.report.sweep_table import main, sweep_table, write_sweep_summary
+from k3train.observe.sweep_table import main, sweep_table, write_sweep_summary
 
 
 def _job(sweep, num, overrides, evals, *, end_reason="max_steps", torn=False, redone=False):

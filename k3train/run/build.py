@@ -129,10 +129,9 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     # The log file is opened at its first event, after all checks.
     metrics = MetricsLogger(run_dir / "metrics.jsonl", sinks=list(sinks.values()), enabled=world.is_main)
     meta = build_meta(model, optimizer, train_cfg, precision, data, world)
-    mesh = getattr(parallel, "mesh", None)  # FSDP2's, when it sharded the model: every rank writes its shards
-    checkpointer = (
-        ShardedCheckpointer(run_dir, meta, train_cfg.keep_last_k, mesh)
-        if mesh is not None
+    checkpointer = (  # sharded parameters: every rank writes its shards
+        ShardedCheckpointer(run_dir, meta, train_cfg.keep_last_k, dims.shard_mesh)
+        if dims.dp_shard > 1
         else Checkpointer(run_dir, meta, train_cfg.keep_last_k, writer=world.is_main)
     )
     trainer = Trainer(

@@ -19,7 +19,6 @@ import inspect
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -45,10 +44,10 @@ _DDP_OPTIONS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 class DDP:
+    name = "ddp"
+
     def __init__(self, bucket_cap_mb: int = 25):
         self.bucket_cap_mb = bucket_cap_mb
-
-    name = "ddp"
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         """DDP keeps every parameter whole on every rank."""
@@ -85,24 +84,22 @@ class FSDP:
     built afterwards sees them. Buffers (the MoE balancing bias) stay whole on every rank.
     """
 
+    name = "fsdp"
+
     def __init__(self, reshard_after_forward: bool = True):
         self.reshard_after_forward = reshard_after_forward
-        self.mesh: DeviceMesh | None = None
-
-    name = "fsdp"
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         hand_data_parallel_group(model, dims)
         if not dims.several_ranks:
             return model
-        self.mesh = dims.shard_mesh
         annotations = {
             name: {"head_split": p.head_split} for name, p in model.named_parameters() if hasattr(p, "head_split")
         }
         blocks = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
         for block in blocks:
-            fully_shard(block, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward)
-        fully_shard(model, mesh=self.mesh, reshard_after_forward=self.reshard_after_forward)
+            fully_shard(block, mesh=dims.shard_mesh, reshard_after_forward=self.reshard_after_forward)
+        fully_shard(model, mesh=dims.shard_mesh, reshard_after_forward=self.reshard_after_forward)
         for name, p in model.named_parameters():
             for key, value in annotations.get(name, {}).items():
                 setattr(p, key, value)

@@ -1,4 +1,4 @@
-"""Tiny corpora and datasets shared by the tests/test_data_*.py files."""
+"""Tiny corpora and datasets: the data tests' (test_data_*.py), test_generate_export.py's and conftest.py's."""
 
 from __future__ import annotations
 
