@@ -20,8 +20,6 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 from k3train.runtime.cpu import parse_threads
-from k3train.runtime.distributed import run_start
-from k3train.runtime.slurm import run_name
 
 
 @dataclass
@@ -151,6 +149,11 @@ def check_known_keys(cfg, schema: type = Config, prefix: str = "") -> None:
 
 
 def register_configs() -> None:
+    # The resolvers read the launcher's environment (runtime/: torch.distributed, SLURM): imported here, so that
+    # the schema alone imports no torch.
+    from k3train.runtime.distributed import run_start
+    from k3train.runtime.slurm import run_name
+
     ConfigStore.instance().store(name="config_schema", node=Config)
     # hydra.run.dir's timestamp: the same in every process of a multi-process run (k3train/runtime/distributed.py)
     OmegaConf.register_new_resolver("run_start", run_start, replace=True)

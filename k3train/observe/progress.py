@@ -9,10 +9,7 @@ import time
 import torch
 
 from k3train.config import TrainConfig
-
-
-def say(msg: str) -> None:
-    print(msg, flush=True)
+from k3train.runtime.console import say
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -32,6 +32,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from k3train.runtime.console import notice
 from k3train.runtime.distributed import current_world, run_start
 from k3train.runtime.signals import StopSignals
 
@@ -100,10 +101,10 @@ def end_after_signal(stop: StopSignals) -> None:
         if preempt in stop.received_all:
             stop.redeliver(preempt)  # submitit: checkpoint() re-pickles the job, rank 0 requeues it and exits
         # submitit only logs SIGTERM, and other ranks return from its handler: a result now would be "success"
-        say(f"job {job.name} stopped by {stop.received.name}: ending without a result; SLURM requeues or ends it")
+        notice(f"job {job.name} stopped by {stop.received.name}: ending without a result; SLURM requeues or ends it")
         sys.exit(-1)
     if current_world().is_main:
-        say(requeue(job, stop.received))
+        notice(requeue(job, stop.received))
     stop.redeliver()
 
 
@@ -164,10 +165,6 @@ def _seconds(duration: str) -> int | None:
     for part in parts:
         seconds = seconds * 60 + int(part)
     return seconds + int(days or 0) * 86400
-
-
-def say(message: str) -> None:
-    print(f"k3train: {message}", file=sys.stderr, flush=True)
 
 
 # ---- the job's output in the run directory ------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from k3train.models.protocol import LanguageModel
 from k3train.observe.metrics import MetricsLogger
 from k3train.observe.mfu import MFU
 from k3train.observe.profile import make_profiler
-from k3train.observe.progress import Progress, Window, peak_memory_mb, say
+from k3train.observe.progress import Progress, Window, peak_memory_mb
+from k3train.runtime.console import say
 from k3train.runtime.distributed import any_across_ranks, mean_across_ranks
 from k3train.runtime.parallel_dims import ParallelDims
 from k3train.runtime.signals import StopSignals
