@@ -28,7 +28,7 @@ from results_file import write_results  # benchmarks/, beside this script
 
 from k3train.data import EndOfData, HFTokenizer, ShardedTokenDataset, TokenDataLoader, prepare_dataset
 from k3train.data.builtin import builtin_documents
-from k3train.data.prepare import usable_cores
+from k3train.runtime.cpu import usable_cpus
 
 RESULTS = Path(__file__).resolve().parent / "results" / "data.json"
 
@@ -99,7 +99,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=16)
     p.add_argument("--batches", type=int, default=20000)
     args = p.parse_args()
-    cores = usable_cores()
+    cores = usable_cpus()[0]
     results: dict = {
         "benchmark": "data prepare MB/s and loader tokens/s",
         "python": platform.python_version(),

@@ -14,10 +14,13 @@ from k3train.config import register_configs
 from k3train.runtime import distributed
 
 register_configs()
+_composed = False  # Hydra composed a config and called the task: a SystemExit(1) before that is a config error
 
 
 @hydra.main(version_base="1.3", config_path="pkg://k3train.conf", config_name="config")
 def compose_and_run(cfg: DictConfig) -> None:
+    global _composed
+    _composed = True
     from k3train.run.runner import run
 
     try:
@@ -41,8 +44,10 @@ def main() -> None:
         sys.stdout = open(os.devnull, "w")  # one summary and progress display per run; errors still reach stderr
     try:
         compose_and_run()
-    except BaseException:
+    except BaseException as exc:
         distributed.close(wait_for_others=False)  # another rank may be inside a collective this one never joins
+        if isinstance(exc, SystemExit) and exc.code == 1 and not _composed:
+            sys.exit(2)  # Hydra reported a config it could not compose (unknown key, wrong type): bad input
         raise
     distributed.close(wait_for_others=True)
 

@@ -4,10 +4,15 @@ The sharded checkpoint (a `.dcp` directory, or a run directory's last.dcp) is re
 shard gathered into whole tensors, and written as the single-file checkpoint a 1-process run, a DDP run or the
 generation tool loads (`torch.load(weights_only=True)`): the same parts, meta and format version. OUT defaults to
 `consolidated_step_<N>.pt` beside the checkpoint; an existing file is never overwritten. Other tools call
-`consolidate(path) -> Path`.
+`consolidate(path) -> Path`. Exit status (docs/errors.md): 0 done, 2 bad input (no sharded checkpoint there, a
+corrupt or refused one, an existing OUT), 1 writing OUT failed (a full disk: nothing is left under its name).
 """
 
 from __future__ import annotations
+
+from k3train.runtime.bootstrap import bootstrap
+
+bootstrap()  # before torch loads (runtime/bootstrap.py)
 
 import argparse
 import sys
@@ -50,9 +55,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         out = consolidate(args.checkpoint, args.out)
-    except (CheckpointError, OSError) as exc:
+    except (CheckpointError, FileExistsError) as exc:  # bad input: fix the command
         print(f"k3train.consolidate: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # writing OUT failed (a full disk): nothing is left under its name
+        print(f"k3train.consolidate: error: {exc}", file=sys.stderr)
+        return 1
     print(f"wrote {out}: resume from it with resume={out} (one process or parallel=ddp)")
     return 0
 

@@ -3,9 +3,16 @@
 OUT_DIR gets model.safetensors (the weights, no optimizer or loader state), config.json (the model class and its
 config, the tokenizer's identity, the data the run trained on) and, for a Hugging Face tokenizer, tokenizer.json.
 `python -m k3train.generate OUT_DIR ...` and `python -m k3train.evaluate OUT_DIR ...` read it back.
+
+Exit status (docs/errors.md): 0 done, 2 bad input (a source that is no run, checkpoint or is refused, an OUT_DIR
+that exists), 1 writing OUT_DIR failed (a full disk: nothing is left at OUT_DIR).
 """
 
 from __future__ import annotations
+
+from k3train.runtime.bootstrap import bootstrap
+
+bootstrap()  # before torch loads (runtime/bootstrap.py)
 
 import argparse
 import dataclasses
@@ -35,11 +42,18 @@ def main(argv: list[str] | None = None) -> int:
         loaded = load(args.source)
         if (loaded.path / EXPORT_CONFIG).is_file():
             raise ValueError(f"{args.source} is already an export: copy the directory instead")
-        with atomic_directory(args.out_dir) as tmp:
-            write_export(loaded, Path(tmp))
-    except (ValueError, OSError) as exc:
+    except (ValueError, OSError) as exc:  # bad input: fix the command
         print(f"k3train.export: error: {exc}", file=sys.stderr)
         return 2
+    try:
+        with atomic_directory(args.out_dir) as tmp:
+            write_export(loaded, Path(tmp))
+    except FileExistsError as exc:  # OUT_DIR appeared meanwhile: it is left as it is
+        print(f"k3train.export: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the work failed (a full disk): nothing is left at OUT_DIR
+        print(f"k3train.export: error: {exc}", file=sys.stderr)
+        return 1
     size = sum(f.stat().st_size for f in args.out_dir.iterdir())
     print(
         f"exported {loaded.path} (step {loaded.step}) -> {args.out_dir} ({size / 2**20:.1f} MiB; the checkpoint "

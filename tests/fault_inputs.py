@@ -93,10 +93,10 @@ class BadInput:
 
 I9 = "k3train.optim.checks"
 BAD_INPUTS = [
-    BadInput("unknown key", ["train.batch_szie=4"], 1, ["batch_szie"]),
+    BadInput("unknown key", ["train.batch_szie=4"], 2, ["batch_szie"]),
     BadInput("unknown key added with +", ["+train.max_stpes=5"], 2, ["max_stpes"]),
-    BadInput("bad type", ["train.seed=x"], 1, ["seed", "x"]),
-    BadInput("unknown config group option", ["optim=sgd"], 1, ["optim", "sgd"]),
+    BadInput("bad type", ["train.seed=x"], 2, ["seed", "x"]),
+    BadInput("unknown config group option", ["optim=sgd"], 2, ["optim", "sgd"]),
     BadInput("missing data path", ["data=prepared", "data.path=/nonexistent/data"], 2, ["/nonexistent/data"]),
     BadInput("data=prepared without data.path", ["data=prepared"], 2, ["data.path"]),
     BadInput("missing resume checkpoint", ["resume=/nonexistent/last.pt"], 2, ["/nonexistent/last.pt"]),

@@ -1,7 +1,9 @@
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -159,3 +161,99 @@ def test_a_version_1_checkpoint_is_refused_as_older(tmp_path):
     torch.save({"meta": {"format_version": 1}, "model": {}}, tmp_path / "old.pt")
     with pytest.raises(CheckpointError, match="written by an older k3train"):
         load_checkpoint(tmp_path / "old.pt")
+
+
+# A checkpoint holding code: unpickling it would run a shell command that creates a file. os.system pickles as
+# posix.system (nt.system on Windows): the global each refusal must name.
+SYSTEM = f"{os.system.__module__}.system"
+REPO = Path(__file__).resolve().parents[1]
+
+
+class RunsCommand:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"echo pwned > {self.marker}",))
+
+
+def plant_code(tmp_path: Path, where: str) -> tuple[Path, Path]:
+    """(the checkpoint to open, the file in it that holds the code)."""
+    evil = RunsCommand(tmp_path / "pwned")
+    meta = {"format_version": FORMAT_VERSION, "step": 1}
+    if where == "torch.save file":  # a zip whose data.pkl names the global with GLOBAL (protocol 2)
+        torch.save({"meta": meta, "model": {"w": evil}}, tmp_path / "evil.pt")
+        return tmp_path / "evil.pt", tmp_path / "evil.pt"
+    if where == "plain pickle file":  # protocol 4+: STACK_GLOBAL, which torch's unpickler does not even parse
+        (tmp_path / "evil.pt").write_bytes(pickle.dumps({"meta": evil}))
+        return tmp_path / "evil.pt", tmp_path / "evil.pt"
+    directory = tmp_path / "evil.dcp"
+    directory.mkdir()
+    if where == "sharded extra.pt":
+        torch.save({"meta": meta, "trainer": evil}, directory / "extra.pt")
+        return directory, directory / "extra.pt"
+    assert where == "sharded .metadata"  # read by dcp.py's own unpickler, not torch.load
+    torch.save({"meta": meta}, directory / "extra.pt")
+    (directory / ".metadata").write_bytes(pickle.dumps(evil))
+    return directory, directory / ".metadata"
+
+
+def assert_refused_naming_the_code(message: str, file: Path) -> None:
+    assert "holds code" in message and SYSTEM in message and str(file) in message, message
+    assert "weights_only=False" not in message and "weights_only" not in message, message
+    assert "Traceback" not in message and len(message.strip().splitlines()) == 1, message
+
+
+WHERE = ["torch.save file", "plain pickle file", "sharded extra.pt", "sharded .metadata"]
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_checkpoint_holding_code_is_refused_in_one_line_naming_the_global(tmp_path, where):
+    source, file = plant_code(tmp_path, where)
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(source)
+    assert_refused_naming_the_code(str(err.value), file)
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("where", ["torch.save file", "sharded .metadata"])
+def test_export_and_evaluate_refuse_a_checkpoint_holding_code(tmp_path, capsys, where):
+    from k3train import evaluate, export
+
+    source, file = plant_code(tmp_path, where)
+    assert export.main([str(source), str(tmp_path / "export")]) == 2
+    assert evaluate.main([str(source), "--device", "cpu"]) == 2
+    for line in capsys.readouterr().err.splitlines():
+        assert line.startswith(("k3train.export: error: ", "k3train.evaluate: error: ")), line
+        assert_refused_naming_the_code(line, file)
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "export").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "module, where",
+    [
+        ("k3train.generate", "torch.save file"),
+        ("k3train.generate", "plain pickle file"),
+        ("k3train.consolidate", "sharded extra.pt"),
+        ("k3train.consolidate", "sharded .metadata"),
+    ],
+)
+def test_clis_refuse_a_checkpoint_holding_code(tmp_path, module, where):
+    source, file = plant_code(tmp_path, where)
+    extra = ["--prompt", "hi", "--device", "cpu"] if module == "k3train.generate" else []
+    proc = subprocess.run(
+        [sys.executable, "-m", module, str(source), *extra], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.startswith(f"{module}: error: checkpoint "), proc.stderr
+    assert_refused_naming_the_code(proc.stderr, file)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_corrupt_checkpoint_is_not_answered_with_advice_to_load_it_unsafely(tmp_path):
+    path = tmp_path / "last.pt"
+    path.write_bytes(bytes(range(256)) * 64)  # not a zip: torch's weights-only unpickler reads it, and fails
+    with pytest.raises(CheckpointError, match="cannot be read") as err:
+        load_checkpoint(path)
+    assert "weights_only" not in str(err.value) and len(str(err.value).splitlines()) == 1, str(err.value)

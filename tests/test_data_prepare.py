@@ -238,7 +238,7 @@ def test_cli(tmp_path):
     assert manifest["splits"]["train"]["num_tokens"] + manifest["splits"]["val"]["num_tokens"] == len(byte_stream(DOCS))
 
     again = run_cli(src, "--output", tmp_path / "out", "-q")
-    assert again.returncode == 1 and "already exists" in again.stderr and again.stdout == ""
+    assert again.returncode == 2 and "already exists" in again.stderr and again.stdout == ""
     bad = run_cli(tmp_path / "nope.jsonl", "--output", tmp_path / "out2")
-    assert bad.returncode == 1 and "nope.jsonl does not exist" in bad.stderr and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "nope.jsonl does not exist" in bad.stderr and "Traceback" not in bad.stderr
     assert not (tmp_path / "out2").exists()

@@ -7,7 +7,8 @@ The parts are whatever the Trainer registers (model, optimizer, scaler, loaders,
 one is one `add()` call, and `load()` restores them in the order they were added. Files are written to a temporary
 file in the same directory, fsynced and renamed over the old one (files.write_atomic), so a kill at any moment
 leaves the previous checkpoint or the new one, never a torn file under the final name. Loading uses
-torch.load(weights_only=True): opening a checkpoint never runs code from it.
+torch.load(weights_only=True) (dcp.safe_load): opening a checkpoint never runs code from it, and one that names a
+global outside torch's allow-list (code, e.g. posix.system) is refused in one line naming that global and the file.
 
 Files in the run directory: last.pt; step_<7 digits>.pt (keep_last_k hard links); previous.pt (the checkpoint
 last.pt replaced, until an update goes on from the new one); diverged_step_<7 digits>.pt (set aside by
@@ -26,7 +27,15 @@ import torch
 import torch.distributed.tensor as distributed_tensor
 from torch.distributed.tensor import Shard
 
-from k3train.checkpoint.dcp import MakeShard, point_to, read_sharded, whole_tensor, write_sharded
+from k3train.checkpoint.dcp import (
+    CodeRefused,
+    MakeShard,
+    point_to,
+    read_sharded,
+    safe_load,
+    whole_tensor,
+    write_sharded,
+)
 from k3train.files import write_atomic
 
 SHARDED_STORE = "dcp"  # <run dir>/dcp/step_<N>-<random>/: the sharded checkpoints an FSDP2 run wrote
@@ -56,11 +65,9 @@ def load_checkpoint(path: Path, make_shard: MakeShard | None = None) -> dict:
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist: check the resume= path")
     try:
-        payload = (
-            read_sharded(path, make_shard or whole_tensor)
-            if path.is_dir()
-            else torch.load(path, map_location="cpu", weights_only=True)
-        )
+        payload = read_sharded(path, make_shard or whole_tensor) if path.is_dir() else safe_load(path)
+    except CodeRefused as exc:  # not "cannot be read": it can, and must not be
+        raise CheckpointError(f"checkpoint {exc}") from None
     except Exception as exc:  # torch raises several types for truncated or foreign files
         raise CheckpointError(
             f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}). It is truncated, corrupt or not a "
@@ -176,13 +183,18 @@ class Checkpointer:
             self._forget_unnamed()
         return size
 
+    def payload(self, step: int) -> dict:
+        """What a checkpoint of `step` holds, whichever writer stores it: `meta` (this run's identities, the format
+        version and the step) and each part's state_dict, in the order the parts were added."""
+        payload = {"meta": {**self.meta, "step": step}}
+        payload.update((name, part.state_dict()) for name, part in self.parts.items())
+        return payload
+
     def _write(self, step: int) -> int:
         """Every part into self.path, atomically; the size written (rank 0 alone writes: DDP ranks hold the same)."""
         if not self.writer:
             return 0
-        payload = {"meta": {**self.meta, "step": step}}
-        payload.update((name, part.state_dict()) for name, part in self.parts.items())
-        return save_checkpoint(self.path, payload)
+        return save_checkpoint(self.path, self.payload(step))
 
     def _read(self, path: Path) -> dict:
         return load_checkpoint(path)
@@ -263,10 +275,8 @@ class ShardedCheckpointer(Checkpointer):
         self.store = self.run_dir / SHARDED_STORE
 
     def _write(self, step: int) -> int:
-        payload = {"meta": {**self.meta, "step": step}}
-        payload.update((name, part.state_dict()) for name, part in self.parts.items())
         directory = self.store / f"step_{step:07d}-{secrets.token_hex(4)}"  # rank 0's name is the one used
-        size = write_sharded(directory, payload, self.writer)
+        size = write_sharded(directory, self.payload(step), self.writer)  # every rank: a collective
         if self.writer:
             point_to(self.path, directory.relative_to(self.run_dir))
         return size

@@ -11,7 +11,8 @@ Opening a checkpoint never runs code from it. DCP itself reads `.metadata` with 
 non-tensor entries with `torch.load(weights_only=False)` (torch/distributed/checkpoint/filesystem.py,
 default_planner.py, torch 2.13). So here `.metadata` is read by an unpickler that only builds DCP's own metadata
 classes (anything else is refused), its entries must all be tensors (tensor data is read with weights_only=True),
-and extra.pt is read with torch.load(weights_only=True).
+and extra.pt is read with torch.load(weights_only=True) (safe_load, which single-file checkpoints use too). A file
+that names any other global (a function or class, e.g. posix.system) is refused with CodeRefused, naming it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import pickletools
+import re
 import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +41,96 @@ from k3train.files import atomic_directory
 MakeShard = Callable[[torch.Size, torch.dtype], torch.Tensor]
 EXTRA = "extra.pt"  # rank 0's part: the tree with placeholders where the sharded tensors go
 PLACEHOLDER = "__dcp__"
+
+
+class CodeRefused(ValueError):
+    """A checkpoint file that names a global outside what a checkpoint may hold: code k3train will not run."""
+
+    def __init__(self, path: str | os.PathLike, name: str, why: str = "a global no checkpoint may hold"):
+        self.path, self.name = Path(path), name
+        super().__init__(
+            f"{path} holds code, which k3train will not run: it names {name}, {why}; it was not written by "
+            "k3train, or was altered since: do not use it; resume from a checkpoint you trust"
+        )
+
+
+# torch's refusals that name the global: "Trying to load unsupported GLOBAL posix.system whose module posix is
+# blocked." and "Unsupported global: GLOBAL posix.system was not an allowed global by default." (torch 2.13)
+_TORCH_GLOBAL = re.compile(r"GLOBAL (\S+?) (?:whose|was)")
+# torch's boilerplate around the reason, which advises loading with weights_only=False: never repeated here
+_TORCH_ADVICE = ("Weights only load failed", "Please file an issue", "Check the documentation", "In PyTorch 2.6")
+
+
+def safe_load(path: Path) -> Any:
+    """torch.load(path, weights_only=True), on the CPU. A file naming a global outside torch's allow-list raises
+    CodeRefused; any other refusal of the weights-only unpickler raises pickle.UnpicklingError with torch's reason
+    alone (not its advice to load with weights_only=False, which would run the file's code)."""
+    try:
+        with warnings.catch_warnings():  # "Detected pickle protocol 4": a foreign pickle, refused just below
+            warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        found = _TORCH_GLOBAL.search(str(exc))
+        name = found.group(1) if found else None
+        if name is None or "." not in name:  # torch drops "builtins." from a builtin's name: read it in the file
+            name = next(iter(_unsafe_globals(path)), name)
+        if name is not None:
+            raise CodeRefused(path, name) from None
+        raise pickle.UnpicklingError(_torch_reason(str(exc))) from None
+
+
+def _torch_reason(message: str) -> str:
+    """torch's weights-only refusal without its boilerplate, in one line."""
+    lines = [line.strip() for line in message.splitlines()]
+    reason = [line.removeprefix("WeightsUnpickler error:").strip() for line in lines if line]
+    reason = [line for line in reason if line and not line.startswith(_TORCH_ADVICE) and "weights_only" not in line]
+    return "; ".join(reason) or "the weights-only unpickler refused it"
+
+
+def _unsafe_globals(path: Path) -> list[str]:
+    """The globals a checkpoint's pickle names that torch's weights-only unpickler does not allow, found by
+    reading its opcodes (pickletools.genops runs nothing); [] when there are none or the file cannot be parsed."""
+    try:
+        if zipfile.is_zipfile(path):  # torch.save's format: the pickle is data.pkl, the tensors other records
+            with zipfile.ZipFile(path) as archive:
+                pickles = [archive.read(n) for n in archive.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"]
+        else:  # a plain pickle: it starts the file
+            with open(path, "rb") as f:
+                pickles = [f.read(1 << 24)]
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return []
+    from torch import _weights_only_unpickler as allowed
+
+    safe = set(allowed._get_allowed_globals()) | set(allowed._get_user_allowed_globals())
+    return [name for pkl in pickles for name in _pickle_globals(pkl) if name not in safe]
+
+
+def _pickle_globals(data: bytes) -> list[str]:
+    """Every global (module.name) the pickle at the start of `data` names, in order: GLOBAL and INST carry it, and
+    STACK_GLOBAL takes the two strings pushed (or fetched from the memo) just before it."""
+    names, pushed, memo = [], [], {}
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in ("GLOBAL", "INST"):
+                names.append(arg.replace(" ", "."))
+                pushed.append(None)
+            elif op.name == "STACK_GLOBAL":
+                if len(pushed) >= 2 and isinstance(pushed[-2], str) and isinstance(pushed[-1], str):
+                    names.append(f"{pushed[-2]}.{pushed[-1]}")
+                pushed.append(None)
+            elif op.name == "MEMOIZE":
+                memo[len(memo)] = pushed[-1] if pushed else None
+            elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+                memo[arg] = pushed[-1] if pushed else None
+            elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+                pushed.append(memo.get(arg))
+            elif op.name in ("FRAME", "PROTO", "STOP"):
+                continue
+            else:
+                pushed.append(arg if isinstance(arg, str) else None)
+    except (ValueError, EOFError):  # a truncated or foreign file: the globals read so far
+        pass
+    return names
 
 
 def whole_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -125,7 +219,7 @@ def _broadcast(objects: list) -> list:
 def read_sharded(directory: Path, make_shard: MakeShard) -> Any:
     """The tree saved by write_sharded, its sharded tensors allocated by make_shard and filled by dcp.load (a
     collective when a process group is up: every rank calls it; in one process it needs none)."""
-    skeleton = torch.load(Path(directory) / EXTRA, map_location="cpu", weights_only=True)
+    skeleton = safe_load(Path(directory) / EXTRA)
     wanted = {}
     for p in _placeholders(skeleton):
         dtype = getattr(torch, str(p["dtype"]), None)
@@ -168,6 +262,12 @@ _METADATA_CLASSES = {
 }
 
 
+class _Refused(pickle.UnpicklingError):
+    def __init__(self, name: str):
+        super().__init__(f"{name} is not part of a checkpoint's metadata")
+        self.name = name
+
+
 class _MetadataUnpickler(pickle.Unpickler):
     """Python's "restricting globals" recipe (pickle docs): only the classes DCP's metadata is made of."""
 
@@ -178,7 +278,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
         ):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
+        raise _Refused(f"{module}.{name}")
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -190,6 +290,8 @@ class SafeFileSystemReader(FileSystemReader):
         with self.fs.create_stream(path, "rb") as f:
             try:
                 metadata = _MetadataUnpickler(io.BytesIO(f.read())).load()
+            except _Refused as exc:
+                raise CodeRefused(path, exc.name, "which is not part of a checkpoint's metadata") from None
             except (pickle.UnpicklingError, AttributeError, EOFError, TypeError, ValueError) as exc:
                 raise ValueError(f"{path} is not a checkpoint's metadata ({exc})") from exc
         if (

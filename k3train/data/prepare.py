@@ -10,6 +10,9 @@ output does not depend on the worker count and memory stays bounded), and append
 their sha256 is computed. Everything is written into a hidden temporary sibling of the output directory, which is
 renamed into place only after the manifest is written (k3train.files.atomic_directory): an interrupted prepare
 never leaves a directory that looks complete.
+
+Exit status (docs/errors.md): 0 done, 2 bad input (missing, empty or undecodable inputs, a bad tokenizer or option,
+an existing --output), 1 a failure during the work (a write that failed: a full disk); either way one line on stderr.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from k3train.data.sources import (
 )
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 from k3train.files import atomic_directory
+from k3train.runtime.cpu import usable_cpus
 
 CHUNK_CHARS = 1 << 18
 DEFAULT_SHARD_TOKENS = 1 << 27  # 256 MiB per uint16 shard
@@ -232,10 +236,6 @@ def _empty_split_message(split: str, source: dict[str, Any]) -> str:
     return f"the {split} split is empty: {inputs} contain no text (empty input); pass files with text in them"
 
 
-def usable_cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def prepare_dataset(
     inputs: Sequence[str | Path],
     output: str | Path,
@@ -266,7 +266,7 @@ def prepare_dataset(
     if both := sorted(set(files) & set(val_files)):
         raise PrepareError(f"{both[0]} is in both the inputs and the val inputs; a file belongs to one split")
     # Byte "tokenization" is a memcpy that costs less than shipping the text to another process.
-    workers = workers or (1 if isinstance(tokenizer, ByteTokenizer) else usable_cores())
+    workers = workers or (1 if isinstance(tokenizer, ByteTokenizer) else usable_cpus()[0])
     bar = tqdm(
         total=sum(f.stat().st_size for f in files + val_files),
         unit="B",
@@ -357,7 +357,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             overwrite=args.overwrite,
             progress=not args.quiet,
         )
-    except (PrepareError, ValueError, OSError) as e:
+    except (PrepareError, ValueError, FileExistsError, FileNotFoundError) as e:  # bad input: fix the command
+        print(f"prepare: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the work failed (a full disk): nothing is left at --output
         print(f"prepare: error: {e}", file=sys.stderr)
         return 1
     if not args.quiet:

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 from k3train.files import write_atomic
+from k3train.observe.sweep_table import write_sweep_summary
 from k3train.report.figures import MissingMatplotlib, overlay_chart, run_charts
 from k3train.report.page import render
 from k3train.report.runs import NotARunError, Run, Sweep, load_path
-from k3train.report.sweep_table import write_sweep_summary
 
 PAGE = "index.html"
 
