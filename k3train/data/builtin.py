@@ -1,4 +1,5 @@
 """The built-in corpus: CPython's own `pydoc_data.topics` (~465 KB of English reference text, in every install).
+https://github.com/python/cpython/blob/main/Lib/pydoc_data/topics.py
 
 Its 79 documents are taken in sorted-key order, split whole by sources.plan_split at BUILTIN_VAL_FRACTION, and
 prepared on first use into <cache>/builtin-<key>, where cache is $K3TRAIN_CACHE or ~/.cache/k3train and key
@@ -50,8 +51,8 @@ def prepare_builtin(cache_dir: str | Path | None = None, tokenizer: Tokenizer | 
     if (path / MANIFEST_NAME).is_file():
         return path
     documents = builtin_documents()
-    # Whole documents, as it always was (its 79 documents give val 8.8% of the text): cutting documents now would
-    # change the built-in data under every run and checkpoint made with it.
+    # Whole documents (its 79 documents give val 8.8% of the text): cutting documents would change the built-in
+    # data under every run and checkpoint made with it.
     heads = plan_split([len(d) for d in documents], BUILTIN_VAL_FRACTION, whole_documents=True)
     stream = split_by_plan(((doc, True) for doc in documents), heads)
     source = {"corpus": "pydoc_data.topics", "val_fraction": BUILTIN_VAL_FRACTION}

@@ -3,8 +3,8 @@
 Opening is strict: the manifest is read, every shard's file size is checked against its token count, and every
 token id is checked against vocab_size (the manifest's recorded maximum, then a max over each whole shard, read in
 CHECK_CHUNK_TOKENS pieces so memory stays bounded; an id past the vocabulary would otherwise end a run hours in,
-at the step that reads it). That reads the whole split once: measured 0.35-0.5 s per GiB of shard from the page
-cache, 0.8 s per GiB from disk. verify=True additionally re-hashes every shard against the manifest's sha256.
+at the step that reads it). That reads the whole split once (its cost per GiB: docs/decisions/data-id-check.md).
+verify=True additionally re-hashes every shard against the manifest's sha256.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@
 With a gradient wanted, the forward pass also computes the gradients, chunk by chunk, while each chunk's logits
 are at hand: g = (softmax(logits) - one_hot(target)) / count, grad_hidden[chunk] = g @ W, grad_weight += g^T h[chunk].
 Backward only scales them by the incoming gradient. This is the approach of Liger-Kernel's fused linear
-cross-entropy (linkedin/Liger-Kernel, src/liger_kernel/ops/fused_linear_cross_entropy.py), in plain torch ops.
+cross-entropy, in plain torch ops:
+https://github.com/linkedin/Liger-Kernel/blob/ead96b618e5c67bddc6a6e9bcb99bfe6b5ab661c/src/liger_kernel/ops/fused_linear_cross_entropy.py
 What it saves is memory traffic, not FLOPs (the same three matmuls): the fp32 logits, the log-softmax and its
 backward each stream [N, V] floats through memory; a chunk of them stays in cache.
 
@@ -22,17 +23,11 @@ from __future__ import annotations
 import torch
 
 IGNORE_INDEX = -100
-# The default chunk: as many rows as fill a logits block of this many fp32 values (64 MiB), so the block is the
-# same size whatever the vocabulary. From benchmarks/bench_loss.py, fwd+bwd on 2 CPU cores (load 1.2-1.6) at
-# N=2048, d=512, V=32768, against 1367 ms for the whole-logits path: 128-row chunks 1227 ms, 256: 1147, 512: 1171,
-# 1024: 1047, 2048: 1128 (smaller chunks run the matmuls less efficiently and rewrite the [V, d] weight gradient
-# more often); head to head over 11 repeats 512 rows 1198 ms, 1024: 1195, whole 1549: 512 at half the block. At
-# V=257 (k3_tiny) each chunk's ~10 small ops cost more than its rows: 128 rows 7.3 ms, 512: 5.2, 2048: 4.5 against
-# 3.8 ms whole, so there one block holds all 2048 rows. On an H200 (torch 2.11, fp32 without TF32 / bf16 autocast)
-# against the whole-logits path: at k3_small's head 5.4 ms vs 4.8 and 2.7 vs 1.4 ms (512 rows; launches dominate:
-# 2048 rows 5.0 and 1.9 ms); at N=16384, d=1024, V=163840 365 vs 341 ms and 81 vs 56 ms (2048 rows: 340 and 63 ms;
-# 8192: 337 and 58 ms) at 1.4 GiB peak against 30 GiB. There a larger block pays: 2048 x 163840 values (1.25 GiB
-# of fp32 logits) takes most of the gain at a twentieth of the whole logits' memory.
+# The default chunk: as many rows as fill a logits block of this many fp32 values, so the block is the same size
+# whatever the vocabulary. On CPU 64 MiB (512 rows at V=32768; at k3_tiny's V=257 one block holds a whole batch,
+# as each chunk's ~10 small ops cost more than its rows there); on a GPU 1.25 GiB (2048 rows at V=163840), which
+# takes most of the gain over whole logits at a twentieth of their memory.
+# Timings: docs/decisions/linear-cross-entropy.md.
 LOGITS_BLOCK_VALUES = 512 * 32768
 GPU_LOGITS_BLOCK_VALUES = 2048 * 163840
 
@@ -77,9 +72,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        # On CPU the usual grad_loss == 1 returns the gradients as they are: scaling by 1 wrote a fresh [V, d] tensor
-        # (64 MB at k3_small, ~40 ms with its page faults, ~1% of a step). Elsewhere always the one pass: testing
-        # for 1 costs a host sync on a GPU and a graph break under torch.compile.
+        # On CPU the usual grad_loss == 1 returns the gradients as they are: scaling by 1 would write a fresh [V, d]
+        # tensor (why: docs/decisions/linear-cross-entropy.md). Elsewhere always the one pass: testing for 1 costs a
+        # host sync on a GPU and a graph break under torch.compile.
         if grad_loss.device.type == "cpu" and not torch.compiler.is_compiling() and grad_loss.item() == 1.0:
             return grad_hidden, grad_weight, None, None
         return grad_hidden * grad_loss, grad_weight * grad_loss, None, None

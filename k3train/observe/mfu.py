@@ -6,9 +6,9 @@ device, from the first that applies:
 2. on a GPU, the vendor's dense (no 2:4 sparsity) peak for the autocast dtype, from the table below;
 3. on a CPU, a matmul timed once per machine and cached in $K3TRAIN_CACHE (or ~/.cache/k3train)/peak_flops.json,
    keyed by CPU model, dtype and thread count: the best of a second of [n, n] matmuls. Other processes on the
-   machine lower it (measured on 2 cores: 77 GFLOP/s with 2 threads at load average 6, against 161 with one
-   thread), so the entry keeps the load average it was taken at, and a later start on a clearly quieter machine
-   measures again and keeps the higher figure. train.peak_flops overrides it all.
+   machine lower it (measured: docs/decisions/cpu-peak-calibration.md), so the entry keeps the load average it
+   was taken at, and a later start on a clearly quieter machine (load average more than 1 lower) measures again
+   and keeps the higher figure. train.peak_flops overrides it all.
 An unknown GPU has no peak: `mfu` is null and the summary says to set train.peak_flops.
 """
 

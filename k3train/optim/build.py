@@ -41,9 +41,9 @@ def adamw(
 
 def fused_adamw_applies(model: nn.Module) -> bool:
     """torch's fused AdamW kernel: one pass over each parameter instead of a dozen elementwise ops. On CPU torch
-    does not pick it by default, and the per-op loop it picks took 5.4x as long for k3_small's 244M parameters
-    (1.39 s vs 0.25 s per step, 1 thread). Plain tensors on CPU or CUDA only: sharded (DTensor) parameters keep
-    torch's default."""
+    does not pick it by default, and the per-op loop it picks is several times slower (why:
+    docs/decisions/fused-adamw.md). Plain tensors on CPU or CUDA only: sharded (DTensor) parameters keep torch's
+    default."""
     return all(type(p) is nn.Parameter and p.device.type in ("cpu", "cuda") for p in model.parameters())
 
 

@@ -17,7 +17,10 @@ one process): each rank orthogonalises a share of every Muon group's parameters 
 every rank applies the same update as a 1-process run would, bit for bit (k3train/optim/muon_distributed.py). Every
 rank still keeps the whole optimizer state, so rank 0's state_dict is the checkpoint.
 
-Sources: KellerJordan/Muon (muon.py), torch/optim/_muon.py, MoonshotAI/Moonlight.
+Sources: KellerJordan/Muon, torch.optim.Muon and Moonlight's Muon:
+https://github.com/KellerJordan/Muon/blob/857d1adc159e098212f828d927460782d3da59e9/muon.py
+https://github.com/pytorch/pytorch/blob/cf30153c4c131c8164ee7798e5022d810682e2cb/torch/optim/_muon.py
+https://github.com/MoonshotAI/Moonlight/blob/c2ad5b20c605086526a179d36901bfc41b52b44b/examples/toy_train.py
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ KINDS = ("muon", "adamw")
 
 HeadSplit = tuple[int, int]  # (n_heads, dim): the `param.head_split` annotation of docs/contracts.md
 # Newton-Schulz dtypes: bf16 is torch.optim.Muon's (and fast on GPUs and CPUs with native bf16); fp32 is the
-# choice on CPUs without it, where bf16 matmuls run 10-200x slower (k3train/optim/build.py picks for "auto").
+# choice on CPUs without it, where bf16 matmuls run far slower (k3train/optim/build.py picks for "auto"; measured:
+# docs/decisions/cpu-runtime.md).
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -62,7 +66,7 @@ def zeropower_via_newtonschulz5(
     """Approximately orthogonalise each matrix of G [..., A, B] in `dtype`; returns [..., A, B] in `dtype`.
 
     The quintic pushes every singular value of X / ||X||_F towards 1 but, tuned for speed, lands them roughly in
-    [0.5, 1.5] rather than at 1 (KellerJordan/Muon). Tall matrices are transposed so the Gram matrix X X^T is the
+    [0.5, 1.5] rather than at 1 (KellerJordan/Muon, above). Tall matrices are transposed so the Gram matrix X X^T is the
     small one. Leading dims are a batch; per matrix the bf16 result equals torch.optim.Muon's, bit for bit.
     """
     if G.ndim < 2:

@@ -3,7 +3,7 @@
 Under DDP every rank holds the same all-reduced gradients, so every rank would repeat the same Newton-Schulz on
 every matrix. Instead each parameter gets one owner rank that orthogonalises it, and one all-gather per param group
 hands every rank every result, so all ranks apply the identical update. This follows
-KellerJordan/Muon's distributed `Muon` and modded-nanogpt (rank r orthogonalises its share, then `all_gather`),
+KellerJordan/Muon's distributed `Muon` and modded-nanogpt's (rank r orthogonalises its share, then `all_gather`),
 with two changes:
 - Shares are balanced by Newton-Schulz cost (greedy: largest first, to the least-loaded rank), not round-robin, so
   one 64-expert stack and a few small attention heads do not land on the same rank by chance.
@@ -21,6 +21,12 @@ on the local shard; `full_matrix` gathers the whole matrix before Newton-Schulz 
 is not the shard of the orthogonalisation), and `local_shard` slices the full update back to this rank's shard.
 Every rank gathers every matrix here (DTensor.full_tensor), which is simple but moves more than the all-to-all to
 owners of microsoft/dion and torchtitan's distributed Muon; the result is the same.
+
+Sources: KellerJordan/Muon, modded-nanogpt, dion, torchtitan:
+https://github.com/KellerJordan/Muon/blob/857d1adc159e098212f828d927460782d3da59e9/muon.py
+https://github.com/KellerJordan/modded-nanogpt/blob/1b51e26d304f647c7c12201b3f1513ee5a429ec4/train_gpt.py
+https://github.com/microsoft/dion/blob/0a059a4542e5aa74b40dcd1dce363836c7afcd48/dion/muon.py
+https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/distributed/flex_shard/dist_muon.py
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 `partition_parameters(model)` walks the model's trainable parameters once and gives each a ParamAssignment
 (group, optimizer kind, matrix view, weight decay, reason). The first matching rule wins:
 
-  1. nn.Embedding weights and the LM head      -> adamw_embed (weight decay on, as nanoGPT and Moonlight decay
-     every matrix): a lookup table's rows are updated independently, so orthogonalising it has no meaning.
+  1. nn.Embedding weights and the LM head      -> adamw_embed (weight decay on, as nanoGPT and Moonlight (arXiv
+     2502.16982) decay every matrix): a lookup table's rows are updated independently, so orthogonalising it has
+     no meaning.
   2. 1D params, biases, norms, A_log, dt_bias   -> adamw_no_decay: scales and offsets; decaying them towards
      0 changes the function (a norm gain of 0, an infinitely fast KDA decay), not just its size.
   3. conv kernels, KDA gates (f_a/f_b/g_a/g_b/b_proj), MoE router -> adamw_aux (decay on): small or
@@ -14,6 +15,7 @@
      as per-head matrices when annotated and head_wise=True; the rest (dense FFN, shared expert) -> muon_ffn.
 Names are matched on whole components of the dotted parameter name ("b_proj" does not match "q_b_proj").
 A parameter that fits no rule (4D and up) is an error: add a rule here rather than guessing.
+nanoGPT's optimizer groups (every 2D weight decays, embeddings included): https://github.com/karpathy/nanoGPT/blob/3adf61e154c3fe3fca428ad6bc3818b27a3b8291/model.py
 """
 
 from __future__ import annotations

@@ -6,9 +6,13 @@ whole sequence, the MoE router and the experts a token actually uses (top-k of t
 ones), and the LM head. Not counted: norms, activations, softmax, routing sorts and other elementwise work (a few
 percent at these sizes), and QK-Clip's max-logit measurement (the framework's work, not the model's).
 
-Conventions, as PaLM (Chowdhery et al. 2022, appendix B) and torchtitan's MFU count them:
+Conventions, as PaLM (Chowdhery et al. 2022, arXiv 2204.02311, appendix B) and torchtitan's MFU count them:
 - attention is counted over all T x T query-key pairs, causal or not (torch.utils.flop_counter counts it so too);
 - training = 3 x forward: the backward pass computes a gradient for each matmul's input and its weight.
+torchtitan's count and its MFU, and torch's FLOP counter (tests/test_flops.py checks this count against it):
+https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/models/utils.py
+https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0b2a/torchtitan/components/metrics.py
+https://github.com/pytorch/pytorch/blob/cf30153c4c131c8164ee7798e5022d810682e2cb/torch/utils/flop_counter.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Multi-head Latent Attention (DeepSeek-V3 `inference/model.py`), NoPE by default as in Kimi Linear.
+"""Multi-head Latent Attention (DeepSeek-V3's reference MLA), NoPE by default as in Kimi Linear (arXiv 2510.26692).
+https://github.com/deepseek-ai/DeepSeek-V3/blob/9b4e9788e4a3a731f7567338ed15d3ec549ce03b/inference/model.py
 
 Per head h the query is [q_nope (dn) | q_rope (dr)]; keys are [k_nope (dn) | k_rope (dr)] where k_nope comes
 from a compressed latent c_kv and k_rope is ONE key slice shared by all heads. With `rope=False` (Kimi Linear)
@@ -125,8 +126,9 @@ class MultiHeadLatentAttention(nn.Module):
         """forward() continued from `cache` (appended in place): x [B, T, d] are the next T positions.
 
         Attention runs in the latent space: kv_b_proj's key half is absorbed into the query and its value half
-        applied after the weighted sum (DeepSeek-V2 section 2.1.3; DeepSeek-V3 inference/model.py, "absorb"), so
-        per-head keys and values are never built for the cached positions.
+        applied after the weighted sum (DeepSeek-V2, arXiv 2405.04434, section 2.1.3; DeepSeek-V3's reference MLA,
+        attn_impl "absorb", cited at the top of this file), so per-head keys and values are never built for the
+        cached positions.
         """
         B, T, _ = x.shape
         H, dn, dr, dv, r = self.n_heads, self.dn, self.dr, self.dv, self.kv_lora_rank
@@ -188,8 +190,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """q, k [B, H, T, dk], v [B, H, T, dv] -> [B, H, T, dv]: causal softmax attention.
 
     On CPU, torch's fused (flash) kernel needs dk == dv and otherwise falls back to the math path, which
-    materialises the T x T weights: 2.1-2.7x slower for k3_small's dk 96 / dv 64 (fwd+bwd, benchmarks/bench_layers.py).
-    Zero columns appended to the narrower side change no score and no output column, so the result is exact.
+    materialises the T x T weights and is slower (docs/decisions/mla-attention.md). So on CPU with dk != dv the
+    narrower side gets zero columns appended: they change no score and no output column, so the result is exact.
     """
     dk, dv = q.shape[-1], v.shape[-1]
     if q.device.type != "cpu" or dk == dv:

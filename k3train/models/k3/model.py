@@ -114,10 +114,13 @@ class KimiK3(nn.Module):
 
     @torch.no_grad()
     def _init_weights(self) -> None:
-        """Normal(init_std) for embeddings and linear maps (as nanoGPT / FLA); the projections that write into
-        the residual stream (attention outputs, FFN down projections) get init_std / sqrt(2 n_layers) so the
-        residual's variance does not grow with depth (GPT-2). Norms start at 1. KDA's own parameters that are
-        not linear maps (A_log, dt_bias, convolutions) keep the initialisation its layer gives them."""
+        """Normal(init_std) for embeddings and linear maps (as nanoGPT and FLA's models do); the projections that
+        write into the residual stream (attention outputs, FFN down projections) get init_std / sqrt(2 n_layers) so
+        the residual's variance does not grow with depth (GPT-2). Norms start at 1. KDA's own parameters that are
+        not linear maps (A_log, dt_bias, convolutions) keep the initialisation its layer gives them.
+        https://github.com/karpathy/nanoGPT/blob/3adf61e154c3fe3fca428ad6bc3818b27a3b8291/model.py
+        https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/models/kda/modeling_kda.py
+        """
         std = self.config.init_std
         residual_std = std / math.sqrt(2 * self.config.n_layers)
         nn.init.normal_(self.embed_tokens.weight, std=std)

@@ -1,66 +1,52 @@
 """Feed-forward blocks: a dense SwiGLU, and a sigmoid-routed MoE with a balancing bias (DeepSeek-V3 / Kimi Linear).
 
-Routing (DeepSeek-V3, arXiv 2412.19437, section 2.1.2): scores s = sigmoid(router(x)); the top-k experts are
+    MoE: x [B, T, d] -> [B, T, d] = shared(x) + sum over the k chosen of n routed experts of gate_e * expert_e(x)
+
+Routing (DeepSeek-V3, arXiv 2412.19437, section 2.1.2): scores s = sigmoid(router(x)) in fp32; the top-k experts are
 chosen on s + bias; the gate weights are the UNBIASED scores of the chosen k, renormalised to sum 1 and multiplied
 by routed_scaling_factor. The bias only steers the choice, so balancing never changes what a chosen expert's output
 is weighted by.
 
-The bias is a persistent buffer (it travels in state_dict) and changes only in training-mode forward passes:
+The bias `expert_bias` [n] is a persistent buffer (it travels in state_dict) and changes only in training-mode
+forward passes:
 - "quantile_balancing" (J. Su, "MoE World Tour 6: Optimal Allocation", Feb 2026): routing is an assignment LP
   with capacity kN/n per expert; the dual variable of an expert's capacity constraint is its bias, so the bias
-  is SET each step from the current tokens rather than nudged. The concrete form used here, per training forward:
+  is SET each step from the current tokens rather than nudged, with no hyperparameter. Per training forward:
     1. cutoff_i = the (k+1)-th largest of s_i + b            (b: the bias this pass routed with)
     2. r_ij = cutoff_i - s_ij      (the bias expert j needs to be in token i's top-k, others' biases fixed: exact
                                     if j is in it now; for the other experts the true need is higher by the gap
                                     g_i between the k-th and (k+1)-th largest)
-       Tie-break: for the (k+1)-th choice itself r_ij would be exactly its old bias b_j, for every token where j
-       is runner-up: a block of equal values (up to 55 of 256 tokens, 479 of 2048, measured) that the quantile
-       cannot split, so b_j stayed put with as few as 14 of m=32 tokens below it. That entry uses its true need,
-       b_j + g_i, instead, which orders the block by how close each token is to choosing j.
-    3. b_j = midpoint of the m-th and (m+1)-th smallest r_.j, m = round(N k / n), so that exactly m tokens
-       have r_ij < b_j (the (k/n)-quantile of Su's construction; measured: m in every case but rare exact fp
-       coincidences of r, 511-512 of m=512)
+       Tie-break: for the (k+1)-th choice itself r_ij would be exactly its old bias b_j, a block of equal values
+       the quantile cannot split; that entry uses its true need, b_j + g_i, instead.
+    3. b_j = midpoint of the m-th and (m+1)-th smallest r_.j, m = round(N k / n), so that m tokens have r_ij < b_j
+       (the (k/n)-quantile of Su's construction; rare exact fp ties in r aside)
     4. b <- b - mean(b)                                       (top-k is shift invariant; keeps b near 0)
-  The new b is used from the next forward pass on. It has no balancing hyperparameter. What it achieves, measured
-  by benchmarks/bench_moe_balance.py (logits randn + linspace(-2, 2) over experts, top-2, 5 seeds; numbers are the
-  worst expert's |load / mean - 1|, median over steps 10-60):
-  - Each expert's update holds the others' biases fixed: one Jacobi step of the dual problem, not its optimum.
-    Re-routing the SAME batch with its new bias: 0.17 (256 tokens, 16 experts), 0.055 (2048, 16), 0.025 (2048, 8);
-    repeated on one batch, every load is within 1-2 tokens of m after 10 steps.
-  - Training routes each batch with the bias of the previous one, so a batch's own sampling noise sets the floor:
-    0.44 (256 tokens, 16 experts; never within +-20%, and a bias fitted on 50k-token batches and held fixed does
-    no better than 0.33, within +-20% on 1% of steps: 32 tokens per expert are too few), 0.15 (2048, 16; 90% of
-    steps within +-20%), 0.086 (2048, 8; 99.6% of steps within +-20%). The tie-break does not change these
-    fresh-batch figures (before it: 0.45, 0.15, 0.081); it halves the same-batch ones (before: 0.26, 0.105, 0.05).
-  A further limit is the lag: when the router itself moves more per step than its logits spread over tokens, the
-  previous batch's bias is stale. Measured on k3_tiny (built-in corpus, AdamW lr 3e-3 on every parameter): the
-  router's per-token logit spread fell from 0.2 to 0.03 while its per-expert means moved ~0.2 per step, loads
-  collapsed onto 2 experts over steps ~2-15 and were back within about +-30% of even by step ~50; with
-  aux_free_bias or none they were still collapsed at step 40. A 10x lower router learning rate did not remove
-  the swing (worst layer still 2.2-3.1x the mean load over steps 10-25): early hidden states vary little from
-  token to token, so the router has little to route on.
+  The new b is used from the next forward pass on. It is approximate in two ways: each expert's update holds the
+  others' biases fixed (one Jacobi step of the dual problem, not its optimum), and each batch is routed with the
+  previous batch's bias, so that batch's sampling noise, and a router moving faster than its logits spread over
+  tokens (early training), leave the loads uneven. Measured: docs/decisions/moe-routing.md.
 - "aux_free_bias" (DeepSeek-V3): b_e <- b_e + rate * sign(mean_load - load_e) after each training forward.
 - "none": the bias stays zero.
 
-Choices to know about:
-- Data-parallel training: when `moe.process_group` names a group of more than one rank (the run's data-parallel
-  group, handed over by the parallelize function from ParallelDims), a training-mode pass balances over the
-  GLOBAL batch. Every rank all-gathers its candidates for step 3 (its m+1 smallest r per expert, m from
-  the global token count: the global m+1 smallest are among them, so the quantile is exactly the one over all
-  ranks' r, for about min(1, W k / n) of the traffic of gathering r itself); every rank computes the same bias.
-  The load counts are summed over ranks, so aux_free_bias steps on the global load and the diagnostics describe
-  the global batch. Quantile Balancing needs the same number of tokens on every rank (k3train's loaders give every
-  rank B x T); a mismatch is refused on every rank, naming the counts. DDP's buffer sync before each forward
-  (broadcast_buffers; forward_sync_buffers from torch 2.13) now copies a bias every rank already has: turning it
-  off skips that broadcast. Every rank must run the same training-mode passes: each makes, per MoE layer, one
-  collective for the loads and, under Quantile Balancing, a second for r.
-- What still differs from one big batch: the quantile is over the tokens of ONE forward pass, so gradient-
-  accumulated micro-batches are separate quantiles (each sets the bias the next one routes with); and the router
-  matmul over a rank's N tokens may round differently from one over W*N, so scores, r and the bias can differ in
-  their last bits from a one-process run of the same global batch, which flips a token's choice only at a near
-  tie. Given the same scores, the 2-rank bias is bitwise the 1-rank one.
-- Eval-mode passes (validation, generation) never touch the bias or the diagnostics, and are collective-free:
-  they may run on one rank alone.
+Data-parallel training: when `moe.process_group` names a group of more than one rank (the run's data-parallel
+group, handed over by the parallelize function from ParallelDims), a training-mode pass balances over the GLOBAL
+batch. Every rank all-gathers its candidates for step 3 (its m+1 smallest r per expert, m from the global token
+count: the global m+1 smallest are among them, so the quantile is exactly the one over all ranks' r, for about
+min(1, W k / n) of the traffic of gathering r itself); every rank computes the same bias. The load counts are summed
+over ranks, so aux_free_bias steps on the global load and the diagnostics describe the global batch.
+- Quantile Balancing needs the same number of tokens on every rank (k3train's loaders give every rank B x T); a
+  mismatch is refused on every rank, naming the counts.
+- Every rank must run the same training-mode passes: each makes, per MoE layer, one collective for the loads and,
+  under Quantile Balancing, a second for r.
+- DDP's buffer sync before each forward (broadcast_buffers; forward_sync_buffers from torch 2.13) copies a bias
+  every rank already has: turning it off skips that broadcast.
+- What differs from one big batch: the quantile is over the tokens of ONE forward pass, so gradient-accumulated
+  micro-batches are separate quantiles (each sets the bias the next one routes with); and the router matmul over a
+  rank's N tokens may round differently from one over W*N, so scores, r and the bias can differ in their last bits
+  from a one-process run of the same global batch, which flips a token's choice only at a near tie. Given the same
+  scores, the 2-rank bias is bitwise the 1-rank one.
+Eval-mode passes (validation, generation) never touch the bias or the diagnostics, and are collective-free: they
+may run on one rank alone.
 """
 
 from __future__ import annotations
@@ -112,12 +98,12 @@ class GroupedSwiGLU(torch.autograd.Function):
     row_scale [S], each row's output times its scale (applied to the [S, ffn] hidden before w_down: the same product,
     but a pass over rows ffn wide instead of d wide, forward and backward).
 
-    The same matmuls autograd would run through `w.unbind(0)` and a loop, with a hand-written backward that writes
-    each expert's weight gradient into its slice of one [E, out, in] tensor and each output into its rows of one
-    [S, d] tensor. Through autograd, the unbind's backward stacks E separate gradients (a second full copy of every
-    expert weight) and the outputs are concatenated: for k3_small's experts on CPU that took 27% longer on 1
-    thread, 6% on 2 (benchmarks/bench_layers.py). Under autocast the matmuls run in the autocast dtype, as
-    nn.Linear's would, and the scale is cast to it.
+    x [S, d] grouped by expert, counts[e] rows for expert e (summing to S), w_gate / w_up [E, ffn, d], w_down
+    [E, d, ffn] -> [S, d]. The same matmuls autograd would run through `w.unbind(0)` and a loop, with a hand-written
+    backward that writes each expert's weight gradient into its slice of one [E, out, in] tensor and each output into
+    its rows of one [S, d] tensor, where autograd would stack E separate gradients (a second full copy of every
+    expert weight) and concatenate the outputs (why: docs/decisions/moe-experts.md). Under autocast the matmuls run
+    in the autocast dtype, as nn.Linear's would, and the scale is cast to it; gradients return in the inputs' dtypes.
     """
 
     @staticmethod
@@ -244,9 +230,9 @@ class MoE(nn.Module):
         order = torch.argsort(flat_experts, stable=True)
         token_of_slot = order // self.k  # [N*k]: which token each sorted slot belongs to
         counts = torch.bincount(flat_experts, minlength=self.n_experts).tolist()
-        # index_select, not x[token_of_slot]: its backward is an index_add, ~3x faster on CPU than indexing's
-        # accumulating index_put (2048 x 4 slots of 512 wide). y is in the matmuls' dtype (bf16 under autocast),
-        # each slot already weighted by its gate weight.
+        # index_select, not x[token_of_slot]: its backward is an index_add rather than indexing's accumulating
+        # index_put (why: docs/decisions/moe-experts.md). y is in the matmuls' dtype (bf16 under autocast), each
+        # slot already weighted by its gate weight.
         y = self.experts(x.index_select(0, token_of_slot), counts, weights.reshape(-1)[order])  # [N*k, d]
         return y.new_zeros(N, d).index_add_(0, token_of_slot, y)
 

@@ -1,8 +1,9 @@
 """Chunkwise Kimi Delta Attention in pure PyTorch, forward and backward: the default path on CPU.
 
-Same math as naive.py, regrouped (FLA `naive_chunk_kda`, Kimi Linear tech report): inside a chunk of C steps the
-delta rule is a unit lower-triangular system (the WY/UT transform), solved for all chunks at once; only the state
-hand-over between chunks stays a Python loop (T / C iterations), forward and backward.
+Same math as naive.py, regrouped (FLA's `naive_chunk_kda`; Kimi Linear, arXiv 2510.26692): inside a chunk of C
+steps the delta rule is a unit lower-triangular system (the WY/UT transform), solved for all chunks at once; only the
+state hand-over between chunks stays a Python loop (T / C iterations), forward and backward.
+https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/ops/kda/naive.py
 
 Per chunk, with G the cumulative sum of g from the chunk start (G <= 0, decreasing), D_ij = exp(G_i - G_j)
 (per key channel, <= 1 for j <= i) and S the state at the chunk start:
@@ -19,13 +20,11 @@ The decay-weighted triangular products (A_qk, P, and their gradients) never form
   lower half with columns j of its upper half; with r the lower half's first row (j < r <= i), D_ij =
   exp(G_i - G_r) exp(G_r - G_j) has both factors <= 1, so a quadrant is one matmul that cannot overflow however
   fast the gates decay (gates fast enough to span more than 40 within 8 rows get b = 1: levels down to single rows).
-On 2 CPU cores (Sapphire Rapids, idle) at k3_small's shapes with gates of ~0.1 per step (b = 64), forward + backward
-took 54 ms against 79 ms with levels all the way down.
 
-The gradient is written out by hand (_ChunkKDA.backward) rather than left to autograd: autograd through this
-forward saved and replayed every intermediate and spent its time in concatenations and tiny matmuls; the hand
-backward runs the state recurrence in reverse, then needs the same decay-weighted triangular products as the
-forward (_decayed_rows, _decayed_cols). Equality with naive.py's autograd, every gradient: tests/test_kda.py.
+The gradient is written out by hand (_ChunkKDA.backward) rather than left to autograd, which would save and replay
+every intermediate: it runs the state recurrence in reverse, then the same decay-weighted triangular products as
+the forward (_decayed_rows, _decayed_cols). Equality with naive.py's autograd, every gradient: tests/test_kda.py.
+Why these forms, with timings: docs/decisions/kda-chunk.md.
 """
 
 from __future__ import annotations
@@ -78,7 +77,7 @@ def chunk_kda(
             beta = F.pad(beta, (0, 0, 0, pad))
         N = (T + pad) // C
         # Heads first, contiguous: a view would leave every elementwise result strided, and each matmul would then
-        # copy its operands out again (7 hidden copies per forward + backward on CPU).
+        # copy its operands out again (docs/decisions/kda-chunk.md).
         q, k, v, g = (x.transpose(1, 2).contiguous().view(B, HV, N, C, -1) for x in (q, k, v, g))  # [B, HV, N, C, D]
         beta = beta.transpose(1, 2).reshape(B, HV, N, C, 1)
         S0 = None if initial_state is None else initial_state.to(dtype)
@@ -203,7 +202,7 @@ def _decays(G: Tensor, block: int | None = None) -> _Decays:
     within FACTORED_SPAN (the forward's choice, passed back in for the backward), then the levels above it.
 
     Why the factored form first: one matmul per block instead of log2(block) levels of small batched products and
-    their elementwise passes (the levels took ~60% of chunk_kda's time on CPU). Why the levels at all: a chunk
+    their elementwise passes (timings: docs/decisions/kda-chunk.md). Why the levels at all: a chunk
     whose gates decay fast (past e^80 between its rows) would overflow the factors; the levels never multiply a
     factor above 1. Choosing costs a host sync (.item()) per size tried, in the forward only: fine for this
     CPU / no-FLA path.

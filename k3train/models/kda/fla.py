@@ -2,7 +2,9 @@
 
 Same layout and conventions as naive.py / chunk.py (FLA defined them): q, k [B, T, H, K]; v [B, T, HV, V];
 g [B, T, HV, K] log decay; beta [B, T, HV]; state [B, HV, K, V] fp32. q and k are passed already normalised
-and g already computed, so FLA's in-kernel l2norm and gate options stay off.
+and g already computed, so FLA's in-kernel l2norm and gate options stay off. The kernels:
+https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/ops/kda/chunk.py
+https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/ops/kda/fused_recurrent.py
 """
 
 from __future__ import annotations

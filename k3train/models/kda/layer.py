@@ -1,4 +1,7 @@
-"""The Kimi Delta Attention layer (Kimi Linear, arXiv 2510.26692; FLA fla/layers/kda.py): [B, T, d] -> [B, T, d]."""
+"""The Kimi Delta Attention layer (Kimi Linear, arXiv 2510.26692; FLA's layer): [B, T, d] -> [B, T, d].
+
+https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/layers/kda.py
+"""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from k3train.models.norm import RMSNorm, l2_normalize
 IMPLEMENTATIONS = ("chunk", "recurrent", "fla")
 GATES = ("softplus", "sigmoid")
 # The sigmoid ("safe") gate's largest per-step log decay: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)),
-# FLA's `lower_bound` (fla-org/flash-linear-attention, fla/ops/kda/gate.py).
+# FLA's `lower_bound`: https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/ops/kda/gate.py
 SIGMOID_GATE_LOWER_BOUND = -5.0
 
 
@@ -110,8 +113,8 @@ class KimiDeltaAttention(nn.Module):
         projection of x in one matmul.
 
         The weights stay separate parameters (their own names, init, Muon's per-head split); one [d, 3 H K + 2 K + HV]
-        matmul instead of six took ~13% less time forward + backward on CPU at k3_small's widths (2048 rows). For
-        a few rows (decoding) copying the weights together costs more than it saves: fused=False."""
+        matmul instead of six is faster on CPU for training-sized inputs (docs/decisions/kda-layer.md). For a few
+        rows (decoding) copying the weights together costs more than it saves: fused=False."""
         projections = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj)
         if not fused:
             q, k, v, f_a, g_a, b = (p(x) for p in projections)
@@ -202,8 +205,8 @@ def causal_depthwise_conv(window: Tensor, weight: Tensor) -> Tensor:
     """window [B, W - 1 + T, D] (W - 1 earlier inputs, then T new ones), weight [D, 1, W] (an nn.Conv1d with
     groups=D) -> [B, T, D]: out[t] = sum_i weight[:, 0, i] * window[t + i], a causal depthwise conv.
 
-    W shifted multiply-adds in [B, T, D] layout instead of Conv1d: on CPU the conv wants [B, D, T], and with the
-    transposes around it its forward + backward took 3x as long (benchmarks/bench_layers.py, k3_small shapes).
+    W shifted multiply-adds in [B, T, D] layout instead of Conv1d: on CPU the conv wants [B, D, T], and the
+    transposes around it made its forward + backward slower (docs/decisions/kda-layer.md).
     """
     W = weight.shape[-1]
     T = window.shape[1] - W + 1
@@ -218,8 +221,8 @@ class CausalConvSiLU(torch.autograd.Function):
 
     Forward and backward are W shifted multiply-adds into one tensor each, never a padded copy of x: through
     autograd, each of the W shifted slices' backward allocated and zero-filled a padded copy of the whole input.
-    The layer runs q, k and v through one call (D = 2 H K + HV K, their weights concatenated): with the padded copy
-    gone, ~5% off the KDA layer's forward + backward (k3_small, 2 CPU cores, medians of 20-30 alternating rounds).
+    The layer runs q, k and v through one call (D = 2 H K + HV K, their weights concatenated). Timings:
+    docs/decisions/kda-layer.md.
     """
 
     @staticmethod

@@ -3,7 +3,9 @@
 Layout follows flash-linear-attention (time before heads): q, k [B, T, H, K], v [B, T, HV, V],
 g [B, T, HV, K] (log-space decay, <= 0), beta [B, T, HV], state [B, HV, K, V] fp32. HV may exceed H
 (grouped value attention): each q/k head then serves HV // H consecutive value heads.
-Upstream: fla/ops/kda/naive.py (flash-linear-attention 0.6.0), Kimi Linear tech report.
+Upstream: FLA's `naive_recurrent_kda` (written against flash-linear-attention 0.6.0; the link pins the newest
+commit found) and the Kimi Linear tech report (arXiv 2510.26692):
+https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/ops/kda/naive.py
 """
 
 from __future__ import annotations
