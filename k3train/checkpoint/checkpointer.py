@@ -1,5 +1,5 @@
-"""Checkpoints: one Checkpointer saves and restores a run's named Stateful parts (torchtitan's
-components/checkpoint.py is the model).
+"""Checkpoints: one Checkpointer saves and restores a run's named Stateful parts (the model: torchtitan's
+https://github.com/pytorch/torchtitan/blob/745373f01700ff4e547023da7f6ff5c10b63f400/torchtitan/components/checkpoint.py).
 
 A checkpoint is `{"meta": {...}, "<part>": part.state_dict(), ...}`: `meta` holds the format version, the step
 and the identities a resume must match (model config, recipe, optimizer layout, data: see build.build_meta).

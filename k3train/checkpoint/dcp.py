@@ -8,8 +8,9 @@ with `make_shard(shape, dtype)` (a DTensor on this run's mesh, or a whole plain 
 it, so a checkpoint saved by N ranks loads on M ranks, or in one process (consolidate.py).
 
 Opening a checkpoint never runs code from it. DCP itself reads `.metadata` with a plain `pickle.load` and
-non-tensor entries with `torch.load(weights_only=False)` (torch/distributed/checkpoint/filesystem.py,
-default_planner.py, torch 2.13). So here `.metadata` is read by an unpickler that only builds DCP's own metadata
+non-tensor entries with `torch.load(weights_only=False)` (torch 2.13's filesystem.py and default_planner.py:
+https://github.com/pytorch/pytorch/blob/cf30153c4c131c8164ee7798e5022d810682e2cb/torch/distributed/checkpoint/filesystem.py
+). So here `.metadata` is read by an unpickler that only builds DCP's own metadata
 classes (anything else is refused), its entries must all be tensors (tensor data is read with weights_only=True),
 and extra.pt is read with torch.load(weights_only=True) (safe_load, which single-file checkpoints use too). A file
 that names any other global (a function or class, e.g. posix.system) is refused with CodeRefused, naming it.

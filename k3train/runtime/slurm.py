@@ -11,7 +11,10 @@ After a signal has stopped the run at an update boundary with a checkpoint, the 
   preemption) is only logged by submitit, so the job must not then return a result: submitit would report a
   half-done run as a success. It exits without one, and SLURM decides (requeued: it runs again; cancelled: the
   launcher reports it unfinished);
-- under plain sbatch, the job requeues itself with `scontrol requeue`, as Lightning's SLURM connector does, when
+- under plain sbatch, the job requeues itself with `scontrol requeue`, as Lightning's SLURM connector does
+  (
+  https://github.com/Lightning-AI/pytorch-lightning/blob/bdb96c433d679068a3dbb0757b186f833cb12c94/src/lightning/pytorch/trainer/connectors/signal_connector.py
+  ), when
   the job allows it (`--requeue`) and the signal was the time-limit warning (SIGUSR1, SIGUSR2), the time limit
   itself (SIGTERM once the job's run time reaches its limit). Any other SIGTERM is `scancel`, which must stay
   cancelled, `scontrol requeue`, which requeues by itself, or a preemption, which SLURM requeues or cancels as the
