@@ -76,3 +76,23 @@ def test_the_parallelize_function_hands_every_moe_the_run_group_and_none_in_one_
         module.process_group = "stale"
     assert DDP().shard(model, torch.device("cpu"), ParallelDims()) is model
     assert all(m.process_group is None for m in moes)
+
+
+def test_models_and_optim_never_ask_torch_distributed_who_they_are() -> None:
+    """The groups come from ParallelDims: a module-level query (is the world up, who is rank 0, the default group)
+    in models/ or optim/ would bypass it the day expert or context parallelism splits the world other ways."""
+    import re
+    from pathlib import Path
+
+    import k3train
+
+    root = Path(k3train.__file__).parent
+    query = re.compile(r"is_initialized\(|group\.WORLD|get_rank\(\)|get_world_size\(\)|current_world|several_ranks")
+    found = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for package in ("models", "optim")
+        for path in sorted((root / package).rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if query.search(line) and not line.lstrip().startswith("#")
+    ]
+    assert not found, "\n".join(found)
