@@ -56,7 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     out = loaded.path.with_name(f"{loaded.path.stem}.eval.{args.split}.{result['data']['fingerprint'][:12]}.json")
     if loaded.path.is_dir():  # an export: the result goes inside it
         out = loaded.path / f"eval.{args.split}.{result['data']['fingerprint'][:12]}.json"
-    write_atomic(out, lambda f: f.write(json.dumps(result, indent=2).encode() + b"\n"))
+    try:
+        write_atomic(out, lambda f: f.write(json.dumps(result, indent=2).encode() + b"\n"))
+    except OSError as exc:  # the work is done but not kept: a failure during work, not bad input
+        print(f"k3train.evaluate: error: writing {out} failed ({exc.strerror or exc})", file=sys.stderr)
+        return 1
     print(
         f"{args.split}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
         f"bits/byte {result['bits_per_byte']:.4f} | {result['tokens']:,} tokens -> {out}"

@@ -109,6 +109,17 @@ def test_evaluate_reproduces_the_runs_own_eval_loss_and_writes_json(run_dir, tin
     assert "val: loss" in capsys.readouterr().out
 
 
+def test_evaluate_that_cannot_write_its_result_says_so_in_one_line_and_exits_1(run_dir, capsys, monkeypatch):
+    def full_disk(path, write):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(evaluate, "write_atomic", full_disk)
+    assert evaluate.main([str(run_dir), "--batch-size", "2", "--seq-len", "32", "--max-batches", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("k3train.evaluate: error: writing ") and "No space left on device" in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
 def test_export_is_smaller_and_loads_back_into_generate_and_evaluate(run_dir, tmp_path, capsys):
     out = tmp_path / "exported"
     assert export.main([str(run_dir), str(out)]) == 0
