@@ -155,6 +155,8 @@ def _watch(job_ids: list[str], request: dict, warn_after_s: float, poll_s: float
     while not done.wait(poll_s):
         try:
             out = _run("squeue", "-h", "-j", ",".join(arrays), "-o", "%i|%T|%r")
+        except FileNotFoundError:
+            return  # no squeue here: the jobs are not SLURM's (a local launcher)
         except (OSError, subprocess.SubprocessError):
             continue
         if out.returncode != 0:
@@ -192,7 +194,7 @@ class PendingWatch(Callback):
         return {**self.__dict__, "_undo": None}
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
-        if self.warning_s is None or not str(config.hydra.launcher.get("_target_", "")).endswith("SlurmLauncher"):
+        if self.warning_s is None:
             return
         import submitit  # the launcher imports it too, a moment later: only a SLURM sweep gets here
 
