@@ -13,6 +13,8 @@ from k3train.models.kda.layer import GATES as KDA_GATES
 from k3train.models.kda.layer import IMPLEMENTATIONS as KDA_IMPLEMENTATIONS
 
 LAYER_TYPES = ("kda", "mla")
+FFN_ACTIVATIONS = ("swiglu", "situ")
+KDA_OUTPUT_GATES = ("low_rank", "full_rank")
 
 
 @dataclass
@@ -64,6 +66,18 @@ class KimiK3Config:
     routed_scaling_factor: float = 1.0
     aux_free_bias_rate: float = 1e-3
 
+    # Kimi K3's components; each at its default is the Kimi Linear form.
+    attn_res_block_size: int | None = None  # attention residuals over blocks of this many layers; None: x + f(x)
+    ffn_activation: str = "swiglu"  # every FFN (dense, shared, routed): "swiglu" | "situ"
+    situ_beta: float = 4.0  # SiTU's gate branch: beta * tanh(g / beta) * sigmoid(g)
+    situ_linear_beta: float = 25.0  # SiTU's up branch: linear_beta * tanh(u / linear_beta)
+    expert_latent_dim: int | None = None  # latent MoE: routed experts at this width; None: at d_model
+    mla_output_gate: bool = False  # sigmoid(g_proj x) times the attention output, before o_proj
+    mla_latent_norm_eps: float | None = None  # q_a_norm and kv_a_norm (K3: 1e-6); None: norm_eps
+    kda_output_gate: str = "low_rank"  # "low_rank" (g_a -> g_b, with bias) | "full_rank" (one g_proj, no bias)
+    kda_gate_lower_bound: float = -5.0  # the sigmoid gate's log decay lies in (lower bound, 0)
+    kda_qk_norm_eps: float = 1e-6  # q and k are x / sqrt(sum x^2 + eps), as FLA's kernel normalises them
+
     def __post_init__(self) -> None:
         if self.model_type != "kimi_k3":
             raise ValueError(f"model_type={self.model_type!r}: KimiK3Config only builds 'kimi_k3'")
@@ -87,6 +101,18 @@ class KimiK3Config:
             "dense_ffn_dim",
         ):
             _positive(self, name)
+        for name in ("attn_res_block_size", "expert_latent_dim"):
+            if getattr(self, name) is not None:
+                _positive(self, name)
+        _choice(self, "ffn_activation", FFN_ACTIVATIONS)
+        _choice(self, "kda_output_gate", KDA_OUTPUT_GATES)
+        for name in ("situ_beta", "situ_linear_beta", "kda_qk_norm_eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
+        if self.mla_latent_norm_eps is not None and not self.mla_latent_norm_eps > 0:
+            raise ValueError(f"mla_latent_norm_eps={self.mla_latent_norm_eps} must be > 0 (or null: norm_eps)")
+        if not self.kda_gate_lower_bound < 0:
+            raise ValueError(f"kda_gate_lower_bound={self.kda_gate_lower_bound} must be < 0 (a log decay)")
         for name in ("qk_nope_head_dim", "n_shared_experts", "first_k_dense"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
