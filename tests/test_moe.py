@@ -1,10 +1,13 @@
 """MoE: dispatch against a per-token reference, routing rules, bias state, and Quantile Balancing convergence."""
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from k3train.models.k3.moe import MoE
+from k3train.models.k3.moe import MoE, reference_moe_forward
+from k3train.models.k3.situ import situ_glu
 
 D, N_EXP, K = 16, 8, 2
 
@@ -141,12 +144,14 @@ def test_quantile_balancing_evens_a_fixed_batch(seed):
     assert (load - m).abs().max() <= 0.02 * m, load.tolist()
 
 
-def loop_experts(x, w_gate, w_up, w_down, counts, row_scale=None):
-    """The routed experts through plain autograd: one SwiGLU per expert on its rows, each output row times its
-    row_scale after w_down."""
-    outs = [
-        F.silu(xs @ w_gate[e].T) * (xs @ w_up[e].T) @ w_down[e].T for e, xs in enumerate(x.split(counts)) if xs.shape[0]
-    ]
+def loop_experts(x, w_gate, w_up, w_down, counts, row_scale=None, situ=None):
+    """The routed experts through plain autograd: one SwiGLU per expert on its rows (SiTU-GLU through situ_glu
+    with situ = (beta, linear_beta)), each output row times its row_scale after w_down."""
+
+    def act(g, u):
+        return F.silu(g) * u if situ is None else situ_glu(g, u, *situ)
+
+    outs = [act(xs @ w_gate[e].T, xs @ w_up[e].T) @ w_down[e].T for e, xs in enumerate(x.split(counts)) if xs.shape[0]]
     out = torch.cat(outs)
     return out if row_scale is None else out * row_scale[:, None].to(out.dtype)
 
@@ -194,3 +199,205 @@ def test_grouped_swiglu_equals_the_autograd_loop(autocast):
         # bf16 keeps ~3 significant digits, and the two round their intermediate products in different places
         tol = dict(rtol=2e-2, atol=1e-2 * want.abs().max().item()) if autocast else dict(rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# --- SiTU-GLU in the experts, the latent MoE, the fp32 router (Kimi K3) ------------------------------------------
+
+
+def make_k3_moe(activation="situ", latent_dim=None, n_shared=1, dtype=torch.float64, seed=0, **kw) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(
+        D,
+        N_EXP,
+        K,
+        expert_ffn_dim=12,
+        n_shared_experts=n_shared,
+        routed_scaling_factor=2.5,
+        activation=activation,
+        latent_dim=latent_dim,
+        norm_eps=1e-6,
+        **kw,
+    )
+    with torch.no_grad():
+        for p in moe.parameters():  # larger than the 0.02 init, so that SiTU's tanh branches are nonlinear here
+            p.normal_(0, 0.6, generator=torch.Generator().manual_seed(p.numel()))
+        if moe.latent_norm is not None:
+            moe.latent_norm.weight.uniform_(0.5, 1.5)
+        moe.expert_bias.copy_(torch.linspace(-0.3, 0.3, N_EXP))  # a bias that changes some choices
+    return moe.to(dtype).eval()
+
+
+@pytest.mark.parametrize(
+    "activation, latent_dim, n_shared", [("situ", None, 1), ("situ", 6, 1), ("swiglu", 6, 0), ("swiglu", None, 1)]
+)
+def test_fast_path_equals_the_reference_float64(activation, latent_dim, n_shared):
+    """MoE.forward (sorted dispatch, GroupedSwiGLU's written backward, RMSNorm's function) against
+    reference_moe_forward (plain autograd, one expert at a time), fp64: the output and every gradient."""
+    results = []
+    for fn in (reference_moe_forward, lambda m, x: m(x)):
+        moe = make_k3_moe(activation, latent_dim, n_shared)
+        x = torch.randn(2, 9, D, dtype=torch.float64, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        out = fn(moe, x)
+        out.backward(torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6)))
+        results.append({"out": out.detach(), "x": x.grad, **{n: p.grad for n, p in moe.named_parameters()}})
+    want, have = results
+    assert want.keys() == have.keys()
+    for name in want:
+        torch.testing.assert_close(have[name], want[name], rtol=1e-10, atol=1e-12, msg=lambda m, n=name: f"{n}: {m}")
+    if latent_dim is not None:  # the latent modules took part: they have gradients
+        assert all(have[n].abs().sum() > 0 for n in ("latent_down.weight", "latent_norm.weight", "latent_up.weight"))
+
+
+def test_the_reference_is_the_per_token_loop():
+    """reference_moe_forward at the defaults is the per-token loop above, which the fast path matches too."""
+    moe = make_moe().eval()
+    with torch.no_grad():
+        moe.expert_bias.copy_(torch.linspace(-0.3, 0.3, N_EXP))
+    x = torch.randn(2, 7, D)
+    torch.testing.assert_close(reference_moe_forward(moe, x), per_token_reference(moe, x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("activation", ["situ", "swiglu"])
+def test_latent_moe_gradcheck_float64(activation):
+    """Finite differences through the whole latent MoE (eval: a fixed bias; small steps flip no top-k choice)."""
+    moe = make_k3_moe(activation, latent_dim=5)
+    x = torch.randn(1, 4, D, dtype=torch.float64, generator=torch.Generator().manual_seed(7), requires_grad=True)
+    assert torch.autograd.gradcheck(moe, (x,))
+
+
+def test_latent_moe_parameters():
+    """latent_down [r, d], latent_norm [r] and latent_up [d, r]; the routed experts at width r; the router and the
+    shared experts at d. Without latent_dim none of the three exists."""
+    moe = make_k3_moe(latent_dim=6, dtype=torch.float32)
+    shapes = {n: tuple(p.shape) for n, p in moe.state_dict().items()}
+    assert shapes["latent_down.weight"] == (6, D) and shapes["latent_up.weight"] == (D, 6)
+    assert shapes["latent_norm.weight"] == (6,) and moe.latent_norm.eps == 1e-6
+    assert shapes["experts.w_gate"] == (N_EXP, 12, 6) and shapes["experts.w_down"] == (N_EXP, 6, 12)
+    assert shapes["router.weight"] == (N_EXP, D) and shapes["shared.w_gate.weight"] == (12, D)
+    assert not any(n.startswith("latent") for n in make_moe().state_dict())
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="latent_dim"):
+            MoE(D, N_EXP, K, expert_ffn_dim=12, latent_dim=bad)
+    with pytest.raises(ValueError, match="activation"):
+        MoE(D, N_EXP, K, expert_ffn_dim=12, activation="gelu")
+
+
+@pytest.mark.parametrize("latent_dim", [None, 6])
+def test_router_is_fp32_under_bf16_autocast(latent_dim):
+    """Under a bf16 autocast the router's logits are fp32, bit for bit the fp32 matmul without autocast, and the
+    MoE routes on them; the experts still run in bf16."""
+    moe = make_k3_moe(latent_dim=latent_dim, dtype=torch.float32)
+    x = torch.randn(2, 9, D)
+    seen = []
+    route = moe.route
+    with mock.patch.object(moe, "route", side_effect=lambda logits: seen.append(logits) or route(logits)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = moe.router_logits(x.reshape(-1, D))
+            out = moe(x)
+    assert logits.dtype == torch.float32 and torch.equal(logits, F.linear(x.reshape(-1, D), moe.router.weight))
+    assert torch.equal(seen[0], logits)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), moe(x), rtol=5e-2, atol=5e-2 * moe(x).abs().max().item())
+
+
+def test_renormalisation_survives_underflowing_scores():
+    """k chosen scores that all underflow to 0 give gate weights 0 (sum + 1e-20), not 0/0 = NaN."""
+    moe = make_moe().eval()
+    weights, _ = moe.route(torch.full((4, N_EXP), -200.0))
+    assert torch.equal(weights, torch.zeros(4, K))
+
+
+def test_quantile_balancing_balances_the_latent_moe():
+    """The bias comes from the full-width router alone: a latent MoE and a plain one with the same router weight see
+    the same biases pass after pass, bit for bit; on a fixed skewed batch every expert ends within 2% of N k / n."""
+    n_tokens = 2048
+    x = torch.randn(1, n_tokens, D, generator=torch.Generator().manual_seed(0))
+    moes = [make_k3_moe(latent_dim=r, dtype=torch.float32, balancing="quantile_balancing") for r in (6, None)]
+    with torch.no_grad():
+        for moe in moes:
+            moe.expert_bias.zero_()
+            moe.router.weight.copy_(0.3 * torch.randn(N_EXP, D, generator=torch.Generator().manual_seed(1)))
+            moe.router.weight[:, 0] += torch.linspace(-2, 2, N_EXP)  # with x's first channel, skews the loads
+        x[..., 0] = 1.0
+        for moe in moes:
+            moe.train()
+        for step in range(10):
+            biases = []
+            for moe in moes:
+                moe(x)
+                biases.append(moe.expert_bias.clone())
+            assert torch.equal(*biases)
+            if step == 0:  # the first pass, routed with a zero bias, was skewed
+                assert moes[0].diagnostics()["load_max"] > 1.5, moes[0].diagnostics()
+    _, experts = moes[0].eval().route(moes[0].router_logits(x.reshape(-1, D)))
+    load = torch.bincount(experts.reshape(-1), minlength=N_EXP)
+    m = n_tokens * K / N_EXP
+    assert (load - m).abs().max() <= 0.02 * m, load.tolist()
+
+
+@pytest.mark.parametrize("activation", ["situ", "swiglu"])
+@pytest.mark.parametrize("with_scale", [False, True])
+def test_grouped_situ_gradcheck_float64(activation, with_scale):
+    """GroupedSwiGLU with SiTU-GLU: its written backward against finite differences (experts with no rows included),
+    the inputs scaled up so that both tanh branches bend."""
+    from k3train.models.k3.moe import GroupedSwiGLU
+
+    tensors, counts = expert_inputs(torch.float64)
+    with torch.no_grad():
+        for t in tensors[1:3]:
+            t.mul_(3.0)
+    scale = [torch.rand(tensors[0].shape[0], dtype=torch.float64, requires_grad=True)] if with_scale else [None]
+    situ = (4.0, 25.0) if activation == "situ" else None
+    assert torch.autograd.gradcheck(lambda x, *w: GroupedSwiGLU.apply(x, *w[:3], counts, *w[3:], situ), tensors + scale)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_grouped_situ_equals_the_autograd_loop(autocast):
+    """SiTU experts: outputs and every gradient, the row scale's included, against plain autograd through
+    situ.situ_glu, in fp64 (to 1e-10), and in fp32 and under bf16 autocast (as the SwiGLU test above)."""
+    from k3train.models.k3.moe import GroupedSwiGLU
+
+    for dtype in [torch.float64, torch.float32] if not autocast else [torch.float32]:
+        results = []
+        for fn in (loop_experts, GroupedSwiGLU.apply):
+            tensors, counts = expert_inputs(dtype, seed=1)
+            with torch.no_grad():
+                for t in tensors[1:3]:
+                    t.mul_(3.0)
+            scale = torch.rand(tensors[0].shape[0], generator=torch.Generator().manual_seed(3)) + 0.5
+            scale = scale.to(dtype).requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = fn(*tensors, counts, scale, (4.0, 25.0))
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype))
+            results.append([out.detach().to(dtype), *(t.grad for t in tensors), scale.grad])
+            assert all(t.grad.dtype == dtype for t in [*tensors, scale])
+        for name, got, want in zip(("out", "x", "w_gate", "w_up", "w_down", "scale"), results[1], results[0]):
+            if autocast:
+                tol = dict(rtol=2e-2, atol=1e-2 * want.abs().max().item())
+            else:
+                tol = dict(rtol=1e-10, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_moe_macs_counts_the_latent_moe():
+    """flops.moe_macs against torch's FLOP counter over one forward of a latent MoE: the router at d, the two
+    latent projections (2 d r per token), k experts at width r and the shared ones at d."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from k3train.models.k3.config import KimiK3Config
+    from k3train.models.k3.flops import moe_macs
+
+    for latent_dim, n_shared in [(6, 1), (6, 0), (None, 2)]:
+        moe = MoE(D, N_EXP, K, expert_ffn_dim=12, n_shared_experts=n_shared, latent_dim=latent_dim)
+        config = KimiK3Config(
+            d_model=D,
+            n_routed_experts=N_EXP,
+            experts_per_token=K,
+            expert_ffn_dim=12,
+            n_shared_experts=n_shared,
+            expert_latent_dim=latent_dim,
+        )
+        x = torch.randn(2, 10, D)
+        with FlopCounterMode(display=False) as counter, torch.no_grad():
+            moe(x)
+        assert counter.get_total_flops() == 2 * 20 * moe_macs(config), (latent_dim, n_shared)

@@ -1,11 +1,26 @@
-"""Feed-forward blocks: a dense SwiGLU, and a sigmoid-routed MoE with a balancing bias (DeepSeek-V3 / Kimi Linear).
+"""Feed-forward blocks: a dense gated FFN, and a sigmoid-routed MoE with a balancing bias (DeepSeek-V3 / Kimi Linear
+/ Kimi K3).
 
     MoE: x [B, T, d] -> [B, T, d] = shared(x) + sum over the k chosen of n routed experts of gate_e * expert_e(x)
+    latent MoE (latent_dim = r): shared(x) + latent_up(RMSNorm_r(sum_e gate_e * expert_e(latent_down(x))))
 
-Routing (DeepSeek-V3, arXiv 2412.19437, section 2.1.2): scores s = sigmoid(router(x)) in fp32; the top-k experts are
-chosen on s + bias; the gate weights are the UNBIASED scores of the chosen k, renormalised to sum 1 and multiplied
-by routed_scaling_factor. The bias only steers the choice, so balancing never changes what a chosen expert's output
-is weighted by.
+Every FFN (the dense one, the shared and the routed experts) is w_down(act(w_gate x, w_up x)) with act either
+SwiGLU's silu(g) * u (the default) or Kimi K3's SiTU-GLU (activation="situ"; situ.py: formula, derivatives, why).
+
+Latent MoE (Kimi K3): the routed experts run at width r < d. latent_down [r, d] maps each token into the latent
+space, the k chosen experts (input and output width r) are summed there with their gate weights, the sum is
+RMS-normalised (eps: the model's norm_eps) and latent_up [d, r] maps it back; the router and the shared experts
+read the full-width x. An expert then costs 3 r ffn multiply-adds instead of 3 d ffn, for 2 d r per token more in
+the two projections (flops.py: moe_macs). Upstream, KimiK3MoE (routed_expert_down_proj / routed_expert_norm /
+routed_expert_up_proj there):
+https://github.com/NVIDIA-NeMo/Automodel/blob/00ef9ca241e8b06fb7f59eb70b1cad1cc5c357bb/nemo_automodel/components/models/kimi_k3/model.py
+
+Routing (DeepSeek-V3, arXiv 2412.19437, section 2.1.2): scores s = sigmoid(router(x)), the router's matmul and the
+sigmoid in fp32 even under a bf16 autocast (as Kimi K3's KimiK3Gate: a bf16 matmul rounds logits to ~3 digits,
+enough to reorder near-tied experts); the top-k experts are chosen on s + bias; the gate weights are the UNBIASED
+scores of the chosen k, renormalised to sum 1 (divided by their sum + 1e-20, as K3 does, so that k scores that
+all underflow to 0 give weights 0, not NaN) and multiplied by routed_scaling_factor. The bias only steers the
+choice, so balancing never changes what a chosen expert's output is weighted by.
 
 The bias `expert_bias` [n] is a persistent buffer (it travels in state_dict) and changes only in training-mode
 forward passes:
@@ -58,29 +73,67 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from k3train.models.k3.situ import SiTUGLU, check_activation, situ_glu, situ_glu_forward, situ_glu_grads
+from k3train.models.norm import RMSNorm
+
 BALANCING = ("quantile_balancing", "aux_free_bias", "none")
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); k3train supports torch >= 2.9.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class SwiGLU(nn.Module):
-    """x [..., d] -> [..., d]: w_down(silu(w_gate x) * w_up x). The dense FFN and the shared expert(s)."""
+def _situ_betas(activation: str, beta: float, linear_beta: float) -> tuple[float, float] | None:
+    """What GroupedSwiGLU takes as its activation: None for SwiGLU, (beta, linear_beta) for SiTU-GLU."""
+    return None if activation == "swiglu" else (float(beta), float(linear_beta))
 
-    def __init__(self, d_model: int, ffn_dim: int) -> None:
+
+class SwiGLU(nn.Module):
+    """x [..., d] -> [..., d]: w_down(act(w_gate x, w_up x)), act = silu(g) * u (activation="swiglu", the default)
+    or SiTU-GLU (activation="situ": situ.py, computed in fp32, cast back to the projections' dtype). The dense FFN
+    and the shared expert(s)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        ffn_dim: int,
+        activation: str = "swiglu",
+        situ_beta: float = 4.0,
+        situ_linear_beta: float = 25.0,
+    ) -> None:
         super().__init__()
+        check_activation(activation, situ_beta, situ_linear_beta)
+        self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
         self.w_gate = nn.Linear(d_model, ffn_dim, bias=False)
         self.w_up = nn.Linear(d_model, ffn_dim, bias=False)
         self.w_down = nn.Linear(ffn_dim, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        if self.activation == "swiglu":
+            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        return self.w_down(SiTUGLU.apply(self.w_gate(x), self.w_up(x), self.situ_beta, self.situ_linear_beta))
+
+    def extra_repr(self) -> str:  # SwiGLU's repr as before; SiTU-GLU says so
+        if self.activation == "swiglu":
+            return ""
+        return f"activation=situ, situ_beta={self.situ_beta}, situ_linear_beta={self.situ_linear_beta}"
 
 
 class RoutedExperts(nn.Module):
-    """E SwiGLU experts as stacked weights [E, out, in] (Muon treats each expert as its own matrix)."""
+    """E gated experts (SwiGLU or SiTU-GLU, as SwiGLU's `activation`) as stacked weights [E, out, in] (Muon treats
+    each expert as its own matrix). d_model is the experts' input and output width: the latent width r in a latent
+    MoE."""
 
-    def __init__(self, n_experts: int, d_model: int, ffn_dim: int) -> None:
+    def __init__(
+        self,
+        n_experts: int,
+        d_model: int,
+        ffn_dim: int,
+        activation: str = "swiglu",
+        situ_beta: float = 4.0,
+        situ_linear_beta: float = 25.0,
+    ) -> None:
         super().__init__()
+        check_activation(activation, situ_beta, situ_linear_beta)
+        self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
         self.w_gate = nn.Parameter(torch.empty(n_experts, ffn_dim, d_model))
         self.w_up = nn.Parameter(torch.empty(n_experts, ffn_dim, d_model))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, ffn_dim))
@@ -90,13 +143,23 @@ class RoutedExperts(nn.Module):
     def forward(self, x_sorted: torch.Tensor, counts: list[int], row_scale: torch.Tensor | None = None) -> torch.Tensor:
         """x_sorted [S, d]: token slots grouped by expert, counts[e] rows for expert e -> [S, d], each row times
         row_scale [S] when given (the slots' gate weights)."""
-        return GroupedSwiGLU.apply(x_sorted, self.w_gate, self.w_up, self.w_down, counts, row_scale)
+        situ = _situ_betas(self.activation, self.situ_beta, self.situ_linear_beta)
+        return GroupedSwiGLU.apply(x_sorted, self.w_gate, self.w_up, self.w_down, counts, row_scale, situ)
+
+    def extra_repr(self) -> str:  # SwiGLU's repr as before; SiTU-GLU says so
+        if self.activation == "swiglu":
+            return ""
+        return f"activation=situ, situ_beta={self.situ_beta}, situ_linear_beta={self.situ_linear_beta}"
 
 
 class GroupedSwiGLU(torch.autograd.Function):
-    """Expert e's SwiGLU, w_down[e](silu(w_gate[e] x) * w_up[e] x), on its contiguous rows of x, for every e; with
+    """Expert e's gated FFN, w_down[e](act(w_gate[e] x, w_up[e] x)), on its contiguous rows of x, for every e; with
     row_scale [S], each row's output times its scale (applied to the [S, ffn] hidden before w_down: the same product,
-    but a pass over rows ffn wide instead of d wide, forward and backward).
+    but a pass over rows ffn wide instead of d wide, forward and backward). act: silu(g) * u when `situ` is None
+    (SwiGLU), SiTU-GLU with situ = (beta, linear_beta) otherwise (situ.py: computed in fp32, cast back to the
+    matmuls' dtype; its analytic derivative in the backward, from the saved gate and up). The gate weight scales
+    the hidden for both; K3's own code applies it to the expert's output after w_down, the same product in exact
+    arithmetic, rounded in a different place under bf16.
 
     x [S, d] grouped by expert, counts[e] rows for expert e (summing to S), w_gate / w_up [E, ffn, d], w_down
     [E, d, ffn] -> [S, d]. The same matmuls autograd would run through `w.unbind(0)` and a loop, with a hand-written
@@ -107,7 +170,7 @@ class GroupedSwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, counts: list[int], row_scale=None):
+    def forward(ctx, x, w_gate, w_up, w_down, counts: list[int], row_scale=None, situ=None):
         if sum(counts) != x.shape[0]:
             raise ValueError(f"expert row counts sum to {sum(counts)}, but x has {x.shape[0]} rows")
         device = x.device.type
@@ -120,12 +183,15 @@ class GroupedSwiGLU(torch.autograd.Function):
             for e, rows in _expert_rows(counts):
                 torch.mm(xs[rows], wg[e].T, out=gate[rows])
                 torch.mm(xs[rows], wu[e].T, out=up[rows])
-                hidden = F.silu(gate[rows]) * up[rows]
+                if situ is None:
+                    hidden = F.silu(gate[rows]) * up[rows]
+                else:
+                    hidden = situ_glu_forward(gate[rows], up[rows], *situ)
                 if scale is not None:
                     hidden *= scale[rows]
                 torch.mm(hidden, wd[e].T, out=out[rows])
         ctx.save_for_backward(xs, wg, wu, wd, gate, up, scale)
-        ctx.counts = counts
+        ctx.counts, ctx.situ = counts, situ
         ctx.dtypes = (x.dtype, w_gate.dtype, w_up.dtype, w_down.dtype, None if row_scale is None else row_scale.dtype)
         return out
 
@@ -142,22 +208,28 @@ class GroupedSwiGLU(torch.autograd.Function):
                 grad_wg[e], grad_wu[e], grad_wd[e] = 0, 0, 0
             for e, rows in _expert_rows(ctx.counts):
                 g, a, b = grad_out[rows], gate[rows], up[rows]
-                act = F.silu(a)
-                hidden = act * b
+                if ctx.situ is None:
+                    act = F.silu(a)
+                    hidden = act * b
+                else:
+                    hidden = situ_glu_forward(a, b, *ctx.situ)  # recomputed: the forward saved only gate and up
                 grad_h = g @ wd[e]  # d/d(hidden * scale)
                 if scale is not None:
                     torch.sum(grad_h * hidden, dim=-1, keepdim=True, out=grad_scale[rows])
                     hidden *= scale[rows]
                     grad_h *= scale[rows]
                 torch.mm(g.T, hidden, out=grad_wd[e])
-                grad_a = torch.ops.aten.silu_backward(grad_h * b, a)  # the kernel autograd's silu would use
-                grad_b = grad_h * act
+                if ctx.situ is None:
+                    grad_a = torch.ops.aten.silu_backward(grad_h * b, a)  # the kernel autograd's silu would use
+                    grad_b = grad_h * act
+                else:
+                    grad_a, grad_b = situ_glu_grads(grad_h, a, b, *ctx.situ)  # fp32 inside, in a's dtype out
                 torch.mm(grad_a.T, xs[rows], out=grad_wg[e])
                 torch.mm(grad_b.T, xs[rows], out=grad_wu[e])
                 torch.addmm(grad_a @ wg[e], grad_b, wu[e], out=grad_x[rows])
         x_dtype, *w_dtypes, scale_dtype = ctx.dtypes
         grads = (grad_x.to(x_dtype), *(g.to(dt) for g, dt in zip((grad_wg, grad_wu, grad_wd), w_dtypes)))
-        return (*grads, None, None if grad_scale is None else grad_scale[:, 0].to(scale_dtype))
+        return (*grads, None, None if grad_scale is None else grad_scale[:, 0].to(scale_dtype), None)
 
 
 def _expert_rows(counts: list[int]):
@@ -170,7 +242,12 @@ def _expert_rows(counts: list[int]):
 
 
 class MoE(nn.Module):
-    """x [B, T, d] -> [B, T, d]: shared expert(s) plus k of n routed experts per token."""
+    """x [B, T, d] -> [B, T, d]: shared expert(s) plus k of n routed experts per token.
+
+    activation / situ_beta / situ_linear_beta: every expert's FFN, shared and routed (SwiGLU's arguments).
+    latent_dim: None, the routed experts at width d (Kimi Linear); r, a latent MoE (module docstring), with
+    `latent_down` (Linear d -> r), `latent_norm` (RMSNorm over r, eps norm_eps) and `latent_up` (Linear r -> d).
+    """
 
     def __init__(
         self,
@@ -182,8 +259,16 @@ class MoE(nn.Module):
         routed_scaling_factor: float = 1.0,
         balancing: str = "quantile_balancing",
         aux_free_bias_rate: float = 1e-3,
+        activation: str = "swiglu",
+        situ_beta: float = 4.0,
+        situ_linear_beta: float = 25.0,
+        latent_dim: int | None = None,
+        norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
+        check_activation(activation, situ_beta, situ_linear_beta)
+        if latent_dim is not None and not (isinstance(latent_dim, int) and latent_dim > 0):
+            raise ValueError(f"latent_dim={latent_dim!r} must be a positive integer (or None: experts at d_model)")
         if balancing not in BALANCING:
             raise ValueError(f"balancing={balancing!r} must be one of {BALANCING}")
         if not 0 < experts_per_token < n_routed_experts:
@@ -192,9 +277,16 @@ class MoE(nn.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.balancing, self.aux_free_bias_rate = balancing, aux_free_bias_rate
 
+        act = dict(activation=activation, situ_beta=situ_beta, situ_linear_beta=situ_linear_beta)
+        self.latent_dim = latent_dim
         self.router = nn.Linear(d_model, n_routed_experts, bias=False)  # weight [n, d]
-        self.experts = RoutedExperts(n_routed_experts, d_model, expert_ffn_dim)
-        self.shared = SwiGLU(d_model, n_shared_experts * expert_ffn_dim) if n_shared_experts > 0 else None
+        expert_dim = d_model if latent_dim is None else latent_dim
+        self.experts = RoutedExperts(n_routed_experts, expert_dim, expert_ffn_dim, **act)
+        self.shared = SwiGLU(d_model, n_shared_experts * expert_ffn_dim, **act) if n_shared_experts > 0 else None
+        # Built after the router, experts and shared experts, so that without them the RNG draws are today's.
+        self.latent_down = nn.Linear(d_model, latent_dim, bias=False) if latent_dim is not None else None
+        self.latent_norm = RMSNorm(latent_dim, eps=norm_eps) if latent_dim is not None else None
+        self.latent_up = nn.Linear(latent_dim, d_model, bias=False) if latent_dim is not None else None
         self.register_buffer("expert_bias", torch.zeros(n_routed_experts))  # persistent: in state_dict
         # Diagnostics of the last training-mode pass: tokens per expert [n]. Not state: not in state_dict.
         self.last_load: torch.Tensor | None = None
@@ -204,24 +296,40 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
         x_flat = x.reshape(B * T, d)
-        weights, experts = self.route(self.router(x_flat))  # [N, k], [N, k]
-        out = self.dispatch(x_flat, weights, experts)
+        weights, experts = self.route(self.router_logits(x_flat))  # [N, k], [N, k]
+        if self.latent_dim is None:
+            out = self.dispatch(x_flat, weights, experts)
+        else:
+            y = self.dispatch(self.latent_down(x_flat), weights, experts)  # [N, r], in the matmuls' dtype
+            # normalised in the norm weight's dtype (fp32 under autocast: the variance of a bf16 sum in fp32, and
+            # nn.RMSNorm's fused kernels want input and weight alike), then latent_up back in the autocast dtype
+            out = self.latent_up(self.latent_norm(y.to(self.latent_norm.weight.dtype)))
         if self.shared is not None:
             out = out + self.shared(x_flat)
         return out.view(B, T, d)
 
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, d] -> router logits [N, n] in fp32 (float64 for float64 x), whatever autocast is on: the router
+        matmul is K3's one fp32 matmul of the FFN (module docstring). Without autocast and in fp32 it is exactly
+        self.router(x)."""
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.to(dtype), self.router.weight.to(dtype))
+
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [N, n] -> gate weights [N, k] fp32 and chosen experts [N, k]; in training, updates the bias."""
-        scores = torch.sigmoid(logits.float())
+        """logits [N, n] -> gate weights [N, k] fp32 (float64 for float64 logits) and chosen experts [N, k]; in
+        training, updates the bias."""
+        scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
         experts = torch.topk(scores + self.expert_bias, self.k, dim=-1).indices  # the bias only steers the choice
         weights = scores.gather(-1, experts)
-        weights = weights / weights.sum(dim=-1, keepdim=True) * self.routed_scaling_factor
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.routed_scaling_factor
         if self.training:
             self._after_training_route(scores.detach(), experts)
         return weights, experts
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [N, d], weights/experts [N, k] -> sum_j weights[:, j] * expert_{experts[:, j]}(x)  [N, d].
+        """x [N, w], weights/experts [N, k] -> sum_j weights[:, j] * expert_{experts[:, j]}(x)  [N, w] (w: d, or
+        the latent width r, which x is then already in).
 
         The N*k token slots are sorted by expert so that each expert runs once on a contiguous slice.
         """
@@ -273,6 +381,46 @@ class MoE(nn.Module):
             "bias_range": (self.expert_bias.max() - self.expert_bias.min()).item(),
             "routing_entropy": entropy.item(),
         }
+
+
+def reference_moe_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """MoE.forward, readable and slow: x [B, T, d] -> [B, T, d] through plain autograd, one routed expert at a time
+    over the tokens that chose it, SiTU-GLU through situ.situ_glu. The ground truth the tests hold the fast path
+    (sorted dispatch, GroupedSwiGLU's written backward, the RMSNorm function) to. It routes with the current bias
+    and never changes it or the diagnostics, as an eval pass; it computes in x's dtype (the router in fp32 or
+    wider), with no autocast of its own."""
+    B, T, d = x.shape
+    x_flat = x.reshape(B * T, d)
+    router_dtype = torch.promote_types(x.dtype, torch.float32)
+    scores = torch.sigmoid(x_flat.to(router_dtype) @ moe.router.weight.to(router_dtype).T)  # [N, n]
+    chosen = torch.topk(scores + moe.expert_bias, moe.k, dim=-1).indices  # [N, k]
+    weights = scores.gather(-1, chosen)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * moe.routed_scaling_factor
+
+    h = x_flat if moe.latent_dim is None else x_flat @ moe.latent_down.weight.T  # [N, w]
+    ex = moe.experts
+    y = torch.zeros_like(h)
+    for e in range(moe.n_experts):
+        token, slot = (chosen == e).nonzero(as_tuple=True)  # the tokens that chose e, and in which of their k slots
+        if token.numel() == 0:
+            continue
+        out = _reference_ffn(h[token], ex.w_gate[e], ex.w_up[e], ex.w_down[e], ex)
+        y = y.index_add(0, token, out * weights[token, slot, None].to(h.dtype))
+    if moe.latent_dim is not None:
+        norm = moe.latent_norm
+        y = y * torch.rsqrt(y.square().mean(-1, keepdim=True) + norm.eps) * norm.weight
+        y = y @ moe.latent_up.weight.T
+    if moe.shared is not None:
+        sh = moe.shared
+        y = y + _reference_ffn(x_flat, sh.w_gate.weight, sh.w_up.weight, sh.w_down.weight, sh)
+    return y.view(B, T, d)
+
+
+def _reference_ffn(x, w_gate, w_up, w_down, ffn: SwiGLU | RoutedExperts) -> torch.Tensor:
+    """x [N, d], w_gate / w_up [f, d], w_down [d, f] -> [N, d]: w_down act(w_gate x, w_up x), act ffn's."""
+    g, u = x @ w_gate.T, x @ w_up.T
+    hidden = F.silu(g) * u if ffn.activation == "swiglu" else situ_glu(g, u, ffn.situ_beta, ffn.situ_linear_beta)
+    return hidden @ w_down.T
 
 
 def required_bias(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
