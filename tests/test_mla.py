@@ -1,19 +1,23 @@
 """MLA: shapes, causality, query compression and rotary on/off, against a naive explicit-softmax reference;
-gradients checked in float64 against finite differences and against the reference's."""
+gradients checked in float64 against finite differences and against the reference's. Kimi K3's output gate and
+latent-norm epsilon: against a reference built by hand, through cached decoding and QK-Clip, and off = as before."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from k3train.models.k3.config import KimiK3Config
+from k3train.models.k3.flops import mla_macs
 from k3train.models.k3.mla import MultiHeadLatentAttention, RotaryEmbedding, causal_attention
+from k3train.optim.param_groups import partition_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 D, H, T = 32, 4, 12
 
 
-def make_mla(q_lora_rank=None, rope=False, seed=0) -> MultiHeadLatentAttention:
+def make_mla(q_lora_rank=None, rope=False, seed=0, **kw) -> MultiHeadLatentAttention:
     torch.manual_seed(seed)
     return MultiHeadLatentAttention(
         D,
@@ -25,6 +29,7 @@ def make_mla(q_lora_rank=None, rope=False, seed=0) -> MultiHeadLatentAttention:
         q_lora_rank=q_lora_rank,
         rope=rope,
         max_seq_len=64,
+        **kw,
     )
 
 
@@ -58,8 +63,10 @@ def naive_mla(m: MultiHeadLatentAttention, x: torch.Tensor) -> torch.Tensor:
     T = x.shape[1]
     logits = (q @ k.transpose(-1, -2)) * (m.dn + m.dr) ** -0.5
     logits = logits.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
-    o = logits.softmax(-1) @ v  # [B, H, T, dv]
-    return o.transpose(1, 2).reshape(x.shape[0], T, -1) @ m.o_proj.weight.T
+    o = (logits.softmax(-1) @ v).transpose(1, 2).reshape(x.shape[0], T, -1)  # [B, T, H*dv]
+    if m.g_proj is not None:
+        o = o * torch.sigmoid(x @ m.g_proj.weight.T)
+    return o @ m.o_proj.weight.T
 
 
 @pytest.mark.parametrize("q_lora_rank", [None, 8])
@@ -128,9 +135,16 @@ def test_head_split_annotations():
         assert m.kv_b_proj.weight.head_split == (H, 0) and m.kv_b_proj.weight.shape[0] == H * (m.dn + m.dv)
         assert m.o_proj.weight.head_split == (H, 1) and m.o_proj.weight.shape[1] == H * m.dv
         assert not hasattr(m.kv_a_proj.weight, "head_split")  # shared across heads
+        assert m.g_proj is None
+    gated = make_mla(output_gate=True)
+    assert gated.g_proj.weight.head_split == (H, 0) and gated.g_proj.weight.shape == (H * gated.dv, D)
+    assert gated.g_proj.bias is None
+    # Muon sees g_proj as H per-head matrices, like the other per-head attention projections (not as a KDA gate).
+    by_name = {a.name: a for a in partition_parameters(gated)}
+    assert by_name["g_proj.weight"].group == "muon_attention" and by_name["g_proj.weight"].head_split == (H, 0)
 
 
-def tiny_mla(q_lora_rank, rope, track_max_logit) -> MultiHeadLatentAttention:
+def tiny_mla(q_lora_rank, rope, track_max_logit, output_gate=False) -> MultiHeadLatentAttention:
     """float64 and a few hundred numbers in all, so finite differences over every input and weight stay cheap."""
     torch.manual_seed(0)
     m = MultiHeadLatentAttention(
@@ -143,6 +157,7 @@ def tiny_mla(q_lora_rank, rope, track_max_logit) -> MultiHeadLatentAttention:
         q_lora_rank=q_lora_rank,
         rope=rope,
         max_seq_len=8,
+        output_gate=output_gate,
     ).double()
     m.track_max_logit = track_max_logit
     for norm in (m.kv_a_norm, getattr(m, "q_a_norm", None)):
@@ -151,14 +166,22 @@ def tiny_mla(q_lora_rank, rope, track_max_logit) -> MultiHeadLatentAttention:
     return m
 
 
-# Every pair of (query compression, rotary, max-logit tracking) settings occurs in one of these four cases.
-GRAD_CASES = [(None, False, False), (None, True, True), (3, False, True), (3, True, False)]
-GRAD_IDS = [f"q_lora={q}-rope={rope}-track={track}" for q, rope, track in GRAD_CASES]
+# Every pair of (query compression, rotary, max-logit tracking) settings occurs in one of the first four cases
+# (ungated); the gated two cover each setting of the other three once more.
+GRAD_CASES = [
+    (None, False, False, False),
+    (None, True, True, False),
+    (3, False, True, False),
+    (3, True, False, False),
+    (None, True, False, True),
+    (3, False, True, True),
+]
+GRAD_IDS = [f"q_lora={q}-rope={rope}-track={track}" + ("-gated" if gate else "") for q, rope, track, gate in GRAD_CASES]
 
 
-@pytest.mark.parametrize("q_lora_rank, rope, track_max_logit", GRAD_CASES, ids=GRAD_IDS)
-def test_gradcheck_float64(q_lora_rank, rope, track_max_logit):
-    m = tiny_mla(q_lora_rank, rope, track_max_logit)
+@pytest.mark.parametrize("q_lora_rank, rope, track_max_logit, output_gate", GRAD_CASES, ids=GRAD_IDS)
+def test_gradcheck_float64(q_lora_rank, rope, track_max_logit, output_gate):
+    m = tiny_mla(q_lora_rank, rope, track_max_logit, output_gate)
     names = [name for name, _ in m.named_parameters()]
     weights = [p.detach().clone().requires_grad_() for p in m.parameters()]
     x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True)
@@ -170,10 +193,10 @@ def test_gradcheck_float64(q_lora_rank, rope, track_max_logit):
     assert (m.max_logit is not None) == track_max_logit  # the tracked passes were really checked
 
 
-@pytest.mark.parametrize("q_lora_rank, rope, track_max_logit", GRAD_CASES, ids=GRAD_IDS)
-def test_gradients_match_naive_reference_float64(q_lora_rank, rope, track_max_logit):
+@pytest.mark.parametrize("q_lora_rank, rope, track_max_logit, output_gate", GRAD_CASES, ids=GRAD_IDS)
+def test_gradients_match_naive_reference_float64(q_lora_rank, rope, track_max_logit, output_gate):
     """As test_kda.py does for chunk vs recurrent: one random upstream gradient through both, every gradient."""
-    m = tiny_mla(q_lora_rank, rope, track_max_logit)
+    m = tiny_mla(q_lora_rank, rope, track_max_logit, output_gate)
     x = torch.randn(2, 6, 8, dtype=torch.float64, requires_grad=True)
     upstream = torch.randn(2, 6, 8, dtype=torch.float64)
     grads = {}
@@ -203,3 +226,120 @@ def test_causal_attention_takes_the_fused_cpu_kernel_and_matches_explicit_softma
         "aten::_scaled_dot_product_flash_attention_for_cpu" in ops
         and "aten::_scaled_dot_product_attention_math" not in ops
     ), sorted(ops)
+
+
+# Kimi K3: the output gate and the latent norms' epsilon.
+UNGATED_KEYS = {"kv_a_proj.weight", "kv_a_norm.weight", "kv_b_proj.weight", "o_proj.weight"}
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 8])
+@pytest.mark.parametrize("rope", [False, True])
+def test_gate_off_is_the_ungated_layer(q_lora_rank, rope):
+    """output_gate=False (the default) adds nothing: the same parameters, drawn from the same random numbers, and
+    bitwise the same output; turning the gate on only adds g_proj, drawn after everything else."""
+    query_keys = {"q_proj.weight"} if q_lora_rank is None else {"q_a_proj.weight", "q_a_norm.weight", "q_b_proj.weight"}
+    default = make_mla(q_lora_rank, rope)
+    off = make_mla(q_lora_rank, rope, output_gate=False, latent_norm_eps=None)
+    on = make_mla(q_lora_rank, rope, output_gate=True)
+    assert default.state_dict().keys() == off.state_dict().keys() == UNGATED_KEYS | query_keys
+    assert on.state_dict().keys() == UNGATED_KEYS | query_keys | {"g_proj.weight"}
+    for name, p in default.state_dict().items():
+        assert torch.equal(p, off.state_dict()[name]) and torch.equal(p, on.state_dict()[name]), name
+    x = torch.randn(2, T, D)
+    assert torch.equal(default(x), off(x))
+    assert not torch.allclose(on(x), default(x))
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 8])
+@pytest.mark.parametrize("rope", [False, True])
+def test_gated_output_is_ungated_attention_times_sigmoid_gate_float64(q_lora_rank, rope):
+    """The gated layer = o_proj(a * sigmoid(x W_g^T)), with a the ungated layer's attention output (what its o_proj
+    receives) for the same weights: built by hand from the ungated module."""
+    gated = make_mla(q_lora_rank, rope, output_gate=True).double()
+    ungated = make_mla(q_lora_rank, rope).double()
+    ungated.load_state_dict({k: v for k, v in gated.state_dict().items() if k != "g_proj.weight"})
+    seen = []
+    ungated.o_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    x = torch.randn(2, T, D, dtype=torch.float64)
+    ungated(x)
+    attention = seen[0]  # [B, T, H*dv]
+    assert attention.shape == (2, T, H * gated.dv)
+    expected = (attention * torch.sigmoid(x @ gated.g_proj.weight.T)) @ gated.o_proj.weight.T
+    torch.testing.assert_close(gated(x), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gated(x), naive_mla(gated, x), rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 8])
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("output_gate", [False, True])
+def test_cached_decoding_matches_full_forward_float64(q_lora_rank, rope, output_gate):
+    """The prompt in one forward_cached call, then one token at a time: the absorbed latent path (with the gate
+    applied per new token) gives the full forward's output."""
+    m = make_mla(q_lora_rank, rope, output_gate=output_gate).double().eval()
+    x = torch.randn(2, T, D, dtype=torch.float64)
+    prefill = 5
+    with torch.no_grad():
+        full = m(x)
+        cache = m.empty_cache(2, T, x.device, x.dtype)
+        steps = [m.forward_cached(x[:, :prefill], cache)]
+        steps += [m.forward_cached(x[:, t : t + 1], cache) for t in range(prefill, T)]
+    assert cache.length == T
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-10)
+
+
+def norm_eps_of(m: MultiHeadLatentAttention) -> dict[str, float]:
+    """Every submodule with an epsilon (a norm), by name."""
+    return {name: module.eps for name, module in m.named_modules() if hasattr(module, "eps")}
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 8])
+def test_latent_norm_eps_reaches_the_latent_norms_only(q_lora_rank):
+    latent_norms = {"kv_a_norm"} | ({"q_a_norm"} if q_lora_rank is not None else set())
+    k3 = make_mla(q_lora_rank, norm_eps=1e-5, latent_norm_eps=1e-6, output_gate=True)
+    assert norm_eps_of(k3) == dict.fromkeys(latent_norms, 1e-6)
+    assert norm_eps_of(make_mla(q_lora_rank, norm_eps=1e-5)) == dict.fromkeys(latent_norms, 1e-5)  # None: norm_eps
+    # and it is the epsilon the forward uses: the same output as the layer built with norm_eps=1e-6, bitwise
+    x = torch.randn(2, T, D) * 1e-3  # small latents, so that eps matters
+    plain = make_mla(q_lora_rank, norm_eps=1e-6, output_gate=True)
+    assert torch.equal(k3(x), plain(x))
+    assert not torch.allclose(make_mla(q_lora_rank, norm_eps=1e-6, latent_norm_eps=1e-2)(x), make_mla(q_lora_rank)(x))
+
+
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("q_lora_rank", [None, 8])
+def test_qk_clip_scales_the_gated_layer_logits_by_gamma(q_lora_rank, rope):
+    """scale_qk_heads_(gamma) scales head h's logits (every causal pair) by gamma[h] with the gate on, exactly as
+    for the ungated layer with the same weights, and leaves g_proj alone; the tracked max logit follows."""
+    gated = make_mla(q_lora_rank, rope, seed=2, output_gate=True).double()
+    ungated = make_mla(q_lora_rank, rope, seed=2).double()
+    ungated.load_state_dict({k: v for k, v in gated.state_dict().items() if k != "g_proj.weight"})
+    x = torch.randn(2, T, D, dtype=torch.float64) * 3
+
+    def logits(m):
+        q, k, _ = naive_qkv(m, x)
+        return (q @ k.transpose(-1, -2)) * m.scale  # [B, H, T, T]
+
+    before = logits(gated)
+    gated.track_max_logit = True
+    gated(x)
+    max_before = gated.max_logit.clone()
+    gate_weight = gated.g_proj.weight.clone()
+    gamma = torch.tensor([0.25, 1.0, 0.5625, 0.140625])  # squares of 1/2, 1, 3/4, 3/8: exact fp32 square roots
+    gated.scale_qk_heads_(gamma)
+    ungated.scale_qk_heads_(gamma)
+    after = logits(gated)
+    torch.testing.assert_close(after, before * gamma.double()[None, :, None, None], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(after, logits(ungated), rtol=0, atol=0)
+    assert torch.equal(gated.g_proj.weight, gate_weight)
+    gated.max_logit = None
+    gated(x)
+    torch.testing.assert_close(gated.max_logit, max_before * gamma, rtol=1e-6, atol=1e-6)
+
+
+def test_mla_macs_count_the_gate():
+    """The gate costs d_model * n_heads * v_head_dim multiply-adds per token: g_proj's weight, once per token."""
+    fields = dict(d_model=64, mla_n_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    ungated, gated = KimiK3Config(**fields), KimiK3Config(**fields, mla_output_gate=True)
+    m = MultiHeadLatentAttention(64, 4, 16, 8, 4, 6, output_gate=True)
+    for seq_len in (1, 256):
+        assert mla_macs(gated, seq_len) - mla_macs(ungated, seq_len) == m.g_proj.weight.numel() == 64 * 4 * 6

@@ -9,6 +9,14 @@ QK-Clip support (Kimi K2, arXiv 2507.20534): with `track_max_logit = True` every
 also measures the per-head max scaled causal logit and folds it into `max_logit` (a running max, so all
 micro-batches of an accumulated update count) until k3train.optim.qk_clip.qk_clip_ reads and clears it.
 Eval-mode passes never touch it. `scale_qk_heads_` rescales chosen heads' query/key rows.
+
+Kimi K3's two additions, both off by default (then the layer is Kimi Linear's, bitwise): an output gate
+(`output_gate`: the attention output [B, T, H * dv] times sigmoid(g_proj x) before o_proj, in training and in cached
+decoding alike) and a separate epsilon for the two latent norms q_a_norm and kv_a_norm (`latent_norm_eps`; K3 uses
+1e-6 there and 1e-5 elsewhere). The released K3, read at
+https://github.com/NVIDIA-NeMo/Automodel/blob/9a9b020c389454efdc58e6f39b15eedc8280dbff/nemo_automodel/components/models/kimi_k3/model.py
+(KimiMLAAttention: g_proj [H * dv, d] without bias, sigmoid, elementwise before o_proj; its latent norms keep
+their own 1e-6 default rather than rms_norm_eps).
 """
 
 from __future__ import annotations
@@ -45,6 +53,13 @@ class RotaryEmbedding(nn.Module):
 
 
 class MultiHeadLatentAttention(nn.Module):
+    """x [B, T, d_model] -> [B, T, d_model], causal MLA (module docstring).
+
+    norm_eps: epsilon of the latent norms unless latent_norm_eps is given (the layer has no other norm).
+    output_gate: add g_proj (Linear(d_model, n_heads * v_head_dim), no bias) and multiply the attention output by
+    sigmoid(g_proj x) per channel before o_proj; off, the module, its parameters and its outputs are as before.
+    """
+
     def __init__(
         self,
         d_model: int,
@@ -58,8 +73,11 @@ class MultiHeadLatentAttention(nn.Module):
         rope_theta: float = 10000.0,
         max_seq_len: int = 4096,
         norm_eps: float = 1e-6,
+        output_gate: bool = False,
+        latent_norm_eps: float | None = None,
     ) -> None:
         super().__init__()
+        latent_eps = norm_eps if latent_norm_eps is None else latent_norm_eps
         self.n_heads, self.dn, self.dr, self.dv = n_heads, qk_nope_head_dim, qk_rope_head_dim, v_head_dim
         self.kv_lora_rank = kv_lora_rank
         self.scale = (self.dn + self.dr) ** -0.5
@@ -69,12 +87,14 @@ class MultiHeadLatentAttention(nn.Module):
             self.q_proj = nn.Linear(d_model, q_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(d_model, q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(q_lora_rank, eps=norm_eps)
+            self.q_a_norm = RMSNorm(q_lora_rank, eps=latent_eps)
             self.q_b_proj = nn.Linear(q_lora_rank, q_dim, bias=False)
         self.kv_a_proj = nn.Linear(d_model, kv_lora_rank + self.dr, bias=False)  # -> [c_kv | k_rope]
-        self.kv_a_norm = RMSNorm(kv_lora_rank, eps=norm_eps)
+        self.kv_a_norm = RMSNorm(kv_lora_rank, eps=latent_eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, n_heads * (self.dn + self.dv), bias=False)  # -> per head [k_nope | v]
         self.o_proj = nn.Linear(n_heads * self.dv, d_model, bias=False)
+        # Built last, so that the other weights draw the same random numbers with the gate on or off.
+        self.g_proj = nn.Linear(d_model, n_heads * self.dv, bias=False) if output_gate else None
         self.rotary = RotaryEmbedding(self.dr, max_seq_len, rope_theta) if rope else None
 
         # Muon may orthogonalise these per head (`head_split`, docs/contracts.md): rows [H*dh, in] or columns
@@ -82,6 +102,8 @@ class MultiHeadLatentAttention(nn.Module):
         self.q_out_proj.weight.head_split = (n_heads, 0)
         self.kv_b_proj.weight.head_split = (n_heads, 0)
         self.o_proj.weight.head_split = (n_heads, 1)
+        if self.g_proj is not None:  # rows [H*dv, d]: head h's rows gate head h's output channels
+            self.g_proj.weight.head_split = (n_heads, 0)
 
         self.track_max_logit = False
         self.max_logit: torch.Tensor | None = None  # [H] fp32 running max since QK-Clip last read it
@@ -112,7 +134,16 @@ class MultiHeadLatentAttention(nn.Module):
                 step_max = causal_max_logit(q.float(), k.float(), self.scale)
             self.max_logit = step_max if self.max_logit is None else torch.maximum(self.max_logit, step_max)
         o = causal_attention(q, k, v, self.scale)  # [B, H, T, dv]
-        return self.o_proj(o.transpose(1, 2).reshape(B, T, H * dv))
+        return self._output(o.transpose(1, 2).reshape(B, T, H * dv), x)
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """o [B, T, H * dv] (heads concatenated), x [B, T, d] the layer's input -> o_proj(o), gated when on.
+
+        The gate is per token and per channel, so the full forward and cached decoding share this one step.
+        """
+        if self.g_proj is not None:
+            o = o * torch.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
 
     def _query(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "q_proj"):
@@ -128,7 +159,7 @@ class MultiHeadLatentAttention(nn.Module):
         Attention runs in the latent space: kv_b_proj's key half is absorbed into the query and its value half
         applied after the weighted sum (DeepSeek-V2, arXiv 2405.04434, section 2.1.3; DeepSeek-V3's reference MLA,
         attn_impl "absorb", cited at the top of this file), so per-head keys and values are never built for the
-        cached positions.
+        cached positions. The output gate (when on) needs only the new tokens' x, so it is applied as in forward().
         """
         B, T, _ = x.shape
         H, dn, dr, dv, r = self.n_heads, self.dn, self.dr, self.dv, self.kv_lora_rank
@@ -153,10 +184,12 @@ class MultiHeadLatentAttention(nn.Module):
         ) * self.scale  # [B, H, T, S]
         # New token t sits at position start + t and sees positions 0..start + t.
         visible = torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(diagonal=start)
-        weights = scores.masked_fill(~visible, -math.inf).softmax(dim=-1, dtype=torch.float32).to(latent.dtype)
+        # Softmax in at least fp32 (half-precision scores are upcast; fp64 stays fp64, so it matches forward()).
+        softmax_dtype = torch.promote_types(scores.dtype, torch.float32)
+        weights = scores.masked_fill(~visible, -math.inf).softmax(dim=-1, dtype=softmax_dtype).to(latent.dtype)
         o_latent = torch.einsum("bhts,bsr->bthr", weights, latent)
         o = torch.einsum("bthr,hdr->bthd", o_latent, w_kv[:, dn:])  # the value half of kv_b_proj, applied once
-        return self.o_proj(o.reshape(B, T, H * dv))
+        return self._output(o.reshape(B, T, H * dv), x)
 
     @torch.no_grad()
     def scale_qk_heads_(self, gamma: torch.Tensor) -> None:
@@ -165,6 +198,7 @@ class MultiHeadLatentAttention(nn.Module):
         Query rows of head h: the dn rows by sqrt(gamma), the dr rows by gamma; k_nope rows of kv_b_proj by
         sqrt(gamma). The shared rotary key (kv_a_proj) and V are untouched, so the rotary part of the logit
         carries the whole gamma on the query side (also for NoPE, where the dr slice is simply unrotated).
+        The output gate (g_proj) acts after the softmax and is untouched too.
         """
         H, dn, dr, dv = self.n_heads, self.dn, self.dr, self.dv
         gamma = gamma.to(device=self.kv_b_proj.weight.device, dtype=torch.float32)
