@@ -1,5 +1,5 @@
-"""RMSNorm as nn.RMSNorm computes it and L2 normalisation as F.normalize does, each with its backward written out
-for CPU training."""
+"""RMSNorm as nn.RMSNorm computes it, and L2 normalisation in two forms (F.normalize's, and FLA's kernel's, which
+KDA's q and k use), each with its backward written out for CPU training."""
 
 from __future__ import annotations
 
@@ -77,3 +77,33 @@ class L2NormFunction(torch.autograd.Function):
         # d(x / ||x||) = (grad - y (grad . y)) / ||x||: the component along y is removed
         dot = (grad * y).sum(-1, keepdim=True).mul_(unclamped)
         return torch.addcmul(grad, y, dot, value=-1).mul_(inv), None
+
+
+def l2_normalize_eps(x: Tensor, eps: float = 1e-6) -> Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dimension: FLA's l2norm kernel, the form Kimi Linear's and Kimi K3's
+    KDA normalise q and k with (eps = 1e-6 there), forward and backward written out as l2_normalize's are.
+
+    Unlike F.normalize's x / max(||x||, eps), eps is always in the denominator: outputs have norm
+    ||x|| / sqrt(||x||^2 + eps) < 1, a zero row maps to zero with gradient grad / sqrt(eps), and the gradient is
+    the exact one of the formula everywhere (no clamp). Statistics in fp32 at least; the output in x's dtype.
+    https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/modules/l2norm.py
+    """
+    return L2NormEpsFunction.apply(x, eps)
+
+
+class L2NormEpsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, eps: float) -> Tensor:
+        acc = torch.promote_types(x.dtype, torch.float32)  # bf16 rows: the sum and rstd in fp32, as FLA's kernel
+        rstd = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=acc).square_().add_(eps).rsqrt_()
+        y = (x * rstd).to(x.dtype)
+        ctx.save_for_backward(y, rstd)
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        y, rstd = ctx.saved_tensors
+        # y = x rstd with rstd = (sum x^2 + eps)^(-1/2): dx = rstd (grad - y (grad . y)), eps already inside rstd
+        dot = (grad * y).sum(-1, keepdim=True, dtype=rstd.dtype)
+        return torch.addcmul(grad, y, dot, value=-1).mul_(rstd).to(grad.dtype), None

@@ -1,6 +1,9 @@
 """The Kimi Delta Attention layer (Kimi Linear, arXiv 2510.26692; FLA's layer): [B, T, d] -> [B, T, d].
 
 https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/layers/kda.py
+Kimi K3's form of it (a full-rank output gate without bias, the sigmoid gate's lower bound from the config, FLA's
+in-kernel q/k L2 norm) as NeMo AutoModel implements the released model:
+https://github.com/NVIDIA-NeMo/Automodel/blob/00ef9ca241e8b06fb7f59eb70b1cad1cc5c357bb/nemo_automodel/components/models/kimi_k3/model.py
 """
 
 from __future__ import annotations
@@ -17,23 +20,30 @@ from k3train.models.kda.chunk import chunk_kda
 from k3train.models.kda.fla import fla_chunk_kda, fla_fused_recurrent_kda, require_fla
 from k3train.models.kda.naive import naive_recurrent_kda
 from k3train.models.kda.state import KDAState
-from k3train.models.norm import RMSNorm, l2_normalize
+from k3train.models.norm import RMSNorm, l2_normalize_eps
 
 IMPLEMENTATIONS = ("chunk", "recurrent", "fla")
 GATES = ("softplus", "sigmoid")
-# The sigmoid ("safe") gate's largest per-step log decay: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)),
-# FLA's `lower_bound`: https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/ops/kda/gate.py
+OUTPUT_GATES = ("low_rank", "full_rank")
+# The sigmoid ("safe") gate's default lower bound: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) lies in
+# (lower_bound, 0), FLA's `lower_bound` (its default too); the layer's `gate_lower_bound` sets it:
+# https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/ops/kda/gate.py
 SIGMOID_GATE_LOWER_BOUND = -5.0
 
 
 class KimiDeltaAttention(nn.Module):
     """Delta-rule linear attention with per-channel forget gates, for the KDA layers of the hybrid.
 
-    q, k, v: Linear -> depthwise causal conv -> SiLU; q, k L2-normalised per head. Forget gate g [B, T, HV, K]
-    (log decay <= 0) from a low-rank projection; beta = sigmoid(b_proj x). The recurrence runs in `implementation`
-    ("chunk": pure PyTorch, the CPU default; "recurrent": the per-step reference; "fla": FLA's Triton kernel).
-    Output: per-head RMSNorm times a low-rank sigmoid gate, then o_proj. n_value_heads > n_heads gives grouped
-    value attention (each q/k head serves n_value_heads // n_heads value heads); V = K = head_dim.
+    q, k, v: Linear -> depthwise causal conv -> SiLU; q, k L2-normalised per head as FLA's kernel does it,
+    x / sqrt(sum x^2 + qk_norm_eps) (l2_normalize_eps). Forget gate g [B, T, HV, K] (log decay <= 0) from a
+    low-rank projection: -exp(A_log) softplus(f + dt_bias), or with gate="sigmoid" gate_lower_bound *
+    sigmoid(exp(A_log) (f + dt_bias)) in (gate_lower_bound, 0); beta = sigmoid(b_proj x). The recurrence runs in
+    `implementation` ("chunk": pure PyTorch, the CPU default; "recurrent": the per-step reference; "fla": FLA's
+    Triton kernel, given the same normalised q, k and the same g). Output: per-head RMSNorm times sigmoid(gate
+    logits), then o_proj; the logits from output_gate="low_rank" (Kimi Linear: g_b_proj(g_a_proj x), rank
+    head_dim, g_b_proj with a bias) or "full_rank" (Kimi K3: g_proj x, [d_model -> HV K], no bias, split per
+    value head for Muon as v_proj is). n_value_heads > n_heads gives grouped value attention (each q/k head
+    serves n_value_heads // n_heads value heads); V = K = head_dim.
     """
 
     def __init__(
@@ -47,6 +57,9 @@ class KimiDeltaAttention(nn.Module):
         gate: str = "softplus",
         norm_eps: float = 1e-6,
         n_value_heads: int | None = None,
+        output_gate: str = "low_rank",
+        gate_lower_bound: float = SIGMOID_GATE_LOWER_BOUND,
+        qk_norm_eps: float = 1e-6,
     ) -> None:
         super().__init__()
         n_value_heads = n_heads if n_value_heads is None else n_value_heads
@@ -54,6 +67,12 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"KDA implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
         if gate not in GATES:
             raise ValueError(f"KDA gate must be one of {GATES}; got {gate!r}")
+        if output_gate not in OUTPUT_GATES:
+            raise ValueError(f"KDA output_gate must be one of {OUTPUT_GATES}; got {output_gate!r}")
+        if not gate_lower_bound < 0:
+            raise ValueError(f"KDA gate_lower_bound must be < 0 (a log decay); got {gate_lower_bound}")
+        if not qk_norm_eps > 0:
+            raise ValueError(f"KDA qk_norm_eps must be > 0; got {qk_norm_eps}")
         if n_value_heads % n_heads:
             raise ValueError(f"n_value_heads ({n_value_heads}) must be a multiple of n_heads ({n_heads})")
         if chunk_size < 1 or chunk_size & (chunk_size - 1):
@@ -62,6 +81,7 @@ class KimiDeltaAttention(nn.Module):
             require_fla()  # fail at build time, not at the first forward
         self.d_model, self.n_heads, self.n_value_heads, self.head_dim = d_model, n_heads, n_value_heads, head_dim
         self.conv_size, self.implementation, self.chunk_size, self.gate = conv_size, implementation, chunk_size, gate
+        self.output_gate, self.gate_lower_bound, self.qk_norm_eps = output_gate, float(gate_lower_bound), qk_norm_eps
         key_dim, value_dim = n_heads * head_dim, n_value_heads * head_dim
 
         self.q_proj = nn.Linear(d_model, key_dim, bias=False)
@@ -80,12 +100,18 @@ class KimiDeltaAttention(nn.Module):
         self.A_log = nn.Parameter(torch.empty(n_value_heads).uniform_(1, 16).log())
         dt = torch.empty(n_value_heads * head_dim).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
-        self.g_a_proj = nn.Linear(d_model, head_dim, bias=False)
-        self.g_b_proj = nn.Linear(head_dim, value_dim, bias=True)
+        if output_gate == "low_rank":
+            self.g_a_proj = nn.Linear(d_model, head_dim, bias=False)
+            self.g_b_proj = nn.Linear(head_dim, value_dim, bias=True)
+        else:
+            self.g_proj = nn.Linear(d_model, value_dim, bias=False)
         self.o_norm = RMSNorm(head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(value_dim, d_model, bias=False)
         # Muon may orthogonalise per head (`head_split`, docs/contracts.md).
-        for proj, heads in ((self.q_proj, n_heads), (self.k_proj, n_heads), (self.v_proj, n_value_heads)):
+        per_head = [(self.q_proj, n_heads), (self.k_proj, n_heads), (self.v_proj, n_value_heads)]
+        if output_gate == "full_rank":  # rows per value head as v_proj's: one gate logit per output channel
+            per_head.append((self.g_proj, n_value_heads))
+        for proj, heads in per_head:
             proj.weight.head_split = (heads, 0)
         self.o_proj.weight.head_split = (n_value_heads, 1)
 
@@ -93,34 +119,43 @@ class KimiDeltaAttention(nn.Module):
         return (
             f"d_model={self.d_model}, n_heads={self.n_heads}, n_value_heads={self.n_value_heads}, "
             f"head_dim={self.head_dim}, conv_size={self.conv_size}, implementation={self.implementation!r}, "
-            f"chunk_size={self.chunk_size}, gate={self.gate!r}"
+            f"chunk_size={self.chunk_size}, gate={self.gate!r}, gate_lower_bound={self.gate_lower_bound}, "
+            f"output_gate={self.output_gate!r}, qk_norm_eps={self.qk_norm_eps}"
         )
 
     def forward(self, x: Tensor) -> Tensor:
         """x [B, T, d_model] -> [B, T, d_model]; causal."""
         B, T, _ = x.shape
         H, HV, K = self.n_heads, self.n_value_heads, self.head_dim
-        qkv, f_a, g_a, b = self._input_projections(x)
+        qkv, f_a, g_in, b = self._input_projections(x)
         # one conv over q, k and v side by side (the three depthwise convs' weights concatenated)
         conv_weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])
         q, k, v = CausalConvSiLU.apply(qkv, conv_weight).split(self._qkv_widths(), dim=-1)
-        q, k, v = l2_normalize(q.view(B, T, H, K)), l2_normalize(k.view(B, T, H, K)), v.view(B, T, HV, K)
-        o = self._recurrence(q, k, v, self._forget_gate(f_a), b.sigmoid())  # [B, T, HV, K] in v's dtype
-        return self._gated_output(g_a, o)
+        q, k = self._qk_normalize(q.view(B, T, H, K)), self._qk_normalize(k.view(B, T, H, K))
+        o = self._recurrence(q, k, v.view(B, T, HV, K), self._forget_gate(f_a), b.sigmoid())  # in v's dtype
+        return self._gated_output(g_in, o)
 
     def _input_projections(self, x: Tensor, fused: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """q, k, v side by side [..., 2 H K + HV K], the two gates' low-rank inputs and beta's logits; fused: every
-        projection of x in one matmul.
+        """q, k, v side by side [..., 2 H K + HV K], the forget gate's low-rank input f_a, the output gate's input
+        (g_a_proj x [..., K] for the low-rank gate, the logits g_proj x [..., HV K] for the full-rank one) and
+        beta's logits; fused: every projection of x in one matmul.
 
         The weights stay separate parameters (their own names, init, Muon's per-head split); one [d, 3 H K + 2 K + HV]
         matmul instead of six is faster on CPU for training-sized inputs (docs/decisions/kda-layer.md). For a few
         rows (decoding) copying the weights together costs more than it saves: fused=False."""
-        projections = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, self.g_a_proj, self.b_proj)
+        gate_in = self.g_a_proj if self.output_gate == "low_rank" else self.g_proj
+        projections = (self.q_proj, self.k_proj, self.v_proj, self.f_a_proj, gate_in, self.b_proj)
         if not fused:
-            q, k, v, f_a, g_a, b = (p(x) for p in projections)
-            return torch.cat([q, k, v], dim=-1), f_a, g_a, b
+            q, k, v, f_a, g_in, b = (p(x) for p in projections)
+            return torch.cat([q, k, v], dim=-1), f_a, g_in, b
         weight = torch.cat([p.weight for p in projections])
         return F.linear(x, weight).split([sum(self._qkv_widths()), *(p.out_features for p in projections[3:])], -1)
+
+    def _qk_normalize(self, x: Tensor) -> Tensor:
+        """q or k [B, T, H, K] -> x / sqrt(sum x^2 + qk_norm_eps) per head: FLA's in-kernel l2norm, done here for
+        every implementation. FLA's kernel receives q and k already normalised (its use_qk_l2norm_in_kernel, whose
+        eps is fixed at 1e-6, stays off), so any qk_norm_eps holds on every path."""
+        return l2_normalize_eps(x, self.qk_norm_eps)
 
     def _qkv_widths(self) -> list[int]:
         return [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
@@ -142,12 +177,12 @@ class KimiDeltaAttention(nn.Module):
         """forward() continued from `state`, which is updated in place: a prompt (T > 1) or one new token."""
         B, T, _ = x.shape
         H, HV, K = self.n_heads, self.n_value_heads, self.head_dim
-        qkv, f_a, g_a, b = self._input_projections(x, fused=False)
+        qkv, f_a, g_in, b = self._input_projections(x, fused=False)
         q, k, v = qkv.split(self._qkv_widths(), dim=-1)
         q, state.conv_q = self._short_conv_continued(self.q_conv, q, state.conv_q)
         k, state.conv_k = self._short_conv_continued(self.k_conv, k, state.conv_k)
         v, state.conv_v = self._short_conv_continued(self.v_conv, v, state.conv_v)
-        q, k = l2_normalize(q.view(B, T, H, K)), l2_normalize(k.view(B, T, H, K))
+        q, k = self._qk_normalize(q.view(B, T, H, K)), self._qk_normalize(k.view(B, T, H, K))
         recurrence = self._continued_recurrence(T)
         o, state.recurrent = recurrence(
             q,
@@ -158,12 +193,14 @@ class KimiDeltaAttention(nn.Module):
             initial_state=state.recurrent,
             output_final_state=True,
         )
-        return self._gated_output(g_a, o)
+        return self._gated_output(g_in, o)
 
-    def _gated_output(self, g_a: Tensor, o: Tensor) -> Tensor:
-        """o [B, T, HV, K] -> per-head RMSNorm times the output gate (from g_a = g_a_proj(x)), then o_proj."""
+    def _gated_output(self, g_in: Tensor, o: Tensor) -> Tensor:
+        """o [B, T, HV, K] -> per-head RMSNorm times sigmoid(the output gate's logits), then o_proj. g_in: as
+        _input_projections gives it (g_a_proj x, whose logits are g_b_proj(g_in); or the logits g_proj x)."""
         B, T, HV, K = o.shape
-        out_gate = self.g_b_proj(g_a).view(B, T, HV, K).sigmoid()
+        logits = self.g_b_proj(g_in) if self.output_gate == "low_rank" else g_in
+        out_gate = logits.view(B, T, HV, K).sigmoid()
         o = self.o_norm(o.to(self.o_norm.weight.dtype)) * out_gate  # RMSNorm in the weight's precision
         return self.o_proj(o.reshape(B, T, HV * K))
 
@@ -191,7 +228,7 @@ class KimiDeltaAttention(nn.Module):
         rate = self.A_log.float().exp()[:, None]  # [HV, 1]
         if self.gate == "softplus":
             return -rate * F.softplus(f)
-        return SIGMOID_GATE_LOWER_BOUND * torch.sigmoid(rate * f)
+        return self.gate_lower_bound * torch.sigmoid(rate * f)
 
     def _recurrence(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
         if self.implementation == "chunk":
