@@ -122,15 +122,24 @@ TINY_MODEL = {
     "kda_head_dim": 8,
     "kda_chunk_size": 16,
     "n_routed_experts": 8,
+    "experts_per_token": 2,
     "expert_ffn_dim": 16,
     "dense_ffn_dim": 32,
+    "n_layers": 4,
+    "mla_n_heads": 4,
+    "kda_n_heads": 4,
 }
+# Shrunk only where the config sets them: null keeps the component off.
+TINY_WHEN_SET = {"q_lora_rank": 16, "expert_latent_dim": 16, "attn_res_block_size": 2}
 V, B, T = 97, 2, 16
 
 
 def tiny_model(cfg):
     for key, value in TINY_MODEL.items():
         if key in cfg.model:
+            cfg.model[key] = value
+    for key, value in TINY_WHEN_SET.items():
+        if cfg.model.get(key) is not None:
             cfg.model[key] = value
     torch.manual_seed(0)
     return instantiate(cfg.model, vocab_size=V)  # the vocabulary comes from the data, as in the runner

@@ -62,18 +62,32 @@ def unpadded_attention(q, k, v, scale):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
-@pytest.mark.parametrize(
-    "name, vocab, B, T, kda",
-    [
-        ("k3_tiny", 257, 2, 256, "chunk"),
-        ("k3_tiny", 257, 1, 100, "chunk"),  # a tail chunk padded
-        ("k3_tiny", 257, 1, 48, "recurrent"),
-        pytest.param("k3_small", 4096, 1, 256, "chunk", marks=pytest.mark.slow),  # 6 s: the full run covers it
-    ],
+# Kimi K3's components on a tiny model: attention residuals, SiTU-GLU, latent MoE, gated MLA, full-rank KDA gate.
+K3_SHAPED = dict(
+    attn_res_block_size=2,
+    ffn_activation="situ",
+    expert_latent_dim=64,
+    q_lora_rank=48,
+    mla_output_gate=True,
+    kda_output_gate="full_rank",
+    kda_gate="sigmoid",
 )
-def test_flops_per_token_matches_torch_flop_counter(name, vocab, B, T, kda):
+
+
+@pytest.mark.parametrize(
+    "name, vocab, B, T, kda, fields",
+    [
+        ("k3_tiny", 257, 2, 256, "chunk", {}),
+        ("k3_tiny", 257, 1, 100, "chunk", {}),  # a tail chunk padded
+        ("k3_tiny", 257, 1, 48, "recurrent", {}),
+        ("k3_tiny", 257, 2, 256, "chunk", K3_SHAPED),
+        pytest.param("k3_small", 4096, 1, 256, "chunk", {}, marks=pytest.mark.slow),  # 6 s: the full run covers it
+    ],
+    ids=["k3_tiny", "k3_tiny-tail", "k3_tiny-recurrent", "k3_tiny-k3_components", "k3_small"],
+)
+def test_flops_per_token_matches_torch_flop_counter(name, vocab, B, T, kda, fields):
     torch.manual_seed(0)
-    model = instantiate(model_config(name), vocab_size=vocab, kda_implementation=kda).train()
+    model = instantiate(model_config(name), vocab_size=vocab, kda_implementation=kda, **fields).train()
     assert isinstance(model, CountsFlops)
     formula = model.flops_per_token(T)
     counted = counted_flops_per_token(model, B, T)

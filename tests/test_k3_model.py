@@ -213,3 +213,52 @@ def test_model_yamls_instantiate(name):
     kinds = [layer.mixer_type for layer in model.layers]
     assert kinds == (["kda", "kda", "kda", "mla"] if name == "k3_tiny" else ["mla"] * 4)
     assert [isinstance(layer.ffn, MoE) for layer in model.layers] == [False, True, True, True]
+
+
+# --- attention residuals (tests/test_attn_res.py checks the mix and the block structure numerically) ----------------
+
+MIX_NAMES = ("self_attention_res_norm", "self_attention_res_proj", "mlp_res_norm", "mlp_res_proj")
+
+
+def test_without_attn_res_the_forward_is_exactly_x_plus_f_x():
+    model = tiny_model().eval()
+    assert model.config.attn_res_block_size is None
+    assert not [n for n, _ in model.named_parameters() if "_res_" in n]
+    x, _ = batch()
+    with torch.no_grad():
+        h = model.embed_tokens(x)
+        for layer in model.layers:
+            h = h + layer.mixer(layer.mixer_norm(h))
+            h = h + layer.ffn(layer.ffn_norm(h))
+        assert torch.equal(model(x)[0], model.lm_head(model.norm(h)))
+
+
+def test_attn_res_parameters_have_the_released_names_shapes_and_init():
+    """Per layer <point>_res_norm [d] (ones) and <point>_res_proj [1, d] (Normal(init_std), as the reference
+    initialises them), plus output_attn_res_{norm,proj}: the names the released checkpoint uses, so an import maps
+    them 1:1 (model.layers.{i}.X -> layers.{i}.X, model.output_attn_res_X -> output_attn_res_X)."""
+    plain, model = tiny_model(), tiny_model(attn_res_block_size=2)
+    new = set(model.state_dict()) - set(plain.state_dict())
+    assert set(plain.state_dict()) <= set(model.state_dict())
+    assert new == {f"layers.{i}.{m}.weight" for i in range(4) for m in MIX_NAMES} | {
+        "output_attn_res_norm.weight",
+        "output_attn_res_proj.weight",
+    }
+    params = dict(model.named_parameters())
+    projs = torch.cat([params[n] for n in sorted(new) if "_res_proj" in n])
+    norms = [params[n] for n in new if "_res_norm" in n]
+    assert projs.shape == (9, 32) and all(params[n].shape == (1, 32) for n in new if "_res_proj" in n)
+    assert all(n.shape == (32,) and torch.equal(n, torch.ones(32)) for n in norms)
+    assert 0.015 < projs.std().item() < 0.025 and abs(projs.mean().item()) < 0.005  # 288 draws of N(0, 0.02)
+
+
+def test_attn_res_trains_every_parameter_but_layer_0s_unused_attention_mix():
+    """Layer 0 has no finished block to mix with: its attention mix is kept for the checkpoint layout but unused."""
+    model = tiny_model(attn_res_block_size=2)
+    x, y = batch()
+    _, loss = model(x, y)
+    loss.backward()
+    unused = {f"layers.0.{m}.weight" for m in MIX_NAMES[:2]}
+    no_grad = {n for n, p in model.named_parameters() if p.grad is None or p.grad.abs().sum() == 0}
+    assert no_grad == unused
+    assert abs(loss.item() - torch.log(torch.tensor(float(V))).item()) < 0.5  # near-uniform at init

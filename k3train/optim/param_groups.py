@@ -8,8 +8,9 @@
      no meaning.
   2. 1D params, biases, norms, A_log, dt_bias   -> adamw_no_decay: scales and offsets; decaying them towards
      0 changes the function (a norm gain of 0, an infinitely fast KDA decay), not just its size.
-  3. conv kernels, KDA gates (f_a/f_b/g_a/g_b/b_proj), MoE router -> adamw_aux (decay on): small or
-     special-purpose matrices whose rows are not a hidden-to-hidden map; Muon's spectral update would distort them.
+  3. conv kernels, KDA gates (f_a/f_b/g_a/g_b/b_proj), MoE router, attention-residual mixing projections
+     ([1, d] `*_res_proj`) -> adamw_aux (decay on): small or special-purpose matrices whose rows are not a
+     hidden-to-hidden map; Muon's spectral update would distort them (a [1, d] matrix would become its sign).
   4. 3D stacked expert weights [E, out, in]     -> muon_experts, one matrix per expert.
   5. other 2D weights: attention projections (or any weight annotated with `head_split`) -> muon_attention,
      as per-head matrices when annotated and head_wise=True; the rest (dense FFN, shared expert) -> muon_ffn.
@@ -41,6 +42,7 @@ NO_DECAY_NAMES = frozenset({"bias", "A_log", "dt_bias"})
 GATE_NAMES = frozenset({"f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj", "b_proj"})
 CONV_NAMES = frozenset({"q_conv", "k_conv", "v_conv"})
 ROUTER_NAMES = frozenset({"router"})
+RESIDUAL_MIX_NAMES = frozenset({"self_attention_res_proj", "mlp_res_proj", "output_attn_res_proj"})
 ATTENTION_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj", "kv_b_proj"})
 NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 CONV_TYPES = (nn.Conv1d, nn.Conv2d)
@@ -89,6 +91,8 @@ def _classify(name: str, p: nn.Parameter, owner: nn.Module, head_wise: bool) -> 
         return "adamw_aux", "elementwise", f"gate projection ({sorted(parts & GATE_NAMES)[0]})", None
     if parts & ROUTER_NAMES:
         return "adamw_aux", "elementwise", "MoE router", None
+    if parts & RESIDUAL_MIX_NAMES:
+        return "adamw_aux", "elementwise", "attention-residual mixing projection", None
     if p.ndim == 3:
         return "muon_experts", f"experts({p.shape[0]})", "stacked expert weights, one matrix per expert", None
     if p.ndim == 2:

@@ -8,15 +8,34 @@
             x = x + ffn(RMSNorm(x))       ffn:   SwiGLU in the first `first_k_dense` layers, MoE after
 
 The layer pattern (e.g. 3 KDA then 1 MLA, repeated) comes from KimiK3Config.layer_pattern.
+
+Attention residuals (Kimi K3; config.attn_res_block_size = S, an int) replace the residual sum: each layer's input
+is a learned softmax mix over depth (k3train/models/k3/attn_res.py) of `blocks` (the embedding, then the sum of
+each finished block of S layers' outputs) and the running sum of the current block's outputs:
+
+    blocks = []; h = embed_tokens(tokens)
+    layer l:  x = Mix_attn_l(blocks + [h]) if blocks else h      (layer 0's Mix_attn_l is never used)
+              if l % S == 0: blocks += [h]; s = mixer(RMSNorm(x))                 (h: the finished block's sum)
+              else:          s = h + mixer(RMSNorm(x))
+              h = s + ffn(RMSNorm(Mix_mlp_l(blocks + [s])))
+    logits = lm_head(RMSNorm(Mix_out(blocks + [h])))
+
+Mix_attn_l, Mix_mlp_l, Mix_out: Block.self_attention_res_{norm,proj}, Block.mlp_res_{norm,proj},
+KimiK3.output_attn_res_{norm,proj}, as the released checkpoint names them. The mix is per token: decoding
+(forward_cached) keeps no state for it. S = None: the `x + f(x)` blocks above, no mixing parameters. Reference:
+NVIDIA-NeMo/Automodel's Kimi K3 (KimiDecoderLayer._forward_attn_residual, KimiK3TextModel.forward),
+https://github.com/NVIDIA-NeMo/Automodel/blob/00ef9ca241e8b06fb7f59eb70b1cad1cc5c357bb/nemo_automodel/components/models/kimi_k3/model.py
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from k3train.models.k3.attn_res import attn_res_mix
 from k3train.models.k3.cache import MLACache
 from k3train.models.k3.config import KimiK3Config
 from k3train.models.k3.flops import flops_per_token
@@ -32,6 +51,8 @@ class Block(nn.Module):
     def __init__(self, config: KimiK3Config, layer_idx: int) -> None:
         super().__init__()
         c = config
+        self.layer_idx = layer_idx
+        self.attn_res_block_size = c.attn_res_block_size
         self.mixer_type = c.layer_pattern[layer_idx]
         self.mixer_norm = RMSNorm(c.d_model, eps=c.norm_eps)
         if self.mixer_type == "kda":
@@ -44,6 +65,9 @@ class Block(nn.Module):
                 chunk_size=c.kda_chunk_size,
                 gate=c.kda_gate,
                 norm_eps=c.norm_eps,
+                output_gate=c.kda_output_gate,
+                gate_lower_bound=c.kda_gate_lower_bound,
+                qk_norm_eps=c.kda_qk_norm_eps,
             )
         else:
             self.mixer = MultiHeadLatentAttention(
@@ -58,8 +82,11 @@ class Block(nn.Module):
                 rope_theta=c.rope_theta,
                 max_seq_len=c.max_seq_len,
                 norm_eps=c.norm_eps,
+                output_gate=c.mla_output_gate,
+                latent_norm_eps=c.mla_latent_norm_eps,
             )
         self.ffn_norm = RMSNorm(c.d_model, eps=c.norm_eps)
+        activation = dict(activation=c.ffn_activation, situ_beta=c.situ_beta, situ_linear_beta=c.situ_linear_beta)
         if c.is_moe_layer(layer_idx):
             self.ffn: nn.Module = MoE(
                 c.d_model,
@@ -70,17 +97,55 @@ class Block(nn.Module):
                 routed_scaling_factor=c.routed_scaling_factor,
                 balancing=c.router,
                 aux_free_bias_rate=c.aux_free_bias_rate,
+                latent_dim=c.expert_latent_dim,
+                norm_eps=c.norm_eps,
+                **activation,
             )
         else:
-            self.ffn = SwiGLU(c.d_model, c.dense_ffn_dim)
+            self.ffn = SwiGLU(c.d_model, c.dense_ffn_dim, **activation)
+        if c.attn_res_block_size is not None:  # the released checkpoint's names; layer 0's attention mix is unused
+            self.self_attention_res_norm = RMSNorm(c.d_model, eps=c.norm_eps)
+            self.self_attention_res_proj = nn.Linear(c.d_model, 1, bias=False)
+            self.mlp_res_norm = RMSNorm(c.d_model, eps=c.norm_eps)
+            self.mlp_res_proj = nn.Linear(c.d_model, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.mixer(self.mixer_norm(x))
-        return x + self.ffn(self.ffn_norm(x))
+    @property
+    def starts_block(self) -> bool:
+        """With attention residuals: this layer begins a block, so its input joins `blocks` (module docstring)."""
+        return self.attn_res_block_size is not None and self.layer_idx % self.attn_res_block_size == 0
 
-    def forward_cached(self, x: torch.Tensor, cache: KDAState | MLACache) -> torch.Tensor:
-        x = x + self.mixer.forward_cached(self.mixer_norm(x), cache)
-        return x + self.ffn(self.ffn_norm(x))
+    def forward(self, x: torch.Tensor, blocks: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+        """x [B, T, d] the previous layer's output (the embedding at layer 0) -> this layer's output [B, T, d].
+
+        blocks: with attention residuals, the finished blocks' sums before this layer, the embedding first (the
+        caller appends x after a layer that starts_block). Without: unused, the output is x + f(x)."""
+        return self._forward(x, blocks, self.mixer)
+
+    def forward_cached(
+        self, x: torch.Tensor, cache: KDAState | MLACache, blocks: tuple[torch.Tensor, ...] = ()
+    ) -> torch.Tensor:
+        """forward() for the next positions after those `cache` has seen (updated in place); blocks are over depth
+        for the same positions, so they need no cache."""
+        return self._forward(x, blocks, lambda y: self.mixer.forward_cached(y, cache))
+
+    def _forward(
+        self, h: torch.Tensor, blocks: tuple[torch.Tensor, ...], mixer: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        if self.attn_res_block_size is None:
+            h = h + mixer(self.mixer_norm(h))
+            return h + self.ffn(self.ffn_norm(h))
+        x = self._mix(blocks + (h,), self.self_attention_res_norm, self.self_attention_res_proj) if blocks else h
+        attn = mixer(self.mixer_norm(x))
+        if self.starts_block:
+            blocks = blocks + (h,)  # h: the embedding, or the sum of the block just finished
+            s = attn.to(h.dtype)  # the new block's sum starts here, in the stream's dtype (autocast: not bf16)
+        else:
+            s = h + attn
+        return s + self.ffn(self.ffn_norm(self._mix(blocks + (s,), self.mlp_res_norm, self.mlp_res_proj)))
+
+    @staticmethod
+    def _mix(sources: tuple[torch.Tensor, ...], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
+        return attn_res_mix(sources, norm.weight, proj.weight, norm.eps)
 
     def empty_cache(self, batch: int, capacity: int, device: torch.device, dtype: torch.dtype) -> KDAState | MLACache:
         if self.mixer_type == "kda":
@@ -105,6 +170,9 @@ class KimiK3(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        if config.attn_res_block_size is not None:  # the mix before the final norm (the released names)
+            self.output_attn_res_norm = RMSNorm(config.d_model, eps=config.norm_eps)
+            self.output_attn_res_proj = nn.Linear(config.d_model, 1, bias=False)
         self._init_weights()
 
     @classmethod
@@ -117,7 +185,9 @@ class KimiK3(nn.Module):
         """Normal(init_std) for embeddings and linear maps (as nanoGPT and FLA's models do); the projections that
         write into the residual stream (attention outputs, FFN down projections) get init_std / sqrt(2 n_layers) so
         the residual's variance does not grow with depth (GPT-2). Norms start at 1. KDA's own parameters that are
-        not linear maps (A_log, dt_bias, convolutions) keep the initialisation its layer gives them.
+        not linear maps (A_log, dt_bias, convolutions) keep the initialisation its layer gives them. The attention
+        residuals' [1, d] query projections (`*_res_proj`) are linear maps too: Normal(init_std), as the reference
+        initialises them (not zeros, which would start every mix uniform); their norms start at 1.
         https://github.com/karpathy/nanoGPT/blob/3adf61e154c3fe3fca428ad6bc3818b27a3b8291/model.py
         https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/models/kda/modeling_kda.py
         """
@@ -126,7 +196,7 @@ class KimiK3(nn.Module):
         nn.init.normal_(self.embed_tokens.weight, std=std)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear) and module.weight is not self.embed_tokens.weight:
-                is_residual = name.endswith(("o_proj", "w_down"))
+                is_residual = name.endswith(("o_proj", "w_down", "latent_up"))
                 nn.init.normal_(module.weight, std=residual_std if is_residual else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
@@ -144,9 +214,10 @@ class KimiK3(nn.Module):
         With targets the logits are never built whole: linear_cross_entropy (k3train/models/loss.py) runs the LM
         head and the loss together over row chunks, the same matmuls as lm_head + F.cross_entropy."""
         h = self.embed_tokens(x)
+        blocks: tuple[torch.Tensor, ...] = ()
         for layer in self.layers:
-            h = layer(h)
-        h = self.norm(h)
+            h, blocks = layer(h, blocks), self._blocks_after(layer, h, blocks)
+        h = self.norm(self._output_mix(h, blocks))
         if targets is None:
             return self.lm_head(h), None
         return None, linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
@@ -162,9 +233,22 @@ class KimiK3(nn.Module):
 
         Equal to forward()'s logits at those positions: a prompt goes in at once, then one token at a time."""
         h = self.embed_tokens(x)
+        blocks: tuple[torch.Tensor, ...] = ()
         for layer, layer_cache in zip(self.layers, cache, strict=True):
-            h = layer.forward_cached(h, layer_cache)
-        return self.lm_head(self.norm(h))
+            h, blocks = layer.forward_cached(h, layer_cache, blocks), self._blocks_after(layer, h, blocks)
+        return self.lm_head(self.norm(self._output_mix(h, blocks)))
+
+    @staticmethod
+    def _blocks_after(layer: Block, h: torch.Tensor, blocks: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """blocks after `layer`, given its input h: h joins them when the layer starts a block. Kept here, not
+        returned by the Block: under FSDP2 a module that returns (a view of) its own input draws a warning."""
+        return blocks + (h,) if layer.starts_block else blocks
+
+    def _output_mix(self, h: torch.Tensor, blocks: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The last layer's output h, or with attention residuals its mix with the finished blocks."""
+        if self.config.attn_res_block_size is None:
+            return h
+        return Block._mix(blocks + (h,), self.output_attn_res_norm, self.output_attn_res_proj)
 
     def check_data(self, vocab_size: int, seq_len: int) -> None:
         """Raise ValueError if data with this vocabulary and sequence length cannot train this model.
