@@ -257,3 +257,34 @@ def test_a_corrupt_checkpoint_is_not_answered_with_advice_to_load_it_unsafely(tm
     with pytest.raises(CheckpointError, match="cannot be read") as err:
         load_checkpoint(path)
     assert "weights_only" not in str(err.value) and len(str(err.value).splitlines()) == 1, str(err.value)
+
+
+def test_a_checkpoint_older_than_a_model_field_resumes_with_its_default_and_refuses_another_value() -> None:
+    """A checkpoint written before Kimi K3's fields existed holds none of them: it resumes into the config whose
+    fields are at their defaults (kimi_linear_tiny, the behaviour it was trained with), and a K3-shaped config is
+    refused, naming each field that differs."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from k3train.checkpoint.checkpointer import check_compatible
+    from k3train.models.k3.config import KimiK3Config
+
+    from helpers.config import model_config
+
+    def meta(name: str) -> dict:
+        fields = {k: v for k, v in OmegaConf.to_container(model_config(name)).items() if k != "_target_"}
+        config = KimiK3Config(**{**fields, "vocab_size": 257})
+        defaults = {f.name: f.default for f in dataclasses.fields(config)}
+        return {"model_config": dataclasses.asdict(config), "model_config_defaults": defaults}
+
+    k3_fields = {"attn_res_block_size", "ffn_activation", "expert_latent_dim", "mla_output_gate", "kda_output_gate"}
+    older = meta("kimi_linear_tiny")
+    for name in (*k3_fields, "situ_beta", "situ_linear_beta", "mla_latent_norm_eps", "kda_gate_lower_bound"):
+        older["model_config"].pop(name)
+    older.pop("model_config_defaults")
+    check_compatible(older, meta("kimi_linear_tiny"), Path("old.pt"))
+    with pytest.raises(CheckpointError) as refused:
+        check_compatible(older, meta("k3_tiny"), Path("old.pt"))
+    for name in k3_fields:
+        assert f"model config: {name} was " in str(refused.value)

@@ -105,6 +105,8 @@ def check_compatible(saved: dict, current: dict, path: Path) -> None:
         ("data", "dataset identity", "point data at the dataset the checkpoint was trained on"),
     ):
         old, new = saved.get(key, {}), current.get(key, {})
+        if key == "model_config":  # a field the checkpoint predates has its default: the behaviour it was trained with
+            old = {**current.get("model_config_defaults", {}), **old}
         for field in sorted(set(old) | set(new)):
             if old.get(field) != new.get(field):
                 problems.append(f"  {what}: {field} was {old.get(field)!r}, now {new.get(field)!r} ({fix})")

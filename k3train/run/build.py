@@ -70,6 +70,12 @@ def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data, world:
     identity = data.identity()
     return {
         "model_config": {k: v for k, v in dataclasses.asdict(model.config).items() if k not in RESUME_MAY_CHANGE_MODEL},
+        # What a field means in a checkpoint written before the field existed: its default (the old behaviour).
+        "model_config_defaults": {
+            f.name: f.default
+            for f in dataclasses.fields(model.config)
+            if f.default is not dataclasses.MISSING and f.name not in RESUME_MAY_CHANGE_MODEL
+        },
         # The global batch, not the per-process one: a resume may split it over another number of processes.
         "recipe": {
             **{f: getattr(train_cfg, f) for f in RESUME_MUST_MATCH},
