@@ -208,3 +208,32 @@ def test_the_optimizer_summary_reads_any_torch_optimizer() -> None:
     assert "foreach" not in rows[0] and "maximize" not in rows[0]  # implementation flags and False flags are left out
     json.dumps(rows)
     assert "lr=0.5 momentum=0.9 dampening=0 weight_decay=0 nesterov" in format_param_groups(sgd.param_groups)
+
+
+def test_kimi_k3_components_are_partitioned_as_k3_trains_them() -> None:
+    """Gates with heads go to Muon per head, the latent projections to Muon whole, the [1, d] mixing projections
+    and every norm to AdamW."""
+    cfg = model_config("k3_tiny")
+    cfg.vocab_size = 64
+    with torch.device("meta"):
+        model = hydra.utils.instantiate(cfg)
+    by_name = {a.name: a for a in partition_parameters(model)}
+    kda, mla, moe = "layers.0.mixer", "layers.3.mixer", "layers.1.ffn"
+    assert (by_name[f"{kda}.g_proj.weight"].group, by_name[f"{kda}.g_proj.weight"].view) == (
+        "muon_attention",
+        f"heads({cfg.kda_n_heads}, dim=0)",
+    )
+    assert (by_name[f"{mla}.g_proj.weight"].group, by_name[f"{mla}.g_proj.weight"].view) == (
+        "muon_attention",
+        f"heads({cfg.mla_n_heads}, dim=0)",
+    )
+    for name in (f"{moe}.latent_down.weight", f"{moe}.latent_up.weight"):
+        assert (by_name[name].group, by_name[name].view) == ("muon_ffn", "matrix"), name
+    for name in (
+        "layers.1.self_attention_res_proj.weight",
+        "layers.1.mlp_res_proj.weight",
+        "output_attn_res_proj.weight",
+    ):
+        assert by_name[name].group == "adamw_aux", name
+    for name in (f"{moe}.latent_norm.weight", "layers.1.mlp_res_norm.weight", "output_attn_res_norm.weight"):
+        assert by_name[name].group == "adamw_no_decay", name
