@@ -261,4 +261,7 @@ def test_attn_res_trains_every_parameter_but_layer_0s_unused_attention_mix():
     unused = {f"layers.0.{m}.weight" for m in MIX_NAMES[:2]}
     no_grad = {n for n, p in model.named_parameters() if p.grad is None or p.grad.abs().sum() == 0}
     assert no_grad == unused
+    # frozen, so optimizers leave them out and DDP does not wait for their gradients; still in the state_dict
+    assert {n for n, p in model.named_parameters() if not p.requires_grad} == unused
+    assert unused <= set(model.state_dict())
     assert abs(loss.item() - torch.log(torch.tensor(float(V))).item()) < 0.5  # near-uniform at init

@@ -108,6 +108,10 @@ class Block(nn.Module):
             self.self_attention_res_proj = nn.Linear(c.d_model, 1, bias=False)
             self.mlp_res_norm = RMSNorm(c.d_model, eps=c.norm_eps)
             self.mlp_res_proj = nn.Linear(c.d_model, 1, bias=False)
+            if layer_idx == 0:  # nothing to mix before the first layer: kept for the layout, never trained (no
+                # gradient would reach them; DDP would wait for one)
+                self.self_attention_res_norm.weight.requires_grad_(False)
+                self.self_attention_res_proj.weight.requires_grad_(False)
 
     @property
     def starts_block(self) -> bool:
