@@ -10,6 +10,7 @@ from k3train.models.k3 import KimiK3
 from k3train.models.loss import IGNORE_INDEX, default_chunk_size, linear_cross_entropy
 
 from helpers.loss_problems import loss_and_grads, problem, reference
+from helpers.tiny_k3 import TINY as TINY_K3
 
 
 def assert_matches_reference(hidden, weight, targets, rtol=1e-5, atol=1e-7, **kwargs):
@@ -117,27 +118,7 @@ def test_bad_shapes_and_chunk_sizes_are_refused():
         linear_cross_entropy(hidden, weight, targets, chunk_size=0)
 
 
-TINY = dict(
-    vocab_size=61,
-    d_model=32,
-    n_layers=2,
-    kda_mla_ratio="1:1",
-    max_seq_len=64,
-    mla_n_heads=2,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
-    kda_n_heads=2,
-    kda_head_dim=16,
-    kda_chunk_size=16,
-    n_routed_experts=4,
-    experts_per_token=2,
-    n_shared_experts=1,
-    expert_ffn_dim=16,
-    first_k_dense=1,
-    dense_ffn_dim=48,
-)
+TINY = {**TINY_K3, "n_layers": 2, "kda_mla_ratio": "1:1"}  # one KDA and one MLA layer
 
 
 def old_head_and_loss(model: KimiK3, x, y):

@@ -12,34 +12,16 @@ from torch.nn.parallel import DistributedDataParallel
 from k3train.models.k3 import KimiK3
 from k3train.models.k3.moe import BALANCING, MoE
 
+from helpers.tiny_k3 import TINY
+
 pytestmark = pytest.mark.slow  # spawns processes
 
 WORLD = 2
 D, N_EXP, K = 16, 8, 2
 ROUTE_STEPS, TOKENS = 6, 512  # global tokens per routing step: 256 per rank
 MOE_STEPS, MOE_B, MOE_T = 5, 8, 32
-# 4 experts top-2: m + 1 = N k / n + 1 exceeds a rank's N, so every rank sends all its r (the other gather branch).
-TINY = dict(
-    vocab_size=61,
-    d_model=32,
-    n_layers=4,
-    kda_mla_ratio="3:1",
-    max_seq_len=64,
-    mla_n_heads=2,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=8,
-    kda_n_heads=2,
-    kda_head_dim=16,
-    kda_chunk_size=16,
-    n_routed_experts=4,
-    experts_per_token=2,
-    n_shared_experts=1,
-    expert_ffn_dim=16,
-    first_k_dense=1,
-    dense_ffn_dim=48,
-)
+# The KimiK3 of these tests is helpers.tiny_k3.TINY: 4 experts top-2, so m + 1 = N k / n + 1 exceeds a rank's N
+# and every rank sends all its r (the other gather branch).
 K3_STEPS, K3_B, K3_T = 3, 4, 32
 # Each rank keeps the bias it computed, so a rank that disagreed shows instead of being overwritten by rank 0's
 # (torch 2.13 renamed the flag; the sync at DDP's start that it keeps copies fresh zero biases).
