@@ -53,35 +53,10 @@ class RMSNormFunction(torch.autograd.Function):
         return grad_x_hat.sub_(x_hat.mul_(dot)).mul_(rstd), grad_weight, None
 
 
-def l2_normalize(x: Tensor, eps: float = 1e-12) -> Tensor:
-    """F.normalize(x, dim=-1, eps=eps): x / max(||x||, eps) over the last dimension, forward and backward in ~5
-    passes over x where autograd through F.normalize took ~10 (2.2x the time on CPU for KDA's q and k, [2, 1024,
-    8, 64] fp32; tests/test_norm.py checks values and gradients against F.normalize)."""
-    return L2NormFunction.apply(x, eps)
-
-
-class L2NormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, eps: float) -> Tensor:
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        unclamped = norm >= eps  # where the norm is clamped it is a constant: no projection in the gradient
-        inv = norm.clamp_min_(eps).reciprocal_()
-        y = x * inv
-        ctx.save_for_backward(y, inv, unclamped)
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
-        y, inv, unclamped = ctx.saved_tensors
-        # d(x / ||x||) = (grad - y (grad . y)) / ||x||: the component along y is removed
-        dot = (grad * y).sum(-1, keepdim=True).mul_(unclamped)
-        return torch.addcmul(grad, y, dot, value=-1).mul_(inv), None
-
-
 def l2_normalize_eps(x: Tensor, eps: float = 1e-6) -> Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dimension: FLA's l2norm kernel, the form Kimi Linear's and Kimi K3's
-    KDA normalise q and k with (eps = 1e-6 there), forward and backward written out as l2_normalize's are.
+    KDA normalise q and k with (eps = 1e-6 there), forward and backward written out so that only y and rstd are
+    saved.
 
     Unlike F.normalize's x / max(||x||, eps), eps is always in the denominator: outputs have norm
     ||x|| / sqrt(||x||^2 + eps) < 1, a zero row maps to zero with gradient grad / sqrt(eps), and the gradient is
