@@ -10,6 +10,7 @@ from k3train.models.k3.cache import MLACache
 from k3train.models.kda.state import KDAState
 
 from helpers.decoding import V, build, incremental_logits, relative_error
+from helpers.tiny_k3 import TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,27 +41,7 @@ def test_incremental_decoding_equals_the_full_forward(name, changes, mixers):
     ],
 )
 def test_incremental_decoding_equals_the_full_forward_in_other_configurations(changes):
-    model = KimiK3(
-        KimiK3Config(
-            vocab_size=61,
-            d_model=32,
-            n_layers=3,
-            kda_mla_ratio="1:1",
-            max_seq_len=64,
-            mla_n_heads=2,
-            kv_lora_rank=16,
-            qk_nope_head_dim=8,
-            qk_rope_head_dim=4,
-            v_head_dim=8,
-            kda_n_heads=2,
-            kda_head_dim=16,
-            kda_chunk_size=16,
-            n_routed_experts=4,
-            expert_ffn_dim=16,
-            dense_ffn_dim=48,
-            **changes,
-        )
-    ).eval()
+    model = KimiK3(KimiK3Config(**{**TINY, "n_layers": 3, "kda_mla_ratio": "1:1", **changes})).eval()
     tokens = torch.randint(0, 61, (3, 40), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         full, _ = model(tokens)

@@ -15,6 +15,7 @@ from k3train.inference.loading import load
 from k3train.models.k3 import KimiK3, KimiK3Config
 
 from helpers.data import make_dataset, train_tiny_bpe
+from helpers.tiny_k3 import TINY
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,25 +27,8 @@ def hf_run(tmp_path):
     tokenizer = load_tokenizer(train_tiny_bpe(tmp_path / "tokenizer.json"), "<|endoftext|>")
     data = TokenData(make_dataset(tmp_path, tokenizer=tokenizer))
     torch.manual_seed(0)
-    model = KimiK3(
-        KimiK3Config(
-            vocab_size=data.vocab_size,
-            d_model=32,
-            n_layers=2,
-            kda_mla_ratio="1:1",
-            mla_n_heads=2,
-            kv_lora_rank=16,
-            qk_nope_head_dim=8,
-            qk_rope_head_dim=4,
-            v_head_dim=8,
-            kda_n_heads=2,
-            kda_head_dim=16,
-            n_routed_experts=4,
-            expert_ffn_dim=16,
-            dense_ffn_dim=32,
-            tie_embeddings=True,
-        )
-    )
+    fields = {**TINY, "n_layers": 2, "kda_mla_ratio": "1:1", "dense_ffn_dim": 32, "tie_embeddings": True}
+    model = KimiK3(KimiK3Config(**{**fields, "vocab_size": data.vocab_size}))
     run = tmp_path / "run"
     (run / ".hydra").mkdir(parents=True)
     config = {

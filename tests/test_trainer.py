@@ -14,6 +14,7 @@ from k3train.train.callbacks import Callback, QKClip
 from k3train.train.precision import Precision
 from k3train.train.trainer import TrainingDiverged
 
+from helpers.tiny_k3 import TINY
 from helpers.trainer import WrapsSmoke, make_trainer, sgd, smoke
 
 
@@ -190,22 +191,8 @@ def test_qk_clip_tracking_follows_the_config(tmp_path, builtin_data, tau):
     from k3train.models.k3 import KimiK3
 
     torch.manual_seed(0)
-    model = KimiK3.from_fields(
-        vocab_size=builtin_data.vocab_size,
-        d_model=32,
-        n_layers=2,
-        kda_mla_ratio="1:1",
-        mla_n_heads=2,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=8,
-        kda_n_heads=2,
-        kda_head_dim=16,
-        n_routed_experts=4,
-        expert_ffn_dim=16,
-        dense_ffn_dim=32,
-    )
+    fields = {**TINY, "n_layers": 2, "kda_mla_ratio": "1:1", "dense_ffn_dim": 32}
+    model = KimiK3.from_fields(**{**fields, "vocab_size": builtin_data.vocab_size})
     callbacks = {"qk_clip": QKClip(tau)} if tau is not None else None
     trainer = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-2), callbacks=callbacks)
     trainer.train_step()
