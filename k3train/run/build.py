@@ -18,10 +18,11 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from k3train.checkpoint.checkpointer import Checkpointer, CheckpointError, ShardedCheckpointer
-from k3train.checkpoint.latest import newest_checkpoint
+from k3train.checkpoint.latest import LATEST_NAMES, newest_checkpoint
 from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig, check_known_keys
 from k3train.models.protocol import missing_members
 from k3train.observe.metrics import MetricsLogger, MetricsSink
+from k3train.observe.run_manifest import RUN_JSON
 from k3train.runtime.cpu import apply_threads, choose_threads, prepare_cpu_training
 from k3train.runtime.devices import device_for_rank
 from k3train.runtime.distributed import World, current_world
@@ -35,7 +36,7 @@ class RunFinished(Exception):
     """A resumed run that has nothing left to do."""
 
 
-RUN_FILES = ("last.pt", "last.dcp", "run.json", "metrics.jsonl")
+RUN_FILES = (*LATEST_NAMES, RUN_JSON, "metrics.jsonl")
 
 
 def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
