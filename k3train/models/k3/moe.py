@@ -73,7 +73,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from k3train.models.k3.situ import SiTUGLU, check_activation, situ_glu, situ_glu_forward, situ_glu_grads
+from k3train.models.k3.situ import (
+    SiTUGLU,
+    check_activation,
+    situ_glu,
+    situ_glu_forward,
+    situ_glu_grads_from_parts,
+    situ_glu_parts,
+    situ_glu_value,
+)
 from k3train.models.norm import RMSNorm
 
 BALANCING = ("quantile_balancing", "aux_free_bias", "none")
@@ -212,7 +220,8 @@ class GroupedSwiGLU(torch.autograd.Function):
                     act = F.silu(a)
                     hidden = act * b
                 else:
-                    hidden = situ_glu_forward(a, b, *ctx.situ)  # recomputed: the forward saved only gate and up
+                    parts = situ_glu_parts(a, b, *ctx.situ)  # recomputed: the forward saved only gate and up
+                    hidden = situ_glu_value(parts, *ctx.situ, a.dtype)
                 grad_h = g @ wd[e]  # d/d(hidden * scale)
                 if scale is not None:
                     torch.sum(grad_h * hidden, dim=-1, keepdim=True, out=grad_scale[rows])
@@ -223,7 +232,7 @@ class GroupedSwiGLU(torch.autograd.Function):
                     grad_a = torch.ops.aten.silu_backward(grad_h * b, a)  # the kernel autograd's silu would use
                     grad_b = grad_h * act
                 else:
-                    grad_a, grad_b = situ_glu_grads(grad_h, a, b, *ctx.situ)  # fp32 inside, in a's dtype out
+                    grad_a, grad_b = situ_glu_grads_from_parts(grad_h, parts, *ctx.situ, a.dtype)  # fp32 inside
                 torch.mm(grad_a.T, xs[rows], out=grad_wg[e])
                 torch.mm(grad_b.T, xs[rows], out=grad_wu[e])
                 torch.addmm(grad_a @ wg[e], grad_b, wu[e], out=grad_x[rows])

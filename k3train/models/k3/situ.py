@@ -16,10 +16,11 @@ Derivatives (what the written backwards use; tests/test_situ.py checks them agai
     d/du [c tanh(u/c)]            = 1 - tanh(u/c)^2
 
 Here: `situ_glu` is the readable reference (plain torch, autograd differentiates it); `situ_glu_grads` is the
-analytic backward; `SiTUGLU` pairs them in an autograd Function that saves only g and u (in their own dtype) and
-recomputes the fp32 chain in backward, where autograd through the reference keeps several fp32 copies of
-[..., f] alive until the backward. The dense FFN and the shared experts run SiTUGLU; the routed experts'
-GroupedSwiGLU (moe.py) calls situ_glu_forward / situ_glu_grads inside its own written backward.
+analytic backward, and both it and `situ_glu_forward` are made of `situ_glu_parts` (the fp32 tanhs and sigmoid).
+`SiTUGLU` pairs them in an autograd Function that saves only g and u (in their own dtype) and recomputes the fp32
+chain in backward, where autograd through the reference keeps several fp32 copies of [..., f] alive until the
+backward. The dense FFN and the shared experts run SiTUGLU; the routed experts' GroupedSwiGLU (moe.py) builds the
+parts once in its own written backward, for the value and the gradients.
 Upstream (SituAndMul, _weighted_situ and the analytic _situ_bwd_core):
 https://github.com/NVIDIA-NeMo/Automodel/blob/43708d05ae3239c48b53230859d4326c1f1da93e/nemo_automodel/components/models/kimi_k3/situ.py
 https://github.com/NVIDIA-NeMo/Automodel/blob/00ef9ca241e8b06fb7f59eb70b1cad1cc5c357bb/nemo_automodel/components/models/kimi_k3/model.py
@@ -56,32 +57,49 @@ def situ_glu(g: Tensor, u: Tensor, beta: float = 4.0, linear_beta: float = 25.0)
     return (gate * up).to(g.dtype)
 
 
-def situ_glu_forward(g: Tensor, u: Tensor, beta: float, linear_beta: float) -> Tensor:
-    """situ_glu's value without an autograd graph (the written backwards' forward): the same operations in the
-    same order, in place where a buffer is free, so a CPU step allocates two fp32 [..., f] buffers, not six."""
+def situ_glu_parts(g: Tensor, u: Tensor, beta: float, linear_beta: float) -> tuple[Tensor, Tensor, Tensor]:
+    """g, u [..., f] -> (tanh(g/b), sigmoid(g), tanh(u/c)) in fp32 (float64 kept): what both the value and the
+    derivatives are made of. The tanhs are the cost (on a CPU a tanh takes ~5x a sigmoid): a backward that needs
+    the value too (GroupedSwiGLU's, for the down projection's gradient) builds the parts once for both."""
     dtype = _compute_dtype(g)
     with torch.no_grad():
         gf, uf = g.to(dtype), u.to(dtype)
-        gate = torch.div(gf, beta).tanh_().mul_(beta).mul_(torch.sigmoid(gf))
-        up = torch.div(uf, linear_beta).tanh_().mul_(linear_beta)
-        return gate.mul_(up).to(g.dtype)
+        return torch.div(gf, beta).tanh_(), torch.sigmoid(gf), torch.div(uf, linear_beta).tanh_()
 
 
-def situ_glu_grads(grad: Tensor, g: Tensor, u: Tensor, beta: float, linear_beta: float) -> tuple[Tensor, Tensor]:
-    """grad [..., f] of situ_glu's output, g, u [..., f] -> (grad of g, grad of u), each in its input's dtype.
-
-    The fp32 chain recomputed from g and u with the derivatives in the module docstring."""
-    dtype = _compute_dtype(g)
+def situ_glu_value(parts: tuple[Tensor, Tensor, Tensor], beta: float, linear_beta: float, dtype: torch.dtype) -> Tensor:
+    """situ_glu's value from situ_glu_parts (left as they are), cast to dtype: the reference's operations in its
+    order, (b tanh(g/b)) sigmoid(g) (c tanh(u/c)), so the two agree bit for bit."""
+    tg, sg, tu = parts
     with torch.no_grad():
-        gf, uf, grad = g.to(dtype), u.to(dtype), grad.to(dtype)
-        tg, sg = torch.div(gf, beta).tanh_(), torch.sigmoid(gf)
-        tu = torch.div(uf, linear_beta).tanh_()
-        gate = tg * sg * beta
+        return torch.mul(tg, beta).mul_(sg).mul_(torch.mul(tu, linear_beta)).to(dtype)
+
+
+def situ_glu_forward(g: Tensor, u: Tensor, beta: float, linear_beta: float) -> Tensor:
+    """situ_glu's value without an autograd graph (the written backwards' forward), in g's dtype."""
+    return situ_glu_value(situ_glu_parts(g, u, beta, linear_beta), beta, linear_beta, g.dtype)
+
+
+def situ_glu_grads_from_parts(
+    grad: Tensor, parts: tuple[Tensor, Tensor, Tensor], beta: float, linear_beta: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """grad [..., f] of situ_glu's output and situ_glu_parts (consumed: overwritten in place) -> (grad of g, grad of
+    u) in dtype, with the derivatives in the module docstring."""
+    tg, sg, tu = parts
+    with torch.no_grad():
+        grad = grad.to(tg.dtype)
+        gate = torch.mul(tg, sg).mul_(beta)
         # d_gate = (1 - tg^2) sg + gate (1 - sg), built in tg's buffer
         d_gate = tg.square_().neg_().add_(1).mul_(sg).add_(sg.neg_().add_(1).mul_(gate))
         grad_u = gate.mul_(grad).mul_(tu.square().neg_().add_(1))
         grad_g = tu.mul_(linear_beta).mul_(grad).mul_(d_gate)
-        return grad_g.to(g.dtype), grad_u.to(u.dtype)
+        return grad_g.to(dtype), grad_u.to(dtype)
+
+
+def situ_glu_grads(grad: Tensor, g: Tensor, u: Tensor, beta: float, linear_beta: float) -> tuple[Tensor, Tensor]:
+    """grad [..., f] of situ_glu's output, g, u [..., f] -> (grad of g, grad of u), each in its input's dtype: the
+    fp32 chain recomputed from g and u."""
+    return situ_glu_grads_from_parts(grad, situ_glu_parts(g, u, beta, linear_beta), beta, linear_beta, g.dtype)
 
 
 class SiTUGLU(torch.autograd.Function):
