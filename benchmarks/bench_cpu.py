@@ -6,11 +6,13 @@
 (a) Newton-Schulz over every Muon matrix of k3_tiny and k3_small (one optimizer step's worth, random momentum)
     in bf16, fp32, and what optim.ns_dtype=auto picks here.
 (b) A k3_tiny train step (forward, backward, MuonAdamW step; batch 8 x 256, the quickstart's) alone and beside 1
-    and 2 busy competitor processes (`while True: pass`), with k3train's CPU choices (auto threads, OpenMP threads
-    sleeping when idle) against torch's defaults (a thread per core, spinning OpenMP threads); alone, also with
-    Newton-Schulz forced to fp32 (auto's choice on a CPU without native bf16) and with AdamW.
-    Each configuration runs in a fresh process (OpenMP's settings are fixed when torch loads), for at most
-    --probe-budget seconds.
+    and 2 busy competitor processes (`while True: pass`), with k3train's CPU choices (auto threads; OpenMP threads
+    that spin ~30 ms, and CpuThreads, k3train/train/cpu_threads.py, giving threads up while the competitors run)
+    against OpenMP threads that sleep at once (OMP_WAIT_POLICY=PASSIVE, k3train's choice before) and torch's
+    defaults (a thread per core, OpenMP's own policy); alone, also with Newton-Schulz forced to fp32 (auto's choice
+    on a CPU without native bf16) and with AdamW. Each configuration runs in a fresh process (OpenMP's settings are
+    fixed when torch loads), for at most --probe-budget seconds; the steps timed come after 2.5 s of warm-up steps,
+    so that CpuThreads has measured one window.
 (c) The quickstart itself (`python -m k3train`, cut to --quickstart-steps updates): tokens/s and the model FLOP
     utilisation, the model's training FLOPs per token (run.json's `flops`, k3train/models/k3/flops.py) over a
     measured fp32 [2048 x 2048] matmul peak at the same thread count.
@@ -32,8 +34,9 @@ from pathlib import Path
 
 from k3train.runtime.cpu import configure_openmp
 
-if sys.argv[1:3] != ["--probe", "torch_default"]:  # a probe of torch's defaults keeps OpenMP's own policy
-    configure_openmp()  # as `python -m k3train` does, before torch loads
+PROBE_MODE = sys.argv[2] if sys.argv[1:2] == ["--probe"] else "k3train"
+if PROBE_MODE != "torch_default":  # a probe of torch's defaults keeps OpenMP's own policy
+    configure_openmp(spin=PROBE_MODE == "k3train")  # as `python -m k3train` does, before torch loads
 
 import hydra  # noqa: E402
 import torch  # noqa: E402
@@ -42,7 +45,8 @@ from omegaconf import OmegaConf  # noqa: E402
 from k3train.optim.build import resolve_ns_dtype  # noqa: E402
 from k3train.optim.muon import NS_DTYPES, as_matrices, zeropower_via_newtonschulz5  # noqa: E402
 from k3train.optim.param_groups import partition_parameters  # noqa: E402
-from k3train.runtime.cpu import apply_threads, choose_threads, cpu_description  # noqa: E402
+from k3train.runtime.cpu import apply_threads, choose_threads, cpu_description, openmp_setting  # noqa: E402
+from k3train.train.cpu_threads import CpuThreads  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 257  # the built-in byte-level corpus
@@ -90,34 +94,44 @@ def newton_schulz_step_s(model_name: str, reps: int) -> dict:
 
 
 # ---- (b) train steps under load -------------------------------------------------------------------------------
-def probe(optim: str, steps: int, budget_s: float) -> dict:
-    """In a fresh process: median k3_tiny train-step time (fwd + bwd + optimizer step) at batch 8 x 256."""
+def probe(optim: str, steps: int, budget_s: float, governor: CpuThreads | None = None, warmup_s: float = 2.5) -> dict:
+    """In a fresh process: median k3_tiny train-step time (fwd + bwd + optimizer step) at batch 8 x 256, over the
+    `steps` steps after `warmup_s` of warm-up steps; the governor (if any) ticks after every step, as in training."""
     model = build_model("k3_tiny")
     opt = build_optimizer(model, optim)
     gen = torch.Generator().manual_seed(0)
     x, y = (torch.randint(VOCAB, (8, 256), generator=gen) for _ in range(2))
+    if governor is not None:
+        governor.setup(model, opt, None)
+    warmup: list[float] = []
     times: list[float] = []
     start = time.perf_counter()
-    for i in range(steps + 1):
+    while len(times) < steps:
         t0 = time.perf_counter()
         _, loss = model(x, targets=y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
-        if i >= 1 and time.perf_counter() - start > budget_s:  # beside spinning threads a step can take a minute
+        if governor is not None:
+            governor.tick()
+        now = time.perf_counter()
+        (times if now - start > warmup_s and warmup else warmup).append(now - t0)
+        if times and now - start > budget_s:  # beside spinning threads a step can take a minute
             break
+    if not times:
+        times = warmup[-1:]
     return {
-        "median_s": statistics.median(times[1:]),
-        "steps": len(times) - 1,
-        "first_s": times[0],
-        "threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"),
+        "median_s": statistics.median(times),
+        "steps": len(times),
+        "first_s": warmup[0],
+        "warmup_steps": len(warmup),
+        "threads": torch.get_num_threads(),  # at the end (CpuThreads may have changed it)
+        "openmp": openmp_setting(),
     }
 
 
 def run_probe(mode: str, optim: str, competitors: int, args) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(competitors)]
     try:
         time.sleep(0.5 if competitors else 0)  # let them take their cores before the process decides anything
@@ -138,11 +152,15 @@ def run_probe(mode: str, optim: str, competitors: int, args) -> dict:
 
 
 def probe_main(mode: str, optim: str, steps: int, budget_s: float) -> None:
-    if mode == "k3train":
-        apply_threads(choose_threads("auto"))  # OMP_WAIT_POLICY was set at import, as in `python -m k3train`
-    else:  # torch's defaults: no OMP_WAIT_POLICY (see the top of this file), a thread per physical core
+    governor = None
+    if mode in ("k3train", "sleeping"):  # OpenMP was set at import, as `python -m k3train` does (sleeping: before)
+        threads = choose_threads("auto")
+        apply_threads(threads)
+        if mode == "k3train" and threads.threads > 1:
+            governor = CpuThreads.for_this_process(threads.threads)
+    else:  # torch's defaults: no OpenMP setting (see the top of this file), a thread per physical core
         assert mode == "torch_default", mode
-    print(json.dumps(probe(optim, steps, budget_s)))
+    print(json.dumps(probe(optim, steps, budget_s, governor)))
 
 
 # ---- (c) the quickstart ---------------------------------------------------------------------------------------
@@ -203,7 +221,7 @@ def quickstart(steps: int, planned_steps: int = 200) -> dict:
 # ---- report ---------------------------------------------------------------------------------------------------
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=4, help="timed train steps per configuration in (b)")
+    ap.add_argument("--steps", type=int, default=6, help="timed train steps per configuration in (b)")
     ap.add_argument("--probe-budget", type=float, default=25.0, help="seconds per (b) configuration, at most")
     ap.add_argument("--ns-reps", type=int, default=3, help="timed Newton-Schulz passes for k3_tiny")
     ap.add_argument("--no-small", action="store_true", help="skip k3_small in (a)")
@@ -240,10 +258,11 @@ def main() -> None:
         f"\n(b) k3_tiny train step (batch 8 x 256), median seconds; load average "
         f"{[round(x, 2) for x in os.getloadavg()]}"
     )
-    print(f"{'optimizer':<15} {'settings':<14} {'alone':>8} {'+1 busy':>8} {'+2 busy':>8}  threads, wait policy")
+    print(f"{'optimizer':<15} {'settings':<14} {'alone':>8} {'+1 busy':>8} {'+2 busy':>8}  threads at the end, OpenMP")
     result["train_step"] = {}
     for optim, mode, levels in [
         ("muon_adamw", "k3train", (0, 1, 2)),
+        ("muon_adamw", "sleeping", (0, 1, 2)),
         ("muon_adamw", "torch_default", (0, 1, 2)),
         ("muon_adamw:fp32", "k3train", (0,)),
         ("adamw", "k3train", (0,)),
@@ -252,7 +271,8 @@ def main() -> None:
         result["train_step"][f"{optim}/{mode}"] = row
         cells = [f"{row[f'{n}_busy']['median_s']:>8.3f}" if f"{n}_busy" in row else f"{'-':>8}" for n in (0, 1, 2)]
         print(
-            f"{optim:<15} {mode:<14} {' '.join(cells)}  {row['0_busy']['threads']}, {row['0_busy']['omp_wait_policy']}",
+            f"{optim:<15} {mode:<14} {' '.join(cells)}  "
+            f"{'/'.join(str(r['threads']) for r in row.values())}, {row['0_busy']['openmp']}",
             flush=True,
         )
 
@@ -267,7 +287,8 @@ def main() -> None:
     print(f"  {q['first_update_line']}")
 
     steps = result["train_step"]
-    alone = steps["muon_adamw/k3train"]["0_busy"]["median_s"]
+    spin = steps["muon_adamw/k3train"]
+    alone = spin["0_busy"]["median_s"]
     result["targets"] = {
         "muon_over_adamw_step": round(alone / steps["adamw/k3train"]["0_busy"]["median_s"], 2),  # <= 1.5
         "muon_fp32_ns_over_adamw_step": round(
@@ -280,6 +301,11 @@ def main() -> None:
             2,
         ),
         "quickstart_estimated_s": q["estimated_200_update_s"],  # < 180 on 2 idle cores of an AVX2-only CPU
+        # spinning threads + CpuThreads over sleeping threads (the choice before), per load level: < 1 is faster
+        "spin_over_sleeping": {
+            level: round(spin[level]["median_s"] / steps["muon_adamw/sleeping"][level]["median_s"], 2)
+            for level in ("0_busy", "1_busy", "2_busy")
+        },
     }
     result["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     t = result["targets"]
@@ -287,7 +313,8 @@ def main() -> None:
         f"\ntargets: Muon+AdamW / AdamW step {t['muon_over_adamw_step']} (<= 1.5; Newton-Schulz in fp32: "
         f"{t['muon_fp32_ns_over_adamw_step']}); beside 1 busy / alone "
         f"{t['one_busy_over_alone']} (<= 2.5; torch defaults: {t['one_busy_over_alone_torch_default']}); "
-        f"quickstart ~{t['quickstart_estimated_s']} s (< 180); load average at end {result['load_average_at_end']}"
+        f"quickstart ~{t['quickstart_estimated_s']} s (< 180); spinning threads + CpuThreads over sleeping threads "
+        f"{t['spin_over_sleeping']}; load average at end {result['load_average_at_end']}"
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

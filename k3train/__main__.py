@@ -2,7 +2,7 @@
 
 from k3train.runtime.bootstrap import bootstrap
 
-bootstrap(catch_stop_signals=True)  # before torch loads (runtime/bootstrap.py)
+bootstrap(training=True)  # before torch loads (runtime/bootstrap.py)
 
 import os
 import sys

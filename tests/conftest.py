@@ -11,8 +11,9 @@ REPO = Path(__file__).resolve().parents[1]
 TESTS = str(REPO / "tests")
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
-# As `python -m k3train` does (k3train/runtime/cpu.py): this file loads before any test imports torch, so the suite's
-# own threads sleep instead of spinning when another job holds a core.
+# As the non-training CLIs do (k3train/runtime/cpu.py): this file loads before any test imports torch, so the suite's
+# threads, and those of the `python -m k3train` runs it starts, sleep instead of spinning when another job holds a
+# core (the suite's processes often do, and most of its runs use train.cpu_threads=1 or tiny models).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

@@ -68,9 +68,7 @@ def test_auto_threads_share_the_cpus_among_local_jobs(clean_env) -> None:
     assert cpu.choose_threads("auto", submitit).threads == 3
     assert cpu.choose_threads("auto", {"_target_": "hydra...joblib...", "cpus_per_task": None}).threads == 8
     # an explicit count wins over everything
-    assert cpu.choose_threads("5", joblib) == cpu.ThreadChoice(
-        5, "train.cpu_threads", os.environ.get("OMP_WAIT_POLICY", "default")
-    )
+    assert cpu.choose_threads("5", joblib) == cpu.ThreadChoice(5, "train.cpu_threads", cpu.openmp_setting())
 
 
 @pytest.mark.parametrize("bad", ["0", "-2", "many", "1.5"])
@@ -80,19 +78,24 @@ def test_bad_cpu_threads_are_refused_naming_the_key(bad: str) -> None:
 
 
 def _python(code: str, **env: str) -> str:
-    base = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    base = {k: v for k, v in os.environ.items() if k not in cpu.OPENMP_VARIABLES}
     return subprocess.run(
         [sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True, check=True, timeout=120
     ).stdout.strip()
 
 
 @pytest.mark.slow
-def test_openmp_wait_policy_is_passive_unless_chosen_and_only_before_torch() -> None:
-    setup = "from k3train.runtime.cpu import configure_openmp; print(configure_openmp())"
-    assert _python(setup) == "PASSIVE"
-    assert _python(setup, OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"  # the user's choice stands
+def test_openmp_threads_spin_for_training_sleep_otherwise_unless_chosen_and_only_before_torch() -> None:
+    setup = "from k3train.runtime.cpu import configure_openmp; print(configure_openmp({}))"
+    assert _python(setup.format("")) == "OMP_WAIT_POLICY=PASSIVE"
+    spin = "GOMP_SPINCOUNT=3000000" if cpu.cpu_busy_seconds([0]) is not None else "OMP_WAIT_POLICY=PASSIVE"
+    assert _python(setup.format("spin=True")) == spin  # training, where the CPUs' load is visible
+    for chosen in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "10"}):  # the user's choice stands
+        name, value = next(iter(chosen.items()))
+        assert _python(setup.format("spin=True"), **chosen) == f"{name}={value}"
+        assert _python(setup.format(""), **chosen) == f"{name}={value}"
     # after torch (and OpenMP) loaded, setting it would change nothing but the record: it is left alone
-    assert _python("import torch; " + setup) == "default"
+    assert _python("import torch; " + setup.format("spin=True")) == "default"
 
 
 def test_first_update_feedback(capsys: pytest.CaptureFixture) -> None:
@@ -128,7 +131,7 @@ def test_cli_records_threads_and_dtype_and_reports_the_first_update(run_cli, tmp
     manifest = json.loads((run_dir / "run.json").read_text())
     env = manifest["environment"]
     assert env["cpu_threads"] == 1 and env["cpu"]["threads"] == 1 and env["cpu"]["reason"] == "train.cpu_threads"
-    assert env["cpu"]["omp_wait_policy"] == "PASSIVE"  # set by `python -m k3train` before torch loaded
+    assert env["cpu"]["omp_wait_policy"] == "OMP_WAIT_POLICY=PASSIVE"  # the suite's (conftest.py), left as set
     assert env["cpu"]["torch_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert env["cpu"]["denormals"] == "flushed to zero" and "denormals: flushed to zero" in proc.stdout
     muon = [g for g in manifest["optimizer"] if g["kind"] == "muon"]

@@ -28,6 +28,7 @@ from k3train.runtime.devices import device_for_rank
 from k3train.runtime.distributed import World, current_world
 from k3train.runtime.parallel_dims import ParallelDims
 from k3train.train.callbacks import Callback
+from k3train.train.cpu_threads import CpuThreads
 from k3train.train.rng import configure_determinism, seed_everything
 from k3train.train.trainer import Trainer
 
@@ -131,6 +132,10 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     model = parallel.shard(model, device, dims)  # before the optimizer: FSDP2 replaces the parameters
     optimizer = _build_optimizer(instantiate(cfg.optim), model, dims)
     callbacks = _build_named(cfg.callbacks, Callback, "callbacks")
+    if device.type == "cpu" and str(train_cfg.cpu_threads) == "auto" and threads.threads > 1:
+        governor = CpuThreads.for_this_process(threads.threads)  # fewer threads while other processes need the CPUs
+        if governor is not None:
+            callbacks["cpu_threads"] = governor
     sinks = _build_named(cfg.logger, MetricsSink, "logger", run_dir=str(run_dir))
 
     # The log file is opened at its first event, after all checks.

@@ -1,11 +1,13 @@
 """CPU runtime choices, made once at start-up: OpenMP's wait policy, the thread count, which dtype is fast, denormal
 flushing and malloc's handling of freed memory.
 
-`configure_openmp()` must run before `import torch` (OpenMP reads OMP_WAIT_POLICY when it loads; every CLI calls it
+`configure_openmp()` must run before `import torch` (OpenMP reads its wait policy when it loads; every CLI calls it
 through k3train/runtime/bootstrap.py). `choose_threads()` divides the CPUs this process may use (affinity, cgroup
-quota, SLURM_CPUS_PER_TASK) among the local jobs its launcher says run at once. `prepare_cpu_training()` flushes
-denormals and keeps freed memory before the first step. `cpu_runtime()` is run.json's record of all of it.
-Why each choice is made, with the measurements behind it: docs/decisions/cpu-runtime.md.
+quota, SLURM_CPUS_PER_TASK) among the local jobs its launcher says run at once; during training
+k3train/train/cpu_threads.py gives threads up while other processes use those CPUs (`cpu_busy_seconds`,
+`own_cpu_seconds`). `prepare_cpu_training()` flushes denormals and keeps freed memory before the first step.
+`cpu_runtime()` is run.json's record of all of it. Why each choice is made, with the measurements behind it:
+docs/decisions/cpu-runtime.md.
 """
 
 from __future__ import annotations
@@ -15,21 +17,60 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 OMP_WAIT_POLICY = "PASSIVE"
+# Training: OpenMP's threads spin this many rounds (~30 ms) for the next parallel region before they sleep
+# (libgomp's GOMP_SPINCOUNT; its own default is 300,000, OMP_WAIT_POLICY=ACTIVE 30 billion).
+GOMP_SPINCOUNT = "3000000"
+OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+PROC_STAT = Path("/proc/stat")
 
 
-def configure_openmp() -> str:
-    """Default OMP_WAIT_POLICY to PASSIVE unless the user chose one; returns the policy in effect.
+def configure_openmp(spin: bool = False) -> str:
+    """Choose how OpenMP's idle threads wait, unless the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT set); returns
+    the setting in effect (openmp_setting()).
 
-    Call before `import torch`: once OpenMP is loaded the variable is never read again, so a later change would
-    only make the environment lie about what runs (then the current value, or "default", is reported as is).
+    spin=True (training, where a CPU's load from other processes is visible in /proc/stat): threads spin ~30 ms
+    before they sleep, and k3train/train/cpu_threads.py gives threads up while other processes use the CPUs.
+    Otherwise, and where the load cannot be seen: OMP_WAIT_POLICY=PASSIVE (threads sleep at once).
+    Call before `import torch`: once OpenMP is loaded the variables are never read again, so a later change would
+    only make the environment lie about what runs (then they are left alone and reported as they are).
     """
-    if "torch" not in sys.modules:
-        os.environ.setdefault("OMP_WAIT_POLICY", OMP_WAIT_POLICY)
-    return os.environ.get("OMP_WAIT_POLICY", "default")
+    if "torch" not in sys.modules and not any(name in os.environ for name in OPENMP_VARIABLES):
+        if spin and cpu_busy_seconds([0]) is not None:
+            os.environ["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
+        else:
+            os.environ["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY
+    return openmp_setting()
+
+
+def openmp_setting() -> str:
+    """The OpenMP wait variables this process runs with, as `NAME=value` ("default" when none is set)."""
+    return ", ".join(f"{name}={os.environ[name]}" for name in OPENMP_VARIABLES if name in os.environ) or "default"
+
+
+def cpu_busy_seconds(cpus: Iterable[int], stat: Path = PROC_STAT) -> float | None:
+    """Seconds the given CPUs have spent running anything (any process, the kernel, or, in a VM, another guest:
+    steal) since boot, from /proc/stat; None where it cannot be read (not Linux, a CPU it does not list)."""
+    try:
+        lines = {line.split(maxsplit=1)[0]: line.split()[1:] for line in stat.read_text().splitlines()}
+        ticks = 0
+        for cpu in cpus:
+            # user nice system idle iowait irq softirq steal [guest guest_nice: already inside user and nice]
+            fields = [int(x) for x in lines[f"cpu{cpu}"][:8]]
+            ticks += sum(fields) - fields[3] - fields[4]
+        return ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds this process (all its threads) has used, user and system."""
+    times = os.times()
+    return times.user + times.system
 
 
 # ---- memory ---------------------------------------------------------------------------------------------------
@@ -170,12 +211,12 @@ class ThreadChoice:
         return asdict(self)
 
     def describe(self) -> str:
-        return f"{self.threads} threads ({self.reason}), OMP_WAIT_POLICY={self.omp_wait_policy}"
+        return f"{self.threads} threads ({self.reason}), OpenMP: {self.omp_wait_policy}"
 
 
 def choose_threads(setting: str | int, launcher: dict | None = None) -> ThreadChoice:
     """train.cpu_threads: "auto" (the usable CPUs divided among the local jobs) or a positive count."""
-    policy = os.environ.get("OMP_WAIT_POLICY", "default")
+    policy = openmp_setting()
     if str(setting) != "auto":
         return ThreadChoice(parse_threads(setting), "train.cpu_threads", policy)
     cpus, why = usable_cpus()
