@@ -261,8 +261,9 @@ def test_a_corrupt_checkpoint_is_not_answered_with_advice_to_load_it_unsafely(tm
 
 def test_a_checkpoint_older_than_a_model_field_resumes_with_its_default_and_refuses_another_value() -> None:
     """A checkpoint written before Kimi K3's fields existed holds none of them: it resumes into the config whose
-    fields are at their defaults (kimi_linear_tiny, the behaviour it was trained with), and a K3-shaped config is
-    refused, naming each field that differs."""
+    fields are at their defaults (kimi_linear_tiny with model.kda_output_gate_bias=null, the behaviour it was trained
+    with: its low-rank gate had a bias), and kimi_linear_tiny as it is now (no bias, as transformers' kimi_linear)
+    or a K3-shaped config is refused, naming each field that differs."""
     import dataclasses
 
     from omegaconf import OmegaConf
@@ -272,18 +273,21 @@ def test_a_checkpoint_older_than_a_model_field_resumes_with_its_default_and_refu
 
     from helpers.config import model_config
 
-    def meta(name: str) -> dict:
+    def meta(name: str, **overrides) -> dict:
         fields = {k: v for k, v in OmegaConf.to_container(model_config(name)).items() if k != "_target_"}
-        config = KimiK3Config(**{**fields, "vocab_size": 257})
+        config = KimiK3Config(**{**fields, "vocab_size": 257, **overrides})
         defaults = {f.name: f.default for f in dataclasses.fields(config)}
         return {"model_config": dataclasses.asdict(config), "model_config_defaults": defaults}
 
     k3_fields = {"attn_res_block_size", "ffn_activation", "expert_latent_dim", "mla_output_gate", "kda_output_gate"}
     older = meta("kimi_linear_tiny")
-    for name in (*k3_fields, "situ_beta", "situ_linear_beta", "mla_latent_norm_eps", "kda_gate_lower_bound"):
+    later = ("situ_beta", "situ_linear_beta", "mla_latent_norm_eps", "kda_gate_lower_bound", "kda_output_gate_bias")
+    for name in (*k3_fields, *later):
         older["model_config"].pop(name)
     older.pop("model_config_defaults")
-    check_compatible(older, meta("kimi_linear_tiny"), Path("old.pt"))
+    check_compatible(older, meta("kimi_linear_tiny", kda_output_gate_bias=None), Path("old.pt"))
+    with pytest.raises(CheckpointError, match="model config: kda_output_gate_bias was None, now False"):
+        check_compatible(older, meta("kimi_linear_tiny"), Path("old.pt"))
     with pytest.raises(CheckpointError) as refused:
         check_compatible(older, meta("k3_tiny"), Path("old.pt"))
     for name in k3_fields:

@@ -278,12 +278,14 @@ def reference_forget_gate(layer, x):
 
 def reference_output_gate(layer, x, o):
     """o [B, T, HV, K] -> o_proj(RMSNorm_head(o) * w * sigmoid(logits)): logits g_proj x (full rank, no bias) or
-    g_b_proj(g_a_proj x) (low rank, g_b_proj with its bias)."""
+    g_b_proj(g_a_proj x) (low rank, g_b_proj with its bias if it has one)."""
     B, T, HV, K = o.shape
     if layer.output_gate == "full_rank":
         logits = x @ layer.g_proj.weight.T
     else:
-        logits = (x @ layer.g_a_proj.weight.T) @ layer.g_b_proj.weight.T + layer.g_b_proj.bias
+        logits = (x @ layer.g_a_proj.weight.T) @ layer.g_b_proj.weight.T
+        if layer.g_b_proj.bias is not None:
+            logits = logits + layer.g_b_proj.bias
     normed = o * torch.rsqrt(o.square().mean(-1, keepdim=True) + layer.o_norm.eps) * layer.o_norm.weight
     gated = normed * torch.sigmoid(logits.view(B, T, HV, K))
     return gated.reshape(B, T, HV * K) @ layer.o_proj.weight.T
@@ -301,6 +303,7 @@ OUTPUT_GATE_CASES = {
     "full_rank": {"output_gate": "full_rank"},
     "full_rank_gva_sigmoid": {"output_gate": "full_rank", "n_value_heads": 4, "gate": "sigmoid"},
     "low_rank_bound_eps": {"gate": "sigmoid", "gate_lower_bound": -2.0, "qk_norm_eps": 1e-2},
+    "low_rank_no_bias": {"output_gate_bias": False},
 }
 
 
@@ -347,6 +350,23 @@ def test_full_rank_gate_parameters_and_annotations():
     (g_proj,) = [a for a in partition_parameters(full) if a.name == "g_proj.weight"]
     assert g_proj.group == "muon_attention" and g_proj.view == "heads(4, dim=0)"
     assert "output_gate='full_rank'" in repr(full) and "qk_norm_eps=1e-06" in repr(full)
+
+
+def test_low_rank_gate_without_bias_as_kimi_linear_releases_it():
+    """output_gate_bias=False: g_b_proj has no bias (Kimi Linear, transformers' kimi_linear); kimi_linear_tiny uses
+    it. The full-rank gate never has one, and asking for one is refused."""
+    layer = make_layer(output_gate_bias=False)
+    assert layer.g_b_proj.bias is None and "g_b_proj.bias" not in layer.state_dict()
+    assert "output_gate_bias=False" in repr(layer)
+    with pytest.raises(ValueError, match="full_rank' has no bias"):
+        make_layer(output_gate="full_rank", output_gate_bias=True)
+    from k3train.models.k3.config import KimiK3Config
+
+    from helpers.config import model_config
+
+    assert model_config("kimi_linear_tiny").kda_output_gate_bias is False
+    with pytest.raises(ValueError, match="kda_output_gate_bias=true needs kda_output_gate=low_rank"):
+        KimiK3Config(vocab_size=257, kda_output_gate="full_rank", kda_output_gate_bias=True)
 
 
 @pytest.mark.parametrize("lower_bound", [-5.0, -2.0, -0.5])

@@ -74,7 +74,10 @@ class KimiK3Config:
     expert_latent_dim: int | None = None  # latent MoE: routed experts at this width; None: at d_model
     mla_output_gate: bool = False  # sigmoid(g_proj x) times the attention output, before o_proj
     mla_latent_norm_eps: float | None = None  # q_a_norm and kv_a_norm (K3: 1e-6); None: norm_eps
-    kda_output_gate: str = "low_rank"  # "low_rank" (g_a -> g_b, with bias) | "full_rank" (one g_proj, no bias)
+    kda_output_gate: str = "low_rank"  # "low_rank" (g_a -> g_b) | "full_rank" (one g_proj, no bias)
+    # low_rank's g_b_proj bias: None = with one for low_rank (FLA's layer, k3train's before the field), none for
+    # full_rank; false = Kimi Linear as released (transformers' kimi_linear has none)
+    kda_output_gate_bias: bool | None = None
     kda_gate_lower_bound: float = -5.0  # the sigmoid gate's log decay lies in (lower bound, 0)
     kda_qk_norm_eps: float = 1e-6  # q and k are x / sqrt(sum x^2 + eps), as FLA's kernel normalises them
 
@@ -106,6 +109,8 @@ class KimiK3Config:
                 _positive(self, name)
         _choice(self, "ffn_activation", FFN_ACTIVATIONS)
         _choice(self, "kda_output_gate", KDA_OUTPUT_GATES)
+        if self.kda_output_gate == "full_rank" and self.kda_output_gate_bias:
+            raise ValueError("kda_output_gate_bias=true needs kda_output_gate=low_rank: the full-rank gate has no bias")
         for name in ("situ_beta", "situ_linear_beta", "kda_qk_norm_eps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")

@@ -66,6 +66,7 @@ class Block(nn.Module):
                 gate=c.kda_gate,
                 norm_eps=c.norm_eps,
                 output_gate=c.kda_output_gate,
+                output_gate_bias=c.kda_output_gate_bias,
                 gate_lower_bound=c.kda_gate_lower_bound,
                 qk_norm_eps=c.kda_qk_norm_eps,
             )

@@ -41,7 +41,8 @@ class KimiDeltaAttention(nn.Module):
     `implementation` ("chunk": pure PyTorch, the CPU default; "recurrent": the per-step reference; "fla": FLA's
     Triton kernel, given the same normalised q, k and the same g). Output: per-head RMSNorm times sigmoid(gate
     logits), then o_proj; the logits from output_gate="low_rank" (Kimi Linear: g_b_proj(g_a_proj x), rank
-    head_dim, g_b_proj with a bias) or "full_rank" (Kimi K3: g_proj x, [d_model -> HV K], no bias, split per
+    head_dim; g_b_proj has a bias unless output_gate_bias=False: FLA's layer has one, Kimi Linear as released and
+    transformers' kimi_linear have none) or "full_rank" (Kimi K3: g_proj x, [d_model -> HV K], no bias, split per
     value head for Muon as v_proj is). n_value_heads > n_heads gives grouped value attention (each q/k head
     serves n_value_heads // n_heads value heads); V = K = head_dim.
     """
@@ -60,6 +61,7 @@ class KimiDeltaAttention(nn.Module):
         output_gate: str = "low_rank",
         gate_lower_bound: float = SIGMOID_GATE_LOWER_BOUND,
         qk_norm_eps: float = 1e-6,
+        output_gate_bias: bool | None = None,  # None: True for low_rank, False for full_rank
     ) -> None:
         super().__init__()
         n_value_heads = n_heads if n_value_heads is None else n_value_heads
@@ -69,6 +71,10 @@ class KimiDeltaAttention(nn.Module):
             raise ValueError(f"KDA gate must be one of {GATES}; got {gate!r}")
         if output_gate not in OUTPUT_GATES:
             raise ValueError(f"KDA output_gate must be one of {OUTPUT_GATES}; got {output_gate!r}")
+        if output_gate_bias is None:
+            output_gate_bias = output_gate == "low_rank"
+        if output_gate == "full_rank" and output_gate_bias:
+            raise ValueError("KDA output_gate='full_rank' has no bias: output_gate_bias must be False or None")
         if not gate_lower_bound < 0:
             raise ValueError(f"KDA gate_lower_bound must be < 0 (a log decay); got {gate_lower_bound}")
         if not qk_norm_eps > 0:
@@ -82,6 +88,7 @@ class KimiDeltaAttention(nn.Module):
         self.d_model, self.n_heads, self.n_value_heads, self.head_dim = d_model, n_heads, n_value_heads, head_dim
         self.conv_size, self.implementation, self.chunk_size, self.gate = conv_size, implementation, chunk_size, gate
         self.output_gate, self.gate_lower_bound, self.qk_norm_eps = output_gate, float(gate_lower_bound), qk_norm_eps
+        self.output_gate_bias = output_gate_bias
         key_dim, value_dim = n_heads * head_dim, n_value_heads * head_dim
 
         self.q_proj = nn.Linear(d_model, key_dim, bias=False)
@@ -102,7 +109,7 @@ class KimiDeltaAttention(nn.Module):
         self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
         if output_gate == "low_rank":
             self.g_a_proj = nn.Linear(d_model, head_dim, bias=False)
-            self.g_b_proj = nn.Linear(head_dim, value_dim, bias=True)
+            self.g_b_proj = nn.Linear(head_dim, value_dim, bias=output_gate_bias)
         else:
             self.g_proj = nn.Linear(d_model, value_dim, bias=False)
         self.o_norm = RMSNorm(head_dim, eps=norm_eps)
@@ -120,7 +127,8 @@ class KimiDeltaAttention(nn.Module):
             f"d_model={self.d_model}, n_heads={self.n_heads}, n_value_heads={self.n_value_heads}, "
             f"head_dim={self.head_dim}, conv_size={self.conv_size}, implementation={self.implementation!r}, "
             f"chunk_size={self.chunk_size}, gate={self.gate!r}, gate_lower_bound={self.gate_lower_bound}, "
-            f"output_gate={self.output_gate!r}, qk_norm_eps={self.qk_norm_eps}"
+            f"output_gate={self.output_gate!r}, output_gate_bias={self.output_gate_bias}, "
+            f"qk_norm_eps={self.qk_norm_eps}"
         )
 
     def forward(self, x: Tensor) -> Tensor:
