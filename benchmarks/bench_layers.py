@@ -10,7 +10,12 @@ k3_small (conf/model/k3_small.yaml, vocab 32768) at batch 2 x seq 1024, fp32, th
   convolution with its written-out backward (CausalConvSiLU) against autograd through the shifted multiply-adds
   and against nn.Conv1d; the routed experts' GroupedSwiGLU against autograd
   through `unbind` and a loop; gathering the expert inputs with index_select against indexing; RMSNorm with its
-  written-out backward against nn.RMSNorm.
+  written-out backward against nn.RMSNorm;
+- Kimi K3's components, each on against off at k3_small's shapes (the same layer built without it, side by side):
+  the KDA full-rank output gate against the low-rank one, MLA's output gate, SiTU-GLU against SwiGLU in the MoE and
+  the dense FFN, the latent MoE against experts at d_model, and the attention-residual mixes (each mix point at the
+  number of sources it has in k3_small, against the residual add it replaces); each difference times its count in
+  the model, as a share of the model's estimated step.
 Writes benchmarks/results/layers.json.
 """
 
@@ -22,6 +27,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +35,8 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from results_file import write_results  # benchmarks/, beside this script
 
+from k3train.models.k3 import attn_res
+from k3train.models.k3 import model as k3_model
 from k3train.models.k3.mla import causal_attention
 from k3train.models.k3.moe import GroupedSwiGLU
 from k3train.models.kda.layer import CausalConvSiLU, causal_depthwise_conv
@@ -65,6 +73,69 @@ def loop_experts(x, w_gate, w_up, w_down, counts):
         F.silu(xs @ w_gate[e].T) * (xs @ w_up[e].T) @ w_down[e].T for e, xs in enumerate(x.split(counts)) if xs.shape[0]
     ]
     return torch.cat(outs)
+
+
+def variant(cfg, **fields) -> torch.nn.Module:
+    """k3_small's layers with `fields` changed: 4 layers (a dense FFN, MoE, 3 KDA and an MLA), the same shapes."""
+    c = cfg.copy()
+    c.n_layers = 4
+    for key, value in fields.items():
+        c[key] = value
+    torch.manual_seed(0)
+    return instantiate(c).train()
+
+
+def mix_source_counts(model: torch.nn.Module) -> list[int]:
+    """How many sources each attention-residual mix point of the model reads, from one short forward."""
+    counts: list[int] = []
+
+    def counting(sources, *args):
+        counts.append(len(sources))
+        return attn_res.attn_res_mix(sources, *args)
+
+    with mock.patch.object(k3_model, "attn_res_mix", counting), torch.no_grad():
+        model(torch.zeros(1, 4, dtype=torch.long))
+    return counts
+
+
+def k3_components(cfg, model: torch.nn.Module, x: torch.Tensor, model_ms: float, reps: int) -> dict:
+    """Each K3 component on (k3_small) against off: fwd+bwd ms of the layer with and without it, side by side, and
+    (on - off) x its count in k3_small as a share of the model's estimated step (model_ms)."""
+    on, pattern = variant(cfg), model.config.layer_pattern
+    kda_i, mla_i, moe_i = on.config.layer_pattern.index("kda"), on.config.layer_pattern.index("mla"), cfg.first_k_dense
+    n_moe, n_dense = cfg.n_layers - cfg.first_k_dense, cfg.first_k_dense
+    low_rank = variant(cfg, kda_output_gate="low_rank").layers[kda_i].mixer
+    swiglu = variant(cfg, ffn_activation="swiglu")
+    ungated = variant(cfg, mla_output_gate=False).layers[mla_i].mixer
+    pairs = {  # component: (layer on, layer off, count in k3_small)
+        "kda_full_rank_gate": (on.layers[kda_i].mixer, low_rank, pattern.count("kda")),
+        "mla_output_gate": (on.layers[mla_i].mixer, ungated, pattern.count("mla")),
+        "situ_moe": (on.layers[moe_i].ffn, swiglu.layers[moe_i].ffn, n_moe),
+        "situ_dense_ffn": (on.layers[0].ffn, swiglu.layers[0].ffn, n_dense),
+        "latent_moe": (on.layers[moe_i].ffn, variant(cfg, expert_latent_dim=None).layers[moe_i].ffn, n_moe),
+    }
+    out = {}
+    for name, (layer_on, layer_off, count) in pairs.items():
+        ms = side_by_side(
+            {"on": lambda m=layer_on: m(x), "off": lambda m=layer_off: m(x)},
+            [x, *layer_on.parameters(), *layer_off.parameters()],
+            reps,
+        )
+        out[name] = {**ms, "count": count, "share_of_step": count * (ms["on"] - ms["off"]) / model_ms}
+    # attention residuals: every mix point at its number of sources, against the residual add it replaces
+    counts = mix_source_counts(model)
+    norm_w, proj_w = torch.ones(cfg.d_model, requires_grad=True), torch.randn(1, cfg.d_model, requires_grad=True)
+    sources = [torch.randn_like(x, requires_grad=True) for _ in range(max(counts))]
+    cases = {
+        f"mix_{n}": lambda n=n: attn_res.attn_res_mix(sources[:n], norm_w, proj_w, cfg.norm_eps) for n in set(counts)
+    }
+    cases["residual_add"] = lambda: sources[0] + sources[1]
+    ms = side_by_side(cases, [*sources, norm_w, proj_w], reps)
+    total_on = sum(ms[f"mix_{n}"] for n in counts)
+    total_off = (len(counts) - 1) * ms["residual_add"]  # ordinary residuals: an add per layer input but the first
+    out["attn_res"] = {**ms, "mix_points": len(counts), "sources_per_mix": counts}
+    out["attn_res"]["share_of_step"] = (total_on - total_off) / model_ms
+    return out
 
 
 def main() -> None:
@@ -126,7 +197,7 @@ def main() -> None:
     experts = kinds["moe"].experts
     slots = B * T * cfg.experts_per_token
     counts = torch.distributions.Multinomial(slots, torch.ones(cfg.n_routed_experts)).sample().long().tolist()
-    xs = torch.randn(slots, cfg.d_model, requires_grad=True)
+    xs = torch.randn(slots, experts.w_gate.shape[-1], requires_grad=True)  # the latent width in a latent MoE
     weights = (experts.w_gate, experts.w_up, experts.w_down)
     routed = side_by_side(
         {
@@ -155,6 +226,8 @@ def main() -> None:
         args.reps,
     )
 
+    components = k3_components(cfg, model, x, layers["model_estimate"], args.reps)
+
     result = {
         "model": "k3_small",
         "batch": B,
@@ -170,6 +243,7 @@ def main() -> None:
             "expert_input_gather": gather,
             "rms_norm": norm,
         },
+        "k3_components": components,
         "load_avg": [load_before, os.getloadavg()],
     }
     write_results(RESULTS, result, echo=True)
