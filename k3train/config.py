@@ -48,6 +48,9 @@ class TrainConfig:
     # End this session after this many updates (counted from where the session started) with a checkpoint,
     # leaving the plan (and so the schedule) unchanged; the same command with resume=auto does the next slice.
     stop_after: int | None = None
+    # Start a new run (step 0, a fresh optimizer) from the weights at this path: a run directory, a checkpoint, a
+    # k3train export or a Hugging Face Kimi Linear / Kimi K3 directory; its model must be this run's (model=...).
+    init_from: str | None = None
     # Per-device peak FLOP/s that `mfu` divides by; null: a known GPU's datasheet peak, or a CPU calibration matmul
     # (k3train/observe/mfu.py).
     peak_flops: float | None = None

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from k3train.config import ProfileConfig, TrainConfig, check_known_keys
 from k3train.train.precision import Precision
 
-from helpers.config import composed
+from helpers.config import built_run, composed
 
 GROUPS = ("model", "optim", "schedule", "precision", "data")
 NAMED_GROUPS = ("callbacks", "logger")  # groups whose options list any number of named `_target_` nodes
@@ -319,30 +319,6 @@ def test_every_callbacks_and_logger_option_builds_what_the_runner_checks(group, 
             part.setup(tiny_model(with_option("model", "k3_tiny")), None, ParallelDims())  # one process
             assert part.describe()
     assert list(tmp_path.iterdir()) == []  # nothing is written before the first event
-
-
-def built_run(monkeypatch, run_dir, data_dir, *overrides):
-    """build_parts (k3train/run/build.py) on the composed config, as the runner calls it in one process, for the
-    smoke model on a tiny prepared dataset. Its process-wide CPU set-up (threads, malloc, denormals) is left out."""
-    from hydra.core.hydra_config import HydraConfig
-
-    from k3train.run import build
-
-    cfg = composed(
-        *overrides,
-        "model=smoke_test_lm",
-        "data=prepared",
-        f"data.path={data_dir}",
-        "train.seq_len=16",
-        "train.batch_size=2",
-        "train.device=cpu",
-        return_hydra_config=True,
-    )
-    monkeypatch.setattr(build, "apply_threads", lambda choice: None)
-    monkeypatch.setattr(build, "prepare_cpu_training", lambda: {})
-    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # put back after the test
-    HydraConfig.instance().set_config(cfg)
-    return cfg, build.build_parts(cfg, run_dir)
 
 
 def test_callbacks_none_builds_no_callback_and_the_run_still_builds_and_steps(monkeypatch, tmp_path, tiny_data_dir):

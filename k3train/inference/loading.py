@@ -1,8 +1,11 @@
-"""Open what training or export left behind: a run directory, a checkpoint file or an exported model directory.
+"""Open what training or export left behind: a run directory, a checkpoint file or an exported model directory,
+or a Hugging Face Kimi Linear / Kimi K3 directory.
 
 A checkpoint carries its model config (meta.model_config) and weights; the run directory around it says which
 model class built it (.hydra/config.yaml) and which data and tokenizer it trained on (.hydra/config.yaml and
-run.json). An export (k3train/export.py) keeps the same facts in config.json beside model.safetensors.
+run.json). An export (k3train/export.py) keeps the same facts in config.json beside model.safetensors. A Hugging
+Face directory (k3train/hf/read.py) has its config.json, safetensors shards and, for a BPE tokenizer,
+tokenizer.json; without one, a 257-entry vocabulary is k3train's byte tokenizer.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from torch import nn
 from k3train.checkpoint.checkpointer import SHARDED_STORE, load_checkpoint
 from k3train.checkpoint.latest import newest_checkpoint
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
+from k3train.hf.read import is_hf_directory, read_hf
 from k3train.models.kda.fla import require_fla
 from k3train.observe.run_manifest import read_run_json
 
@@ -49,7 +53,9 @@ class Loaded:
 def load(source: str | Path, device: torch.device | str = "cpu") -> Loaded:
     """A run directory (its last.pt), a checkpoint file, or an export directory -> the model in eval mode."""
     path, device = Path(source).expanduser(), torch.device(device)
-    if (path / EXPORT_CONFIG).is_file():
+    if is_hf_directory(path):
+        loaded = _load_hf(path, device)
+    elif (path / EXPORT_CONFIG).is_file():
         loaded = _load_export(path, device)
     else:
         loaded = _load_checkpoint(_checkpoint_file(path), device)
@@ -117,6 +123,31 @@ def _load_export(path: Path, device: torch.device) -> Loaded:
         if tok.identity() != tokenizer:
             raise SourceError(f"{path / EXPORT_TOKENIZER} is not the tokenizer {EXPORT_CONFIG} names: export again")
     return Loaded(model, tok, config["_target_"], config.get("data"), config.get("seq_len"), path, config.get("step"))
+
+
+def _load_hf(path: Path, device: torch.device) -> Loaded:
+    hf = read_hf(path, device)
+    config = hf.config.get("text_config", hf.config)
+    vocab_size = hf.model.config.vocab_size
+    if (path / EXPORT_TOKENIZER).is_file():
+        eos = config.get("eos_token_id", hf.config.get("eos_token_id"))
+        settings = _read_json(path / "tokenizer_config.json") or {}
+        eod_token = settings.get("eos_token")
+        if isinstance(eod_token, dict):  # transformers' AddedToken form
+            eod_token = eod_token.get("content")
+        if eod_token is None and eos is not None:
+            from tokenizers import Tokenizer as BPE
+
+            eod_token = BPE.from_file(str(path / EXPORT_TOKENIZER)).id_to_token(eos)
+        tok: Tokenizer = HFTokenizer(path / EXPORT_TOKENIZER, eod_token)
+    elif vocab_size == ByteTokenizer.vocab_size:
+        tok = ByteTokenizer()
+    else:
+        raise SourceError(
+            f"{path} has no {EXPORT_TOKENIZER} and a {vocab_size}-entry vocabulary: put the model's tokenizer.json "
+            "beside its config.json (a tiktoken tokenizer converts with transformers' AutoTokenizer.save_pretrained)"
+        )
+    return Loaded(hf.model, tok, MODEL_TARGETS["kimi_k3"], None, None, path, None)
 
 
 def build_model(target: str, fields: dict, device: torch.device) -> nn.Module:

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from k3train.checkpoint.checkpointer import Checkpointer, CheckpointError, ShardedCheckpointer
 from k3train.checkpoint.latest import LATEST_NAMES, newest_checkpoint
 from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig, check_known_keys
+from k3train.inference.loading import load
 from k3train.models.protocol import missing_members
 from k3train.observe.metrics import MetricsLogger, MetricsSink
 from k3train.observe.run_manifest import RUN_JSON
@@ -94,6 +95,23 @@ def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data, world:
     }
 
 
+def initialise_from(model, source: str) -> None:
+    """Copy the weights at `source` (any format inference.loading.load reads) into `model`, after checking that
+    both configs describe the same architecture; ValueError names the first field that differs."""
+    loaded = load(source)
+    mine, theirs = (getattr(m.config, "architecture", None) for m in (model, loaded.model))
+    if mine is None or theirs is None:
+        raise ValueError(f"train.init_from={source}: only KimiK3 models start from other weights")
+    mine, theirs = mine(), theirs()
+    for field in sorted(set(mine) | set(theirs)):
+        if mine.get(field) != theirs.get(field):
+            raise ValueError(
+                f"train.init_from={source}: its model has {field}={theirs.get(field)!r}, this run's "
+                f"{mine.get(field)!r}; pick the model config it was trained with (model=... or model.{field}=...)"
+            )
+    model.load_state_dict(loaded.model.state_dict())
+
+
 def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     """Every check and every part, writing nothing: a refusal here leaves no trace."""
     check_known_keys(cfg)
@@ -125,6 +143,8 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
             "a model implements k3train/models/protocol.py's LanguageModel"
         )
     model.check_data(data.vocab_size, train_cfg.seq_len)
+    if train_cfg.init_from is not None and resume_path is None:  # a resumed run's weights are its checkpoint's
+        initialise_from(model, train_cfg.init_from)
     train_loader, val_loader = data.loaders(
         train_cfg.batch_size, train_cfg.seq_len, rank=dims.dp_rank, world_size=dims.dp_size
     )

@@ -25,3 +25,28 @@ def _compose(overrides: tuple[str, ...], return_hydra_config: bool) -> DictConfi
 def model_config(name: str) -> DictConfig:
     """conf/model/NAME.yaml as the runner gets it: composed, so a defaults list (k3_mla_only's) is followed."""
     return composed(f"model={name}").model
+
+
+def built_run(monkeypatch, run_dir, data_dir, *overrides: str, model: str = "smoke_test_lm") -> tuple[DictConfig, dict]:
+    """build_parts (k3train/run/build.py) on the composed config, as the runner calls it in one process, for `model`
+    (the smoke model unless said; overrides may change its fields) on a tiny prepared dataset. Its process-wide CPU
+    set-up (threads, malloc, denormals) is left out."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from k3train.run import build
+
+    cfg = composed(
+        f"model={model}",
+        *overrides,
+        "data=prepared",
+        f"data.path={data_dir}",
+        "train.seq_len=16",
+        "train.batch_size=2",
+        "train.device=cpu",
+        return_hydra_config=True,
+    )
+    monkeypatch.setattr(build, "apply_threads", lambda choice: None)
+    monkeypatch.setattr(build, "prepare_cpu_training", lambda: {})
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # put back after the test
+    HydraConfig.instance().set_config(cfg)
+    return cfg, build.build_parts(cfg, run_dir)

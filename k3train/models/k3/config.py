@@ -6,6 +6,7 @@ The model YAMLs in conf/model/ list these fields flat under `_target_: k3train.m
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from k3train.models.k3.moe import BALANCING as ROUTERS
@@ -15,6 +16,8 @@ from k3train.models.kda.layer import IMPLEMENTATIONS as KDA_IMPLEMENTATIONS
 from k3train.models.kda.layer import OUTPUT_GATES as KDA_OUTPUT_GATES
 
 LAYER_TYPES = ("kda", "mla")
+# Fields that change how a model trains or runs, not what its weights mean.
+TRAINING_ONLY = ("kda_implementation", "kda_chunk_size", "router", "aux_free_bias_rate", "init_std", "max_seq_len")
 
 
 @dataclass
@@ -172,6 +175,25 @@ class KimiK3Config:
         full, rest = divmod(self.n_layers, len(group))
         tail_mla = min(rest, n_mla)
         return group * full + ["kda"] * (rest - tail_mla) + ["mla"] * tail_mla
+
+    def architecture(self) -> dict:
+        """What the weights mean, in one normal form: every field but those that change only training or speed
+        (TRAINING_ONLY), the layer pattern spelled out, defaults resolved and settings of parts the model lacks
+        dropped. Two configs with equal architectures hold each other's weights (train.init_from checks this)."""
+        fields = {k: v for k, v in dataclasses.asdict(self).items() if k not in TRAINING_ONLY}
+        fields["layer_types"] = self.layer_pattern
+        del fields["kda_mla_ratio"]
+        if fields["mla_latent_norm_eps"] is None:
+            fields["mla_latent_norm_eps"] = self.norm_eps
+        if fields["kda_output_gate_bias"] is None:
+            fields["kda_output_gate_bias"] = self.kda_output_gate == "low_rank"
+        if self.kda_gate != "sigmoid":
+            del fields["kda_gate_lower_bound"]
+        if self.ffn_activation != "situ":
+            del fields["situ_beta"], fields["situ_linear_beta"]
+        if not self.mla_rope:
+            del fields["rope_theta"]
+        return fields
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense

@@ -1,0 +1,163 @@
+"""k3train's parameter names <-> the Hugging Face checkpoint names of the same tensors, in both layouts.
+
+k3train's Kimi K3 names were taken from the released checkpoint, so most keys only gain a prefix: `model.` in
+kimi_linear, `language_model.model.` in kimi_k3 (and `lm_head.weight` / `language_model.lm_head.weight`). What else
+differs:
+
+    layers.L.mixer_norm / ffn_norm            layers.L.input_layernorm / post_attention_layernorm
+    layers.L.mixer.*                          layers.L.self_attn.*
+      KDA {q,k,v}_conv                          {q,k,v}_conv1d
+      KDA A_log [H]                             kimi_linear: [1, 1, H, 1]; kimi_k3: [H] zero-padded to a multiple of 128
+      MLA q_a_norm / kv_a_norm / kv_a_proj      q_a_layernorm / kv_a_layernorm / kv_a_proj_with_mqa
+    dense layers.L.ffn.w_{gate,up,down}       layers.L.mlp.{gate,up,down}_proj
+    MoE layers.L.ffn.                         layers.L.block_sparse_moe.
+      router / expert_bias                      gate.weight / gate.e_score_correction_bias
+      experts.w_gate|w_up|w_down [E, ...]       experts.{e}.w1|w3|w2.weight, one tensor per expert
+      shared.w_{gate,up,down}                   shared_experts.{gate,up,down}_proj
+      latent_down / latent_norm / latent_up     routed_expert_down_proj / routed_expert_norm / routed_expert_up_proj
+
+Sources: transformers' conversion mapping for kimi_linear and Automodel's kimi_k3 state_dict_adapter.py
+(prefixes, expert names, the A_log padding),
+https://github.com/huggingface/transformers/blob/main/src/transformers/models/kimi_linear/modeling_kimi_linear.py
+https://github.com/NVIDIA-NeMo/Automodel/blob/main/nemo_automodel/components/models/kimi_k3/state_dict_adapter.py
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from k3train.hf import HFFormatError
+from k3train.models.k3.config import KimiK3Config
+
+A_LOG_PAD = 128  # the released K3 stores A_log [H] in a [ceil(H / 128) * 128] tensor
+PREFIX = {
+    "kimi_linear": ("model.", "lm_head.weight"),
+    "kimi_k3": ("language_model.model.", "language_model.lm_head.weight"),
+}
+KDA = {"q_conv.weight": "q_conv1d.weight", "k_conv.weight": "k_conv1d.weight", "v_conv.weight": "v_conv1d.weight"}
+MLA = {"q_a_norm.": "q_a_layernorm.", "kv_a_norm.": "kv_a_layernorm.", "kv_a_proj.": "kv_a_proj_with_mqa."}
+DENSE = {"w_gate.": "gate_proj.", "w_up.": "up_proj.", "w_down.": "down_proj."}
+MOE = {
+    "router.weight": "gate.weight",
+    "expert_bias": "gate.e_score_correction_bias",
+    "latent_down.weight": "routed_expert_down_proj.weight",
+    "latent_norm.weight": "routed_expert_norm.weight",
+    "latent_up.weight": "routed_expert_up_proj.weight",
+}
+EXPERTS = {"experts.w_gate": "w1", "experts.w_up": "w3", "experts.w_down": "w2"}
+LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+# transformers' save_pretrained (5.24) writes a dense layer's FFN under block_sparse_moe., as it does the MoE's
+DENSE_AS_MOE = re.compile(r"(.*layers\.\d+\.)block_sparse_moe\.((?:gate|up|down)_proj\.weight)")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where an HF tensor lives in k3train: the parameter (or buffer) `name`, its slice `expert` along dim 0 of a
+    stacked expert weight (None: the whole tensor)."""
+
+    name: str
+    expert: int | None = None
+
+
+def hf_names(cfg: KimiK3Config, layout: str, k3_names: Iterable[str]) -> dict[str, Slot]:
+    """Every HF name of the model's tensors in `layout` -> its Slot; k3_names: the model's state_dict keys."""
+    model_prefix, lm_head = PREFIX[layout]
+    pattern = cfg.layer_pattern
+    out: dict[str, Slot] = {}
+    for name in k3_names:
+        if name == "lm_head.weight":
+            out[lm_head] = Slot(name)
+            continue
+        match = LAYER.fullmatch(name)
+        if match is None:  # embed_tokens, norm, output_attn_res_*: the same name under the prefix
+            out[model_prefix + name] = Slot(name)
+            continue
+        layer, rest = int(match[1]), match[2]
+        base = f"{model_prefix}layers.{layer}."
+        if rest.startswith("ffn.experts."):
+            w = EXPERTS[rest.removeprefix("ffn.")]
+            for e in range(cfg.n_routed_experts):
+                out[f"{base}block_sparse_moe.experts.{e}.{w}.weight"] = Slot(name, e)
+            continue
+        out[base + _layer_rest(rest, pattern[layer], cfg.is_moe_layer(layer))] = Slot(name)
+    return out
+
+
+def _layer_rest(rest: str, mixer: str, moe: bool) -> str:
+    if rest.startswith("mixer_norm."):
+        return "input_layernorm." + rest.removeprefix("mixer_norm.")
+    if rest.startswith("ffn_norm."):
+        return "post_attention_layernorm." + rest.removeprefix("ffn_norm.")
+    if rest.startswith("mixer."):
+        sub = rest.removeprefix("mixer.")
+        if sub == "g_b_proj.bias":
+            raise HFFormatError("the low-rank output gate's bias (g_b_proj.bias) has no Hugging Face counterpart")
+        renames = KDA if mixer == "kda" else MLA
+        for old, new in renames.items():
+            if sub.startswith(old):
+                sub = new + sub.removeprefix(old)
+                break
+        return "self_attn." + sub
+    if rest.startswith("ffn."):
+        sub = rest.removeprefix("ffn.")
+        if not moe:
+            return "mlp." + _rename_prefix(sub, DENSE)
+        if sub in MOE:
+            return "block_sparse_moe." + MOE[sub]
+        if sub.startswith("shared."):
+            return "block_sparse_moe.shared_experts." + _rename_prefix(sub.removeprefix("shared."), DENSE)
+        raise HFFormatError(f"no Hugging Face name for the MoE tensor ffn.{sub}")
+    return rest  # the attention-residual mixes keep their names
+
+
+def _rename_prefix(name: str, renames: dict[str, str]) -> str:
+    for old, new in renames.items():
+        if name.startswith(old):
+            return new + name.removeprefix(old)
+    raise HFFormatError(f"no Hugging Face name for {name}")
+
+
+def canonical(name: str, plan: dict[str, Slot]) -> str:
+    """An HF name as hf_names spells it: another writer's spelling of the same tensor is mapped back."""
+    if name not in plan and (match := DENSE_AS_MOE.fullmatch(name)):
+        return f"{match[1]}mlp.{match[2]}"
+    return name
+
+
+def to_hf(state: dict[str, torch.Tensor], cfg: KimiK3Config, layout: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) for every tensor of a k3train state dict, experts one by one, A_log in the HF shape."""
+    for hf_name, slot in hf_names(cfg, layout, state).items():
+        tensor = state[slot.name]
+        if slot.expert is not None:
+            tensor = tensor[slot.expert]
+        elif slot.name.endswith("mixer.A_log"):
+            tensor = a_log_to_hf(tensor, layout)
+        yield hf_name, tensor.contiguous()
+
+
+def a_log_to_hf(a_log: torch.Tensor, layout: str) -> torch.Tensor:
+    if layout == "kimi_linear":
+        return a_log.reshape(1, 1, -1, 1)
+    padded = a_log.new_zeros(math.ceil(a_log.numel() / A_LOG_PAD) * A_LOG_PAD)
+    padded[: a_log.numel()] = a_log
+    return padded
+
+
+def a_log_from_hf(tensor: torch.Tensor, n_heads: int, layout: str, name: str) -> torch.Tensor:
+    """The HF A_log back to [n_heads]; HFFormatError if its shape is not the layout's or the padding is not zero."""
+    flat = tensor.reshape(-1)
+    if layout == "kimi_linear":
+        if tuple(tensor.shape) not in ((1, 1, n_heads, 1), (n_heads,)):
+            raise HFFormatError(f"{name} has shape {list(tensor.shape)}, expected [1, 1, {n_heads}, 1]")
+        return flat
+    padded = math.ceil(n_heads / A_LOG_PAD) * A_LOG_PAD
+    if flat.numel() not in (n_heads, padded):
+        raise HFFormatError(f"{name} has {flat.numel()} entries, expected {n_heads} heads padded to {padded}")
+    if flat[n_heads:].any():
+        raise HFFormatError(f"{name}: the padding past its {n_heads} heads is not zero; the layout is not K3's")
+    return flat[:n_heads]
