@@ -381,3 +381,34 @@ def test_a_bpe_tokenizer_travels_with_the_hf_export(tmp_path) -> None:
     back = load(tmp_path / "hf").tokenizer
     assert isinstance(back, HFTokenizer) and back.identity()["eod_id"] == tokenizer.eod_id
     assert back.encode("def f(): pass").tolist() == tokenizer.encode("def f(): pass").tolist()
+
+
+@pytest.mark.slow
+def test_a_trained_kimi_linear_tiny_run_exported_as_hf_gives_transformers_its_logits(transformers, run_cli, tmp_path):
+    """The issue's external check end to end: `python -m k3train model=kimi_linear_tiny` for a few steps, `python -m
+    k3train.export RUN OUT --format hf`, transformers' AutoModelForCausalLM on OUT against k3train on the run."""
+    import subprocess
+    import sys
+
+    import k3train
+
+    run = tmp_path / "run"
+    proc = run_cli(
+        "model=kimi_linear_tiny", "train.max_steps=3", "train.eval_interval=0", "train.eval_batches=1",
+        "train.cpu_threads=1", f"hydra.run.dir={run}",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "hf"
+    export = subprocess.run(
+        [sys.executable, "-m", "k3train.export", str(run), str(out), "--format", "hf", "--shard-size", "2MB"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert export.returncode == 0, export.stderr
+    assert "as kimi_linear" in export.stdout and (out / "model.safetensors.index.json").is_file()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = k3train.load_model(run)
+    x = ids(3)
+    with torch.no_grad():
+        want, _ = ours(x)
+        got = theirs(x).logits
+    assert relative(got, want) < 1e-4, relative(got, want)
