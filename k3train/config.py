@@ -48,6 +48,9 @@ class TrainConfig:
     # End this session after this many updates (counted from where the session started) with a checkpoint,
     # leaving the plan (and so the schedule) unchanged; the same command with resume=auto does the next slice.
     stop_after: int | None = None
+    # none | block (recompute each Block in the backward) | selective (recompute the attention and MoE cores):
+    # less activation memory for more compute (k3train/models/k3/model.py; docs/configuration.md)
+    activation_checkpointing: str = "none"
     # Start a new run (step 0, a fresh optimizer) from the weights at this path: a run directory, a checkpoint, a
     # k3train export or a Hugging Face Kimi Linear / Kimi K3 directory; its model must be this run's (model=...).
     init_from: str | None = None
@@ -79,6 +82,11 @@ class TrainConfig:
             parse_threads(self.cpu_threads)
         if self.peak_flops is not None and not self.peak_flops > 0:
             raise ValueError(f"train.peak_flops must be > 0 (FLOP/s per device) or null, got {self.peak_flops}")
+        if self.activation_checkpointing not in ("none", "block", "selective"):
+            raise ValueError(
+                "train.activation_checkpointing must be none, block or selective, "
+                f"got {self.activation_checkpointing!r}"
+            )
         if self.max_consecutive_skips < 1:
             raise ValueError(f"train.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
 

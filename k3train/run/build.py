@@ -143,6 +143,13 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
             "a model implements k3train/models/protocol.py's LanguageModel"
         )
     model.check_data(data.vocab_size, train_cfg.seq_len)
+    if train_cfg.activation_checkpointing != "none":
+        if not hasattr(model, "set_activation_checkpointing"):
+            raise ValueError(
+                f"train.activation_checkpointing={train_cfg.activation_checkpointing}: {type(model).__name__} has "
+                "no checkpointing; use none"
+            )
+        model.set_activation_checkpointing(train_cfg.activation_checkpointing)
     if train_cfg.init_from is not None and resume_path is None:  # a resumed run's weights are its checkpoint's
         initialise_from(model, train_cfg.init_from)
     train_loader, val_loader = data.loaders(

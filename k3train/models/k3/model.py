@@ -25,6 +25,12 @@ KimiK3.output_attn_res_{norm,proj}, as the released checkpoint names them. The m
 (forward_cached) keeps no state for it. S = None: the `x + f(x)` blocks above, no mixing parameters. Reference:
 NVIDIA-NeMo/Automodel's Kimi K3 (KimiDecoderLayer._forward_attn_residual, KimiK3TextModel.forward),
 https://github.com/NVIDIA-NeMo/Automodel/blob/00ef9ca241e8b06fb7f59eb70b1cad1cc5c357bb/nemo_automodel/components/models/kimi_k3/model.py
+
+Activation checkpointing (KimiK3.set_activation_checkpointing; train.activation_checkpointing): "block" keeps only
+each Block's inputs and recomputes the Block in the backward; "selective" recomputes only the attention core (the
+mixer) and the routed experts (MoE.checkpoint_experts; the dense FFN whole), keeping the norms, mixes and routing.
+The MoE's routing changes its bias in a training forward, so a recomputed Block replays the experts its forward
+chose and leaves the bias alone (MoE.route): the recompute is the forward, bit for bit.
 """
 
 from __future__ import annotations
@@ -34,17 +40,20 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from k3train.models.k3.attn_res import attn_res_mix
 from k3train.models.k3.cache import MLACache
 from k3train.models.k3.config import KimiK3Config
 from k3train.models.k3.flops import flops_per_token
 from k3train.models.k3.mla import MultiHeadLatentAttention
-from k3train.models.k3.moe import MoE, RoutedExperts, SwiGLU
+from k3train.models.k3.moe import MoE, RoutedExperts, SwiGLU, replayed_routes
 from k3train.models.kda.layer import KimiDeltaAttention
 from k3train.models.kda.state import KDAState
 from k3train.models.loss import linear_cross_entropy
 from k3train.models.norm import RMSNorm
+
+CHECKPOINTING = ("none", "block", "selective")
 
 
 class Block(nn.Module):
@@ -52,6 +61,7 @@ class Block(nn.Module):
         super().__init__()
         c = config
         self.layer_idx = layer_idx
+        self.checkpointing = "none"  # set_activation_checkpointing (module docstring)
         self.attn_res_block_size = c.attn_res_block_size
         self.mixer_type = c.layer_pattern[layer_idx]
         self.mixer_norm = RMSNorm(c.d_model, eps=c.norm_eps)
@@ -124,6 +134,16 @@ class Block(nn.Module):
 
         blocks: with attention residuals, the finished blocks' sums before this layer, the embedding first (the
         caller appends x after a layer that starts_block). Without: unused, the output is x + f(x)."""
+        if self.checkpointing == "block" and torch.is_grad_enabled():
+            routes: dict = {}  # the experts the forward chose, for the recompute to replay (MoE.route)
+
+            def run(h: torch.Tensor, *bs: torch.Tensor) -> torch.Tensor:
+                with replayed_routes(self.ffn, routes):
+                    return self._forward(h, bs, self.mixer)
+
+            return checkpoint(run, x, *blocks, use_reentrant=False)
+        if self.checkpointing == "selective" and torch.is_grad_enabled():
+            return self._forward(x, blocks, lambda y: checkpoint(self.mixer, y, use_reentrant=False))
         return self._forward(x, blocks, self.mixer)
 
     def forward_cached(
@@ -138,7 +158,7 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         if self.attn_res_block_size is None:
             h = h + mixer(self.mixer_norm(h))
-            return h + self.ffn(self.ffn_norm(h))
+            return h + self._ffn(self.ffn_norm(h))
         x = self._mix(blocks + (h,), self.self_attention_res_norm, self.self_attention_res_proj) if blocks else h
         attn = mixer(self.mixer_norm(x))
         if self.starts_block:
@@ -146,7 +166,13 @@ class Block(nn.Module):
             s = attn.to(h.dtype)  # the new block's sum starts here, in the stream's dtype (autocast: not bf16)
         else:
             s = h + attn
-        return s + self.ffn(self.ffn_norm(self._mix(blocks + (s,), self.mlp_res_norm, self.mlp_res_proj)))
+        return s + self._ffn(self.ffn_norm(self._mix(blocks + (s,), self.mlp_res_norm, self.mlp_res_proj)))
+
+    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The FFN; a dense one recomputed whole under selective checkpointing (a MoE checkpoints its own experts)."""
+        if self.checkpointing == "selective" and not isinstance(self.ffn, MoE) and torch.is_grad_enabled():
+            return checkpoint(self.ffn, x, use_reentrant=False)
+        return self.ffn(x)
 
     @staticmethod
     def _mix(sources: tuple[torch.Tensor, ...], norm: RMSNorm, proj: nn.Linear) -> torch.Tensor:
@@ -179,6 +205,15 @@ class KimiK3(nn.Module):
             self.output_attn_res_norm = RMSNorm(config.d_model, eps=config.norm_eps)
             self.output_attn_res_proj = nn.Linear(config.d_model, 1, bias=False)
         self._init_weights()
+
+    def set_activation_checkpointing(self, mode: str) -> None:
+        """mode: none | block | selective (module docstring); in effect for passes that build a graph."""
+        if mode not in CHECKPOINTING:
+            raise ValueError(f"activation checkpointing {mode!r} must be one of {CHECKPOINTING}")
+        for layer in self.layers:
+            layer.checkpointing = mode
+            if isinstance(layer.ffn, MoE):
+                layer.ffn.checkpoint_experts = mode == "selective"
 
     @classmethod
     def from_fields(cls, **fields) -> KimiK3:

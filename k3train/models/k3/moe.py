@@ -66,12 +66,15 @@ may run on one rank alone.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from k3train.models.k3.situ import (
     SiTUGLU,
@@ -241,6 +244,20 @@ class GroupedSwiGLU(torch.autograd.Function):
         return (*grads, None, None if grad_scale is None else grad_scale[:, 0].to(scale_dtype), None)
 
 
+@contextlib.contextmanager
+def replayed_routes(ffn: nn.Module, routes: dict) -> Iterator[None]:
+    """Within: a MoE `ffn` records the experts it chooses in `routes`, or, once they are there, routes by them and
+    leaves its bias alone (a checkpointed Block's recompute). Any other FFN: nothing."""
+    if not isinstance(ffn, MoE):
+        yield
+        return
+    ffn.routes = routes
+    try:
+        yield
+    finally:
+        ffn.routes = None
+
+
 def _expert_rows(counts: list[int]):
     """(expert, slice of its rows) for every expert with at least one row."""
     start = 0
@@ -301,21 +318,31 @@ class MoE(nn.Module):
         self.last_load: torch.Tensor | None = None
         # The ranks whose tokens are balanced together (set by the parallelize function); None: this process's alone.
         self.process_group: dist.ProcessGroup | None = None
+        self.checkpoint_experts = False  # recompute the routed experts in the backward (selective checkpointing)
+        # Under a checkpointed Block (replayed_routes): {} while its forward runs, then {"experts": ...} for the
+        # recompute to route the same way. None: no checkpointed Block around this pass.
+        self.routes: dict | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, d = x.shape
         x_flat = x.reshape(B * T, d)
         weights, experts = self.route(self.router_logits(x_flat))  # [N, k], [N, k]
-        if self.latent_dim is None:
-            out = self.dispatch(x_flat, weights, experts)
+        if self.checkpoint_experts and torch.is_grad_enabled():
+            out = checkpoint(self.routed, x_flat, weights, experts, use_reentrant=False)
         else:
-            y = self.dispatch(self.latent_down(x_flat), weights, experts)  # [N, r], in the matmuls' dtype
-            # normalised in the norm weight's dtype (fp32 under autocast: the variance of a bf16 sum in fp32, and
-            # nn.RMSNorm's fused kernels want input and weight alike), then latent_up back in the autocast dtype
-            out = self.latent_up(self.latent_norm(y.to(self.latent_norm.weight.dtype)))
+            out = self.routed(x_flat, weights, experts)
         if self.shared is not None:
             out = out + self.shared(x_flat)
         return out.view(B, T, d)
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """x [N, d] -> the routed experts' weighted sum [N, d], through the latent width in a latent MoE."""
+        if self.latent_dim is None:
+            return self.dispatch(x, weights, experts)
+        y = self.dispatch(self.latent_down(x), weights, experts)  # [N, r], in the matmuls' dtype
+        # normalised in the norm weight's dtype (fp32 under autocast: the variance of a bf16 sum in fp32, and
+        # nn.RMSNorm's fused kernels want input and weight alike), then latent_up back in the autocast dtype
+        return self.latent_up(self.latent_norm(y.to(self.latent_norm.weight.dtype)))
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, d] -> router logits [N, n] in fp32 (float64 for float64 x), whatever autocast is on: the router
@@ -329,10 +356,18 @@ class MoE(nn.Module):
         """logits [N, n] -> gate weights [N, k] fp32 (float64 for float64 logits) and chosen experts [N, k]; in
         training, updates the bias."""
         scores = torch.sigmoid(logits.to(torch.promote_types(logits.dtype, torch.float32)))
-        experts = torch.topk(scores + self.expert_bias, self.k, dim=-1).indices  # the bias only steers the choice
+        replay = self.routes is not None and "experts" in self.routes  # a checkpointed Block's recompute
+        if replay:
+            experts = self.routes["experts"]  # the forward's choice: the bias has moved on since
+        else:
+            # the bias only steers the choice; detached: indices carry no gradient, and a graph node here would be one
+            # the replay lacks (checkpointing counts the tensors each saves)
+            experts = torch.topk((scores + self.expert_bias).detach(), self.k, dim=-1).indices
+            if self.routes is not None:
+                self.routes["experts"] = experts
         weights = scores.gather(-1, experts)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.routed_scaling_factor
-        if self.training:
+        if self.training and not replay:
             self._after_training_route(scores.detach(), experts)
         return weights, experts
 
