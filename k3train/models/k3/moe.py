@@ -319,6 +319,10 @@ class MoE(nn.Module):
         # The ranks whose tokens are balanced together (set by the parallelize function); None: this process's alone.
         self.process_group: dist.ProcessGroup | None = None
         self.checkpoint_experts = False  # recompute the routed experts in the backward (selective checkpointing)
+        # Expert parallelism (expert_parallel.py): the group whose ranks each hold 1/ep of the routed experts, and
+        # the first of this rank's; None: every expert here.
+        self.ep_group: dist.ProcessGroup | None = None
+        self.first_local_expert = 0
         # Under a checkpointed Block (replayed_routes): {} while its forward runs, then {"experts": ...} for the
         # recompute to route the same way. None: no checkpointed Block around this pass.
         self.routes: dict | None = None
@@ -375,8 +379,13 @@ class MoE(nn.Module):
         """x [N, w], weights/experts [N, k] -> sum_j weights[:, j] * expert_{experts[:, j]}(x)  [N, w] (w: d, or
         the latent width r, which x is then already in).
 
-        The N*k token slots are sorted by expert so that each expert runs once on a contiguous slice.
+        The N*k token slots are sorted by expert so that each expert runs once on a contiguous slice. With the
+        experts spread over ranks (ep_group), the slots travel to them and back (expert_parallel.py).
         """
+        if self.ep_group is not None:
+            from k3train.models.k3.expert_parallel import dispatch_across_ranks  # it imports this module
+
+            return dispatch_across_ranks(self, x, weights, experts)
         N, d = x.shape
         flat_experts = experts.reshape(-1)  # [N*k]
         order = torch.argsort(flat_experts, stable=True)
