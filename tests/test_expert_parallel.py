@@ -5,18 +5,17 @@ tokens) equal the one-process MoE's on the same batches, for the plain and the l
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from k3train.models.k3.moe import MoE
 
-SPAWN_TIMEOUT_S = 120
+from helpers.spawn import spawn_ranks
+
 D, E, K = 32, 8, 2
 CASES = {
     "swiglu": dict(),
@@ -73,14 +72,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str) -> None
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     tmp_path = tmp_path_factory.mktemp("ep-2-ranks")
-    ctx = mp.spawn(_rank_main, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"2 ranks did not finish in {SPAWN_TIMEOUT_S} s (a hung all-to-all?)")
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return spawn_ranks(_rank_main, tmp_path)
 
 
 @pytest.mark.slow

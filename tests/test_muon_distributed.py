@@ -3,22 +3,21 @@ parameters (DDP) and with FSDP2-sharded ones, and the work is really split; the 
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 from k3train.optim import muon as muon_module
 from k3train.optim.muon import MuonAdamW
 from k3train.optim.muon_distributed import assign_owners, data_parallel_group, full_matrix, newton_schulz_cost
 
+from helpers.spawn import spawn_ranks
+
 STEPS = 3
-SPAWN_TIMEOUT_S = 120  # a hung collective fails the test instead of the suite
 
 
 def test_assign_owners_balances_cost_deterministically() -> None:
@@ -144,14 +143,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str) -> None
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Both cases on 2 gloo ranks, from one spawn (starting processes is most of the cost)."""
     tmp_path = tmp_path_factory.mktemp("muon-2-ranks")
-    ctx = mp.spawn(_rank_main, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                p.kill()
-            pytest.fail(f"2 ranks did not finish in {SPAWN_TIMEOUT_S} s (a hung collective?)")
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    return spawn_ranks(_rank_main, tmp_path)
 
 
 @pytest.fixture(scope="module")
