@@ -412,3 +412,16 @@ def test_a_trained_kimi_linear_tiny_run_exported_as_hf_gives_transformers_its_lo
         want, _ = ours(x)
         got = theirs(x).logits
     assert relative(got, want) < 1e-4, relative(got, want)
+
+
+def test_tied_embeddings_are_written_twice_and_read_back_as_the_layout_says(tmp_path) -> None:
+    """kimi_k3 says whether the model ties them; kimi_linear cannot (transformers 5.24 never ties): untied there."""
+    for fields, tied_back in ((K3, True), (KIMI_LINEAR, False)):
+        model = model_with_every_weight_random({**fields, "tie_embeddings": True})
+        out = tmp_path / str(tied_back)
+        write_hf(model, ByteTokenizer(), out, shard_bytes=10**9)
+        assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is tied_back
+        back = read_hf(out, say=lambda _: None).model
+        assert back.config.tie_embeddings is tied_back
+        assert torch.equal(back.lm_head.weight, model.embed_tokens.weight)
+        assert torch.equal(back.embed_tokens.weight, model.embed_tokens.weight)

@@ -120,10 +120,12 @@ def to_hf_config(cfg: KimiK3Config, layout: str, eos_token_id: int | None, dtype
     text["latent_moe_use_norm"] = cfg.expert_latent_dim is not None
     text["topk_method"] = "noaux_tc"
     text["torch_dtype"] = dtype
+    # both tensors are written either way; the flag says whether the model ties them (the release does not)
+    text["tie_word_embeddings"] = cfg.tie_embeddings
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": None,
         "eos_token_id": eos_token_id,
         "pad_token_id": None,

@@ -137,6 +137,8 @@ def to_hf(state: dict[str, torch.Tensor], cfg: KimiK3Config, layout: str) -> Ite
             tensor = tensor[slot.expert]
         elif slot.name.endswith("mixer.A_log"):
             tensor = a_log_to_hf(tensor, layout)
+        elif slot.name == "lm_head.weight" and cfg.tie_embeddings:
+            tensor = tensor.clone()  # written twice (the formats do not tie), and safetensors refuses shared storage
         yield hf_name, tensor.contiguous()
 
 
