@@ -315,6 +315,11 @@ def test_import_hf_writes_an_export_generate_and_evaluate_read(tmp_path, capsys)
     import k3train
 
     assert torch.equal(k3train.load_model(tmp_path / "out")(x)[0], direct.model(x)[0])
+    from k3train.export import main as export_main
+
+    assert export_main([str(tmp_path / "out"), str(tmp_path / "again")]) == 2  # an export is copied, not exported
+    assert "already a k3train export" in capsys.readouterr().err and not (tmp_path / "again").exists()
+    assert export_main([str(tmp_path / "out"), str(tmp_path / "hf_again"), "--format", "hf"]) == 0  # but converts
 
 
 # --- train.init_from -------------------------------------------------------------------------------------------------

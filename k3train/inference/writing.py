@@ -39,7 +39,8 @@ def export(
                 f"{source} is no Hugging Face Kimi Linear or Kimi K3 directory (config.json, *.safetensors)"
             )
         loaded = load(source)
-        if fmt == "k3train" and loaded.path.is_dir() and not is_hf_directory(loaded.path):
+        is_export = (loaded.path / EXPORT_CONFIG).is_file() and not is_hf_directory(loaded.path)  # not a .dcp dir
+        if fmt == "k3train" and is_export:
             raise ValueError(f"{source} is already a k3train export: copy the directory instead")
         if fmt == "hf":  # what the layout cannot say is refused before anything is written
             check_exportable(loaded.model)
