@@ -65,6 +65,13 @@ def test_parallel_dims_say_how_the_ranks_divide_the_work() -> None:
         ParallelDims(dp_replicate=4, rank=4)
     with pytest.raises(ValueError, match="unknown parallel strategy 'tp'"):
         ParallelDims.for_strategy("tp", world_size=2, rank=0, device_type="cpu")
+    ep = ParallelDims.for_strategy("ddp", world_size=4, rank=1, device_type="cpu", ep=2)
+    assert ep.describe() == "DDP over 4 process(es), routed experts split over 2 ranks (expert parallel)"
+    assert ParallelDims(dp_replicate=2, ep=2).ep == 2 and ParallelDims().ep_group is None
+    with pytest.raises(ValueError, match="parallel.ep=3 must divide the 4 process"):
+        ParallelDims(dp_replicate=4, ep=3)
+    with pytest.raises(ValueError, match="parallel.ep=2 with parallel=fsdp is not supported yet"):
+        ParallelDims(dp_shard=2, ep=2)
     assert not dist.is_initialized()  # none of this asked torch.distributed anything
 
 

@@ -15,7 +15,9 @@ Which parameter goes to which group, and why, is decided in k3train/optim/param_
 Data-parallel (`process_group` with more than one rank; the run hands its ParallelDims' data-parallel group, None in
 one process): each rank orthogonalises a share of every Muon group's parameters and the results are all-gathered, so
 every rank applies the same update as a 1-process run would, bit for bit (k3train/optim/muon_distributed.py). Every
-rank still keeps the whole optimizer state, so rank 0's state_dict is the checkpoint.
+rank still keeps the whole optimizer state, so rank 0's state_dict is the checkpoint. Expert-parallel shards
+(parameters with `expert_parallel` > 1: each rank holds other experts) are orthogonalised by their own rank, never
+spread; their state is gathered whole for a checkpoint (k3train/train/parallel.py, DDP.whole_experts).
 
 Sources: KellerJordan/Muon, torch.optim.Muon and Moonlight's Muon:
 https://github.com/KellerJordan/Muon/blob/857d1adc159e098212f828d927460782d3da59e9/muon.py
@@ -241,11 +243,18 @@ class MuonAdamW(torch.optim.Optimizer):
         update_sq, numel = torch.zeros(()), 0
         with_grad = [(p, s) for p, s in zip(group["params"], group["head_splits"]) if p.grad is not None]
         ranks = data_parallel_group(self.process_group)
-        orthogonalised = (
-            self._orthogonalise_spread(group, with_grad, ranks)
-            if ranks is not None
-            else self._orthogonalise_each(group, with_grad)
-        )
+        # an expert-parallel shard differs by rank: its own rank orthogonalises it (each expert is its own matrix)
+        local = [getattr(p, "expert_parallel", 1) > 1 for p, _ in with_grad]
+        if ranks is None or all(local):
+            orthogonalised = self._orthogonalise_each(group, with_grad)
+        elif not any(local):
+            orthogonalised = self._orthogonalise_spread(group, with_grad, ranks)
+        else:
+            spread = iter(
+                self._orthogonalise_spread(group, [w for w, mine in zip(with_grad, local) if not mine], ranks)
+            )
+            each = self._orthogonalise_each(group, [w for w, mine in zip(with_grad, local) if mine])
+            orthogonalised = [next(each) if mine else next(spread) for mine in local]
         for i, ((p, split), O) in enumerate(zip(with_grad, orthogonalised)):  # O: [N, A, B] of the whole matrix
             scaled_lr = lr * (group["rms_match"] * math.sqrt(max(O.shape[-2:])))
             p.mul_(1 - lr * wd)

@@ -67,7 +67,9 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
 def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data, world: World) -> dict:
     """The identities a checkpoint pins and a resume must match."""
     layout = {
-        g.get("name", str(i)): f"{len(g['params'])} tensors, {sum(p.numel() for p in g['params'])} values"
+        # whole sizes: an expert-parallel shard counts as its whole weight, so any ep can resume the checkpoint
+        g.get("name", str(i)): f"{len(g['params'])} tensors, "
+        f"{sum(p.numel() * getattr(p, 'expert_parallel', 1) for p in g['params'])} values"
         for i, g in enumerate(optimizer.param_groups)
     }
     identity = data.identity()
@@ -131,7 +133,7 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     configure_determinism(train_cfg.deterministic)
     seed_everything(train_cfg.seed)
     parallel = instantiate(cfg.parallel)
-    dims = ParallelDims.for_strategy(parallel.name, world.size, world.rank, device.type)
+    dims = ParallelDims.for_strategy(parallel.name, world.size, world.rank, device.type, getattr(parallel, "ep", 1))
     data = instantiate(cfg.data)
     # vocab_size: null in a model YAML means "the data's"; a value the user set is kept, and check_data refuses a
     # mismatch.

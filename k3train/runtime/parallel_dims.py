@@ -1,10 +1,13 @@
 """ParallelDims: how a run's processes divide the work, built once and handed to everything that communicates.
 
-    dp_replicate x dp_shard == world size
+    dp_replicate x dp_shard == world size;   ep divides it
 
 dp_replicate ranks hold whole copies of the model (DDP); dp_shard ranks each hold a slice of every parameter
-(FSDP2). Today a run uses one of the two (`parallel=ddp` or `parallel=fsdp`); expert and context parallelism
-arrive as further dimensions. Modules never ask torch.distributed who they are: the model's parallelize function,
+(FSDP2). Today a run uses one of the two (`parallel=ddp` or `parallel=fsdp`). ep (parallel.ep, DDP only so far)
+splits the routed experts: groups of ep consecutive ranks each hold 1/ep of them and exchange token slots
+(k3train/models/k3/expert_parallel.py); the ranks holding the same experts (world / ep of them) average those
+experts' gradients. Every rank still reads its own rows of the global batch. Context parallelism arrives as a
+further dimension. Modules never ask torch.distributed who they are: the model's parallelize function,
 Muon's distributed Newton-Schulz, Quantile Balancing's global quantiles, QK-Clip's max-logit reduction, the loaders,
 the checkpointer and evaluation all take the group or rank they need from here. In one process every group is None
 and nothing communicates.
@@ -26,7 +29,9 @@ class ParallelDims:
     dp_shard: int = 1
     rank: int = 0
     device_type: str = "cpu"
+    ep: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _ep_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard"):
@@ -39,15 +44,21 @@ class ParallelDims:
             )
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} outside a world of {self.world_size}")
+        if self.ep < 1 or self.world_size % self.ep:
+            raise ValueError(
+                f"parallel.ep={self.ep} must divide the {self.world_size} process(es): experts split over ep ranks"
+            )
+        if self.ep > 1 and self.dp_shard > 1:
+            raise ValueError(f"parallel.ep={self.ep} with parallel=fsdp is not supported yet; use parallel=ddp")
 
     @classmethod
-    def for_strategy(cls, strategy: str, world_size: int, rank: int, device_type: str) -> ParallelDims:
-        """All ranks data-parallel: replicas under DDP, shards under FSDP2."""
+    def for_strategy(cls, strategy: str, world_size: int, rank: int, device_type: str, ep: int = 1) -> ParallelDims:
+        """All ranks data-parallel: replicas under DDP, shards under FSDP2; routed experts split over ep."""
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown parallel strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if strategy == "fsdp":
-            return cls(dp_shard=world_size, rank=rank, device_type=device_type)
-        return cls(dp_replicate=world_size, rank=rank, device_type=device_type)
+            return cls(dp_shard=world_size, rank=rank, device_type=device_type, ep=ep)
+        return cls(dp_replicate=world_size, rank=rank, device_type=device_type, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -80,9 +91,27 @@ class ParallelDims:
             self._mesh = init_device_mesh(self.device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
         return self._mesh
 
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The ranks that share out the routed experts and exchange token slots (None: ep == 1)."""
+        return None if self.ep == 1 else self._expert_mesh()["ep"].get_group()
+
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold the same experts and average their gradients (None: one such rank)."""
+        return None if self.ep == self.world_size else self._expert_mesh()["expert_dp"].get_group()
+
+    def _expert_mesh(self) -> DeviceMesh:
+        """(expert_dp, ep): ep consecutive ranks split the experts; built on first use, a collective on every rank."""
+        if self._ep_mesh is None:
+            shape = (self.world_size // self.ep, self.ep)
+            self._ep_mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=("expert_dp", "ep"))
+        return self._ep_mesh
+
     def describe(self) -> str:
         if not self.several_ranks:
             return "one process"
+        experts = f", routed experts split over {self.ep} ranks (expert parallel)" if self.ep > 1 else ""
         if self.dp_shard > 1:
-            return f"FSDP2 over {self.dp_shard} process(es)"
-        return f"DDP over {self.dp_replicate} process(es)"
+            return f"FSDP2 over {self.dp_shard} process(es){experts}"
+        return f"DDP over {self.dp_replicate} process(es){experts}"

@@ -36,7 +36,7 @@ from k3train.runtime.parallel_dims import ParallelDims
 from k3train.runtime.signals import StopSignals
 from k3train.train.callbacks import Callback
 from k3train.train.evaluate import evaluate
-from k3train.train.parallel import DDP, full_value
+from k3train.train.parallel import DDP, global_grad_norm
 from k3train.train.plan import TrainingPlan
 from k3train.train.precision import Precision
 from k3train.train.rng import RNGState
@@ -157,13 +157,13 @@ class Trainer:
                     _, loss = self.forward(x, targets=y)
                 self.scaler.scale(loss / accum).backward()
             losses.append(loss.detach().float())
+        self.parallel.finish_gradients(self.model, self.dims)  # e.g. expert-parallel weights, which DDP leaves out
         self.state.tokens += self.tokens_per_update
         # The global batch's loss, so every rank takes the same skip-or-step decision (a NaN anywhere is NaN here).
         loss = mean_across_ranks(torch.stack(losses).mean().item(), self.device, self.dims.dp_group)
 
         self.scaler.unscale_(self.optimizer)
-        grads = [p.grad for p in self.params if p.grad is not None]
-        grad_norm = full_value(torch.nn.utils.get_total_norm(grads)).item() if grads else 0.0
+        grad_norm = global_grad_norm(self.params, self.dims)
         result = {"loss": loss, "grad_norm": grad_norm, "lr_factor": lr_factor}
         if math.isfinite(loss) and math.isfinite(grad_norm):
             if self.config.clip_norm is not None:
@@ -317,7 +317,8 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint at an update boundary (gradients are already cleared)."""
         t0 = time.perf_counter()
-        size = self.checkpointer.save(self.state.step)
+        with self.parallel.whole_experts(self.model, self.optimizer, self.dims):  # every rank: a collective
+            size = self.checkpointer.save(self.state.step)
         self.metrics.log(
             "checkpoint",
             step=self.state.step,
@@ -330,7 +331,8 @@ class Trainer:
     def resume(self, path: Path) -> None:
         """Continue from a checkpoint: the Checkpointer checks it against this run and restores every part.
         Optimizer hyperparameters come from the current config (see state.ConfiguredOptimizer)."""
-        self.checkpointer.load(path)
+        with self.parallel.whole_experts(self.model, self.optimizer, self.dims):  # loaded whole, kept in part
+            self.checkpointer.load(path)
         if self.state.step > 0:  # the lr of the last update, as the checkpoint had it (not the configured peak)
             self.schedule.apply(self.optimizer, self.state.step - 1)
         self._resumed_from = Path(path)

@@ -39,9 +39,15 @@ def shard_experts(moe: MoE, group: dist.ProcessGroup) -> None:
         local = nn.Parameter(full.detach()[rank * per_rank : (rank + 1) * per_rank].clone())
         for key, value in vars(full).items():  # annotations such as head_split travel with the weight
             setattr(local, key, value)
+        local.expert_parallel = ep  # 1/ep of the whole weight: its gradient, norm and checkpoint need the others
         setattr(experts, name, local)
     moe.ep_group = group
     moe.first_local_expert = rank * per_rank
+
+
+def expert_shards(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `module` that hold this rank's 1/ep of a routed-expert weight."""
+    return [p for p in module.parameters() if getattr(p, "expert_parallel", 1) > 1]
 
 
 def dispatch_across_ranks(moe: MoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
