@@ -49,12 +49,16 @@ def probe(mode: str, model_name: str, batch: int, seq: int) -> dict:
     opt.step()
     seconds = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    params = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
     return {
         "mode": mode,
         "step_s": seconds,
         "rss_before_mib": before,
         "peak_mib": peak,
         "step_added_mib": peak - before,
+        "params_mib": params,
+        # beyond the gradients and AdamW's two moments (3 x the parameters): activations and transients
+        "activations_mib": peak - before - 3 * params,
     }
 
 
