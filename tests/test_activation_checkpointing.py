@@ -76,6 +76,7 @@ def test_unknown_modes_are_refused() -> None:
     assert TINY  # the shared tiny model: every kind of part
 
 
+@pytest.mark.slow  # seconds: a subprocess, transformers' import or a whole run built
 def test_the_run_sets_it_from_the_config_and_refuses_a_model_without_it(monkeypatch, tmp_path, tiny_data_dir) -> None:
     from helpers.config import built_run
 

@@ -72,6 +72,7 @@ def transformers():
     return pytest.importorskip("transformers", reason="transformers not installed: pip install -e '.[test]'")
 
 
+@pytest.mark.slow  # seconds: a subprocess, transformers' import or a whole run built
 def test_transformers_loads_a_kimi_linear_export_and_gives_its_logits(transformers, tmp_path) -> None:
     model = model_with_every_weight_random(KIMI_LINEAR)
     assert write_hf(model, ByteTokenizer(), tmp_path, shard_bytes=200_000) == "kimi_linear"
@@ -84,6 +85,7 @@ def test_transformers_loads_a_kimi_linear_export_and_gives_its_logits(transforme
     assert relative(got, want) < 1e-4, relative(got, want)
 
 
+@pytest.mark.slow  # seconds: a subprocess, transformers' import or a whole run built
 def test_a_transformers_kimi_linear_imports_and_gives_transformers_logits(transformers, tmp_path) -> None:
     config = transformers.KimiLinearConfig(
         vocab_size=V, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=4,
@@ -334,6 +336,7 @@ def model_overrides(fields: dict) -> list[str]:
     return [f"model.{k}={yaml(v)}" for k, v in fields.items() if k != "vocab_size"]
 
 
+@pytest.mark.slow  # seconds: a subprocess, transformers' import or a whole run built
 def test_a_release_trains_from_init_from_and_generates(monkeypatch, tmp_path, tiny_data_dir) -> None:
     from k3train.inference.sampling import Sampler, generate
 

@@ -1,0 +1,161 @@
+"""Communication per step and per rank, by kind, for a run spec on a mesh.
+
+Each kind has a payload (the bytes of the collective's whole tensor, summed over its calls in one optimizer step,
+as torch.distributed is handed them: an all-gather's output, a reduce-scatter's input, an all-reduce's buffer)
+and the bytes one rank sends on the wire, ring algorithms assumed: (G - 1) / G of the payload for an all-gather or
+a reduce-scatter over G ranks, twice that for an all-reduce, and for an all-to-all the (G - 1) / G of its own
+tokens that leave it.
+
+- FSDP all-gather: every unit (each transformer block, then the root) gathered in fp32 (k3train's FSDP sets no
+  MixedPrecisionPolicy: the gathered parameters are the fp32 master weights, which autocast casts after the
+  gather), padded to dp_shard rows: forward, and again in the backward with reshard_after_forward (the default,
+  the root included, as k3train passes True explicitly); every micro-batch. The routed experts of a unit over the
+  dp_shard / ep ranks that share them, E / ep of them.
+- FSDP reduce-scatter: the gradients of every unit once per step (no_sync holds them for the earlier
+  micro-batches), fp32; frozen parameters have none.
+- DDP all-reduce: all gradients once per step (no_sync), fp32.
+- EP all-to-all (k3train/models/k3/expert_parallel.py): per MoE layer and micro-batch, dispatch and combine in the
+  forward and their gradients in the backward (4; 6 when checkpointing recomputes the routed experts), each tokens
+  x top-k x the routed width (the latent width for a latent MoE: k3train projects before dispatch) x the activation
+  bytes; beside them the gate weights (fp32, forward and backward) and the per-expert slot counts (int64). Summed
+  over an ep group's ranks these are exact; one rank's share of the returns depends on the routing.
+- Expert gradient all-reduce (DDP with ep): each rank's experts over the world / ep ranks that hold the same ones.
+- Newton-Schulz (MuonAdamW over several ranks, k3train/optim/muon_distributed.py): per Muon group one all-gather of
+  the orthogonalised updates (ranks x the largest owner's share, in the Newton-Schulz dtype), and under FSDP one
+  all-gather per Muon parameter of its whole momentum (fp32, DTensor.full_tensor).
+- Quantile Balancing (the MoE's router over several ranks, k3train/models/k3/moe.py): per MoE layer and training
+  forward, the loads (n + 1 fp64 per rank) and each rank's m + 1 smallest required biases per expert (fp32; all its
+  tokens once m + 1 exceeds them, m = global tokens x k / n). The other routers gather only the loads.
+Not counted: scalars (the loss, the gradient norm, QK-Clip's per-head maxima, Muon's weight norms).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from k3train.models.k3.moe import quantile_rank
+from k3train.plan.activations import F32
+from k3train.plan.memory import muon_gather, muon_groups, shard_bytes
+from k3train.plan.mesh import Mesh
+from k3train.plan.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str
+    payload: float  # bytes per step, summed over its calls (see the module docstring)
+    wire: float  # bytes one rank sends per step
+    ranks: int  # the group's size
+    calls: int  # per step
+    overlapped: bool  # runs beside compute (FSDP2's prefetch, DDP's buckets) rather than waiting for it
+    all_to_all: bool = False
+
+
+def ring(payload: float, ranks: int, factor: float = 1.0) -> float:
+    return factor * payload * (ranks - 1) / ranks
+
+
+def fsdp_gather_payload(spec: RunSpec, mesh: Mesh, trainable_only: bool = False) -> tuple[float, float]:
+    """(dense, routed) bytes of one pass of every FSDP unit's all-gather (or reduce-scatter: trainable_only), as
+    FSDP2 pads them: ranks x the padded shard."""
+    dense = routed = 0.0
+    for p in spec.params:
+        if trainable_only and p.kind == "frozen":
+            continue
+        if p.routed:
+            routed += mesh.expert_shard * shard_bytes(p, mesh)
+        else:
+            dense += mesh.dp_shard * shard_bytes(p, mesh)
+    return dense, routed
+
+
+def plan_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
+    c, A = spec.model, spec.accumulation
+    units = len(spec.units)
+    out: list[Collective] = []
+    if mesh.dp_shard > 1:
+        passes = 2 if spec.reshard_after_forward else 1
+        dense, routed = fsdp_gather_payload(spec, mesh)
+        for name, payload, ranks in (("", dense, mesh.dp_shard), (" (routed experts)", routed, mesh.expert_shard)):
+            if payload and ranks > 1:
+                total = A * passes * payload
+                kind = f"FSDP all-gather{name}"
+                out.append(Collective(kind, total, ring(total, ranks), ranks, A * passes * units, True))
+        dense, routed = fsdp_gather_payload(spec, mesh, trainable_only=True)
+        for name, payload, ranks in (("", dense, mesh.dp_shard), (" (routed experts)", routed, mesh.expert_shard)):
+            if payload and ranks > 1:
+                out.append(Collective(f"FSDP reduce-scatter{name}", payload, ring(payload, ranks), ranks, units, True))
+    if mesh.dp_replicate > 1:
+        split = mesh.ep > 1 and mesh.dp_shard == 1  # DDP leaves the expert-parallel shards out of its all-reduce
+        grads = sum(shard_bytes(p, mesh) for p in spec.params if p.kind != "frozen" and not (split and p.routed))
+        out.append(Collective("DDP all-reduce", grads, ring(grads, mesh.dp_replicate, 2), mesh.dp_replicate, 1, True))
+        experts = sum(shard_bytes(p, mesh) for p in spec.params if p.kind != "frozen" and split and p.routed)
+        if experts and mesh.expert_replicas > 1:  # finish_gradients: over the ranks holding the same experts
+            G = mesh.expert_replicas
+            out.append(Collective("expert gradient all-reduce", experts, ring(experts, G, 2), G, 1, False))
+    moe_layers = sum(1 for i in range(c.n_layers) if c.is_moe_layer(i))
+    if mesh.ep > 1 and moe_layers:
+        slots = spec.tokens * c.experts_per_token
+        forwards = 2 if spec.checkpointing != "none" else 1  # the recompute exchanges again
+        per_layer = (2 * forwards + 2) * slots * (c.expert_latent_dim or c.d_model) * spec.act_bytes
+        per_layer += (forwards + 1) * slots * F32 + forwards * c.n_routed_experts * 8  # gate weights, counts
+        calls = A * moe_layers * (4 * forwards + 2)
+        payload = A * moe_layers * per_layer
+        out.append(Collective("EP all-to-all", payload, ring(payload, mesh.ep), mesh.ep, calls, False, True))
+    if spec.optimizer == "muon_adamw" and mesh.world > 1:
+        for group in muon_groups(spec):
+            g = muon_gather(spec, mesh, group)
+            if g.ranks > 1:
+                kind = f"Newton-Schulz update all-gather ({group})"
+                out.append(Collective(kind, g.payload, ring(g.payload, g.ranks), g.ranks, 1, False))
+        for routed, ranks in ((False, mesh.dp_shard), (True, mesh.expert_shard)):
+            muon = [p for p in spec.params if p.kind == "muon" and p.routed == routed]
+            payload = sum(ranks * shard_bytes(p, mesh) for p in muon)
+            if payload and ranks > 1:
+                name = "Newton-Schulz momentum all-gather" + (" (routed experts)" if routed else "")
+                out.append(Collective(name, payload, ring(payload, ranks), ranks, len(muon), False))
+    if moe_layers and mesh.world > 1:  # every training forward sums the loads over ranks, whatever the router
+        n, W, N = c.n_routed_experts, mesh.world, spec.tokens
+        per_layer = W * (n + 1) * 8  # the loads, fp64
+        if c.router == "quantile_balancing":
+            m = quantile_rank(N * W, c.experts_per_token, n)
+            per_layer += W * min(m + 1, N) * n * F32
+        calls = A * moe_layers * (2 if c.router == "quantile_balancing" else 1)
+        payload = A * moe_layers * per_layer
+        out.append(Collective(f"{_router_name(c.router)} all-gather", payload, ring(payload, W), W, calls, False))
+    return out
+
+
+def _router_name(router: str) -> str:
+    return "Quantile Balancing" if router == "quantile_balancing" else "MoE load"
+
+
+def seconds(coll: Collective, mesh: Mesh, hw) -> float:
+    """Wire time of a collective on `hw`: inside a node at the link's one-way bandwidth, across nodes at the
+    network's; an all-to-all splits its bytes between the two. Groups are laid out with ep innermost, then the
+    rest of dp_shard, then dp_replicate, so a group of G consecutive ranks stays in a node while G fits one."""
+    node = hw.node_size(mesh.world)
+    link, network = hw.link_one_way, hw.network_one_way
+    if coll.ranks <= 1:
+        return 0.0
+    spans = _span(coll, mesh) > node
+    if coll.all_to_all:
+        inside = min(node, coll.ranks) - 1
+        off = (coll.ranks - 1 - inside) / (coll.ranks - 1)
+        t_in = coll.wire * (1 - off) / link if link else math.inf
+        t_off = coll.wire * off / network if off and network else (math.inf if off else 0.0)
+        return max(t_in, t_off)
+    bandwidth = network if spans else link
+    if bandwidth is None:
+        return math.inf
+    return coll.wire / bandwidth
+
+
+def _span(coll: Collective, mesh: Mesh) -> int:
+    """How many consecutive ranks the group covers: routed experts' FSDP groups stride over ep."""
+    if "routed experts" in coll.kind or "muon_experts" in coll.kind:
+        return coll.ranks * mesh.ep
+    if coll.kind.startswith("DDP") and mesh.dp_shard > 1:
+        return coll.ranks * mesh.dp_shard
+    return coll.ranks

@@ -1,0 +1,159 @@
+"""A step's time and a run's throughput on a mesh, and the mesh to propose for N devices.
+
+Compute: the model's training FLOPs per token (k3train/models/k3/flops.py, 3 x forward) x the tokens of a step on
+one rank, plus what checkpointing recomputes (block: the whole forward; selective: the mixers' and routed experts'
+forward), at peak x MFU (default 0.4: the fraction of the datasheet peak the step's matmuls reach, a stated
+assumption, --mfu to change it). Newton-Schulz: each rank's largest share of the orthogonalisations (5 steps of
+newton_schulz_cost per matrix, k3train/optim/muon_distributed.py) at the same fraction of the peak in its dtype.
+
+Overlap, assumed: FSDP's all-gathers and reduce-scatters and DDP's all-reduce run beside the forward and backward
+(FSDP2 prefetches the next unit; DDP reduces buckets as the backward fills them), so only what exceeds the compute
+adds to the step. The EP all-to-alls (a MoE waits for its tokens), Quantile Balancing's gathers (its bias decides
+the routing), and the optimizer's gathers and Newton-Schulz (after the backward, before the next forward) add in
+full. Elementwise work and kernel launch overheads are in the MFU; latency per collective is not modelled.
+
+The proposal: one process for one device; otherwise DDP with the smallest ep (1, 2, 4, ...) that fits, else FSDP
+over all devices with the smallest ep that fits (k3train/plan/mesh.py: candidates), saying so when a larger ep
+fits and steps faster; refused when none fits. "Fits": the peak of every phase under (1 - headroom) of the device's
+memory (default 10% kept for the CUDA context, NCCL's buffers and the caching allocator's fragmentation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3train.models.k3.flops import kda_macs, mla_macs
+from k3train.plan.comm import Collective, plan_comm, seconds
+from k3train.plan.hardware import Hardware
+from k3train.plan.memory import Memory, muon_gather, muon_groups, plan_memory
+from k3train.plan.mesh import Mesh, candidates
+from k3train.plan.spec import RunSpec
+
+DAY = 86400.0
+
+
+@dataclass
+class Estimate:
+    mesh: Mesh
+    memory: Memory
+    comm: list[Collective]
+    comm_seconds: dict[str, float]
+    compute_s: float
+    recompute_s: float
+    newton_schulz_s: float
+    exposed_s: float  # communication that adds to the step
+    step_s: float
+    tokens_per_step: int
+    fits: bool
+    budget: float  # bytes per device the peak must stay under
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s
+
+    @property
+    def tokens_per_day(self) -> float:
+        return self.tokens_per_s * DAY
+
+    def model_flops_per_s(self, spec: RunSpec) -> float:
+        """Per device: the model's training FLOPs (recompute excluded) over the step."""
+        return spec.flops_per_token["training"] * self.tokens_per_step / self.mesh.world / self.step_s
+
+
+def recompute_flops_per_token(spec: RunSpec) -> float:
+    c = spec.model
+    if spec.checkpointing == "block":
+        return spec.flops_per_token["forward"]
+    if spec.checkpointing == "selective":
+        macs = 0.0
+        for i, mixer in enumerate(c.layer_pattern):
+            macs += kda_macs(c, spec.seq_len) if mixer == "kda" else mla_macs(c, spec.seq_len)
+            if c.is_moe_layer(i):
+                r = c.expert_latent_dim or c.d_model
+                macs += c.experts_per_token * 3 * r * c.expert_ffn_dim + (
+                    2 * c.d_model * r if c.expert_latent_dim else 0
+                )
+            else:
+                macs += 3 * c.d_model * c.dense_ffn_dim
+        return 2 * macs
+    return 0.0
+
+
+def estimate(
+    spec: RunSpec, mesh: Mesh, hw: Hardware, mfu: float = 0.4, headroom: float = 0.1, device_type: str = "cuda"
+) -> Estimate:
+    memory = plan_memory(spec, mesh, device_type)
+    comm = plan_comm(spec, mesh)
+    peak = hw.peak_flops(spec.precision) * mfu
+    tokens_rank = spec.tokens * spec.accumulation
+    compute = spec.flops_per_token["training"] * tokens_rank / peak
+    recompute = recompute_flops_per_token(spec) * tokens_rank / peak
+    ns = 0.0
+    if spec.optimizer == "muon_adamw":
+        ns_peak = hw.peak_flops("fp32" if spec.ns_dtype == "fp32" else "bf16") * mfu
+        ns = sum(muon_gather(spec, mesh, g).flops_per_rank for g in muon_groups(spec)) / ns_peak
+    times = {coll.kind: seconds(coll, mesh, hw) for coll in comm}
+    overlapped = sum(times[coll.kind] for coll in comm if coll.overlapped)
+    waited = sum(times[coll.kind] for coll in comm if not coll.overlapped)
+    exposed = max(0.0, overlapped - compute - recompute) + waited
+    step = compute + recompute + ns + exposed
+    budget = hw.memory_bytes / (1 if hw.devices_per_node else mesh.world) * (1 - headroom)
+    return Estimate(
+        mesh, memory, comm, times, compute, recompute, ns, exposed, step, tokens_rank * mesh.world,
+        memory.peak <= budget, budget,
+    )  # fmt: skip
+
+
+def propose(
+    spec: RunSpec, devices: int, hw: Hardware, mfu: float = 0.4, headroom: float = 0.1, device_type: str = "cuda"
+) -> tuple[Estimate | None, list[Estimate]]:
+    """(the chosen estimate or None, every candidate in the order tried: the chosen is the first that fits)."""
+    meshes = [Mesh()] if devices == 1 else candidates(devices, spec.model.n_routed_experts)
+    tried = [estimate(spec, mesh, hw, mfu, headroom, device_type) for mesh in meshes]
+    return next((e for e in tried if e.fits), None), tried
+
+
+def why(chosen: Estimate | None, tried: list[Estimate], spec: RunSpec) -> list[str]:
+    """A few lines on the choice, or on why nothing fits."""
+    gb = 1e9
+    lines = []
+    before = tried[: tried.index(chosen)] if chosen else tried
+    for family, label in ((lambda m: m.dp_shard == 1, "DDP"), (lambda m: m.dp_shard > 1, "FSDP")):
+        failed = [e for e in before if family(e.mesh) and e.mesh.world > 1]
+        if failed:
+            best = min(failed, key=lambda e: e.memory.peak)
+            eps = f"ep {failed[0].mesh.ep}" + (f" to {failed[-1].mesh.ep}" if len(failed) > 1 else "")
+            lines.append(
+                f"{label} with {eps} does not fit: at best {best.memory.peak / gb:,.1f} GB ({best.mesh}, "
+                f"{best.memory.peak_phase}) > {best.budget / gb:,.1f} GB usable"
+            )
+    if chosen is None:
+        best = min(tried, key=lambda e: e.memory.peak)
+        items = ", ".join(f"{name} {value / gb:,.1f} GB" for name, value in _largest_items(best.memory))
+        lines.append(
+            f"nothing fits. Smallest peak: {best.mesh.describe()}, {best.memory.peak / gb:,.1f} GB in the "
+            f"{best.memory.peak_phase}; largest items: {items}"
+        )
+        return lines
+    lines.append(
+        f"{chosen.mesh.describe()} fits: peak {chosen.memory.peak / gb:,.1f} GB of {chosen.budget / gb:,.1f} GB "
+        f"usable ({chosen.memory.peak_phase})"
+    )
+    if chosen.mesh.ep > 1:
+        lines.append(
+            f"ep {chosen.mesh.ep}: {spec.model.n_routed_experts // chosen.mesh.ep} experts per rank, the smallest ep "
+            "whose gathered experts and transients fit"
+        )
+    fastest = min((e for e in tried if e.fits), key=lambda e: e.step_s)
+    if fastest is not chosen and fastest.step_s < 0.9 * chosen.step_s:
+        lines.append(
+            f"faster and fitting too: {fastest.mesh.describe()}, {fastest.step_s:,.1f} s a step against "
+            f"{chosen.step_s:,.1f} s (less gathered per step; --mesh {fastest.mesh} plans it)"
+        )
+    return lines
+
+
+def _largest_items(memory: Memory, count: int = 4) -> list[tuple[str, float]]:
+    items = {"parameters": memory.params, "gradients": memory.grads, "activations": memory.activations,
+             "weight copies": memory.weight_copies, **memory.optimizer, **memory.transients}  # fmt: skip
+    return sorted(items.items(), key=lambda kv: -kv[1])[:count]

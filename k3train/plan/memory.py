@@ -1,0 +1,278 @@
+"""Memory per device for a run spec on a mesh: what is stored all along, what one micro-batch keeps, the largest
+transients, and the peak of each phase of a step.
+
+Stored (fp32, k3train's dtype for parameters, gradients and optimizer state under every precision; autocast only
+casts): parameters, their gradients from the backward to the update (set to None after it), Muon's one momentum
+buffer and AdamW's two moments per parameter as k3train/optim/param_groups.py assigns them; DDP's gradient buckets
+(DistributedDataParallel's default keeps the gradients a second time in its buckets). Sharding as FSDP2 does it:
+dim 0 of every parameter split over dp_shard, padded to a multiple (so a tensor shorter than dp_shard costs a row
+on every rank); the routed experts first split over ep (E / ep whole experts per rank), then over dp_shard / ep.
+Under DDP every rank holds everything, MuonAdamW's state included. FSDP2 with gradient accumulation keeps the
+gradients unsharded between micro-batches (k3train's no_sync: set_requires_gradient_sync(False)).
+
+A step's phases, each the stored bytes plus what is alive then:
+- forward end: every layer's saved activations and weight copies (k3train/plan/activations.py), the root's, and
+  the largest forward transient (the LM head's logits chunk in k3train/models/loss.py; FSDP2's gathered root,
+  gathered from the embedding to the loss, with two blocks, the current one and the prefetched next; QK-Clip's
+  [heads, T, T] logits; Quantile Balancing's gathered candidates; EP's dispatch buffers);
+- backward, layer by layer from the last: the activations of the layers below, the finished layers' gradients,
+  and the current layer's working set: gradients as large as what it saved, plus its recompute under checkpointing,
+  plus, under FSDP, the gathered root and two blocks, one block's unsharded gradients (the reduce-scatter's input)
+  and the root's unsharded gradients (reduce-scattered when the backward ends);
+- optimizer step: the gradients and the update's temporaries (AdamW's in MuonAdamW: 3 x the largest parameter;
+  Muon's: the momentum's Nesterov copy and Newton-Schulz's iterates of the largest matrix; over several ranks, the
+  all-gathered updates of a whole group (k3train/optim/muon_distributed.py) and, under FSDP, each whole momentum).
+The optimizer state exists through every phase, except on the first step (it is made in the first update), which
+is what `first_step_added` describes: the bytes one first step adds to a process that has built the model and the
+optimizer (benchmarks/bench_plan.py measures that).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from k3train.models.k3.moe import quantile_rank
+from k3train.models.loss import default_chunk_size
+from k3train.optim.muon_distributed import assign_owners, newton_schulz_cost
+from k3train.plan.activations import F32, I64, LayerActivations, layer_activations, root_activations
+from k3train.plan.mesh import Mesh
+from k3train.plan.spec import Param, RunSpec
+
+NS_BYTES = {"bf16": 2, "fp32": 4}
+
+
+@dataclass
+class Memory:
+    params: float
+    grads: float
+    optimizer: dict[str, float]  # "Muon momentum", "AdamW moments"
+    ddp_buckets: float
+    activations: float  # one micro-batch: every layer's and the root's saved tensors
+    weight_copies: float  # held at the forward's end
+    transients: dict[str, float]  # the largest of each kind
+    phases: dict[str, float] = field(default_factory=dict)  # phase -> bytes per device
+    first_step_added: float = 0.0
+
+    @property
+    def peak(self) -> float:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+
+def shard_bytes(p: Param, mesh: Mesh, element: int = F32) -> float:
+    """Bytes of `p` one rank stores: FSDP2's dim-0 shard, padded to a whole row per rank. The routed experts are
+    first split over ep; when fewer local experts remain than ranks to shard them over, dim 1 is split instead (as
+    torchtitan's shard_placement_fn does), not padded to an expert per rank."""
+    dim0, rest = p.shape[0], p.numel // p.shape[0]
+    shards = mesh.dp_shard
+    if p.routed:
+        dim0, shards = dim0 // mesh.ep, mesh.expert_shard
+        if dim0 < shards:
+            return dim0 * math.ceil(p.shape[1] / shards) * (rest // p.shape[1]) * element
+    return math.ceil(dim0 / shards) * rest * element
+
+
+def local_bytes(p: Param, mesh: Mesh, element: int = F32) -> float:
+    """Bytes of `p` a rank computes with (gathered): the whole tensor, its ep share of the routed experts."""
+    return p.numel * element / (mesh.ep if p.routed else 1)
+
+
+def unit_bytes(spec: RunSpec, mesh: Mesh, unit: str, trainable_only: bool = False) -> float:
+    """An FSDP unit's parameters as gathered on one rank (fp32)."""
+    return sum(
+        local_bytes(p, mesh) for p in spec.params if p.unit == unit and not (trainable_only and p.kind == "frozen")
+    )
+
+
+def plan_memory(spec: RunSpec, mesh: Mesh, device_type: str) -> Memory:
+    c, act = spec.model, spec.act_bytes
+    sharded = mesh.dp_shard > 1
+    trainable = [p for p in spec.params if p.kind != "frozen"]
+    params = sum(shard_bytes(p, mesh) for p in spec.params)
+    unsharded_grads = sharded and spec.accumulation > 1  # no_sync keeps FSDP2's gradients whole
+    grad_of = {p.name: (local_bytes(p, mesh) if unsharded_grads else shard_bytes(p, mesh)) for p in trainable}
+    grads = sum(grad_of.values())
+    optimizer = {
+        "Muon momentum": sum(shard_bytes(p, mesh) for p in trainable if p.kind == "muon"),
+        "AdamW moments": sum(2 * shard_bytes(p, mesh) for p in trainable if p.kind == "adamw"),
+    }
+    optimizer = {k: v for k, v in optimizer.items() if v}
+    # DDP's buckets: every gradient but the expert-parallel shards', which DDP leaves out (k3train/train/parallel.py)
+    ddp_buckets = 0.0
+    if mesh.world > 1 and not sharded:
+        ddp_buckets = sum(grad_of[p.name] for p in trainable if not (p.routed and mesh.ep > 1))
+
+    local_experts = c.n_routed_experts // mesh.ep
+    layers = [
+        layer_activations(c, i, spec.tokens, spec.seq_len, spec.checkpointing, act, device_type, local_experts)
+        for i in range(c.n_layers)
+    ]
+    root = root_activations(c, spec.tokens, act)
+    activations = sum(la.saved for la in layers) + root
+    copies = sum(la.copies_saved + la.copies_cached for la in layers)
+    forward = forward_transients(spec, mesh, device_type)
+    memory = Memory(params, grads, optimizer, ddp_buckets, activations, copies, dict(forward))
+
+    stored_without_state = params + ddp_buckets
+    state = sum(optimizer.values())
+    grads_along = grads if spec.accumulation > 1 else 0.0  # earlier micro-batches' gradients
+    fwd = activations + copies + grads_along + max(forward.values(), default=0.0)
+    bwd = backward_peak(spec, mesh, layers, grad_of, device_type)
+    opt_transients = optimizer_transients(spec, mesh)
+    memory.transients.update(opt_transients)
+    opt = grads + max(opt_transients.values(), default=0.0)
+    memory.phases = {
+        "forward end": stored_without_state + state + fwd,
+        "backward": stored_without_state + state + bwd,
+        "optimizer step": stored_without_state + state + opt,
+    }
+    memory.first_step_added = max(fwd, bwd, opt + state)  # DDP's buckets exist before the first step
+    return memory
+
+
+def forward_transients(spec: RunSpec, mesh: Mesh, device_type: str) -> dict[str, float]:
+    """The largest short-lived allocations of a forward, by kind (bytes per device)."""
+    c, act, N = spec.model, spec.act_bytes, spec.tokens
+    V, d = c.vocab_size, c.d_model
+    rows = min(default_chunk_size(V, "cpu" if device_type == "cpu" else "cuda"), N)
+    loss = rows * V * F32
+    if act < F32:  # fp32 accumulator, the weight's cast, a chunk's product; the logits chunk's cast
+        loss += V * d * (F32 + 2 * act) + rows * V * act
+    out = {"LM head logits chunk (loss)": loss}
+    if mesh.dp_shard > 1:
+        out["FSDP gathered root + two blocks"] = fsdp_gathered(spec, mesh)
+    if spec.qk_clip and "mla" in c.layer_pattern:
+        h, T, q = c.mla_n_heads, spec.seq_len, c.qk_nope_head_dim + c.qk_rope_head_dim
+        casts = 2 * spec.batch_size * h * T * q * F32 if act < F32 else 0
+        out["QK-Clip max-logit [heads, T, T]"] = 2 * h * T * T * F32 + T * T + casts
+    moe = any(c.is_moe_layer(i) for i in range(c.n_layers))
+    if moe and c.router == "quantile_balancing":
+        n = c.n_routed_experts
+        m = quantile_rank(N * mesh.world, c.experts_per_token, n)
+        if mesh.world > 1:
+            gathered = mesh.world * min(m + 1, N) * n * F32
+        else:
+            gathered = 2 * N * n * F32  # the required biases and the scores they are made from
+        out["Quantile Balancing candidates"] = gathered + (m + 1) * n * (F32 + I64)
+    if moe and mesh.ep > 1:
+        r = c.expert_latent_dim or d
+        out["EP dispatch + combine buffers"] = 2 * N * c.experts_per_token * r * act
+    return out
+
+
+def fsdp_gathered(spec: RunSpec, mesh: Mesh) -> float:
+    """FSDP2's gathered parameters at once: the root's (gathered for the whole forward and the whole backward: it
+    wraps them) and two blocks' (the current one and the next, prefetched)."""
+    blocks = [unit_bytes(spec, mesh, u) for u in spec.units if u != "root"]
+    return unit_bytes(spec, mesh, "root") + 2 * max(blocks)
+
+
+def backward_peak(
+    spec: RunSpec, mesh: Mesh, layers: list[LayerActivations], grad_of: dict[str, float], device: str
+) -> float:
+    """The most the backward holds beyond the stored bytes: layer by layer from the last, the layers below still
+    saved, the layers done as gradients, and the current layer's gradients and recompute."""
+    c, act = spec.model, spec.act_bytes
+    grads_by_unit: dict[str, float] = {}
+    for p in spec.params:
+        if p.name in grad_of:
+            grads_by_unit[p.unit] = grads_by_unit.get(p.unit, 0.0) + grad_of[p.name]
+    sharded = mesh.dp_shard > 1
+    fsdp = 0.0
+    if sharded:  # the root's gradients stay unsharded until the backward ends (its unit's post-backward)
+        blocks = [u for u in spec.units if u != "root"]
+        fsdp = fsdp_gathered(spec, mesh) + max(unit_bytes(spec, mesh, u, trainable_only=True) for u in blocks)
+        root_grads = [p for p in spec.params if p.unit == "root" and p.name in grad_of]
+        grads_by_unit["root"] = sum(local_bytes(p, mesh) for p in root_grads)
+    loss_backward = 0.0
+    if device != "cpu" or spec.accumulation > 1:  # the loss's gradients scaled by 1 / accumulation: copies
+        loss_backward = c.vocab_size * c.d_model * act + spec.tokens * c.d_model * act
+    below = sum(la.saved + la.copies_saved for la in layers)
+    done = grads_by_unit.get("root", 0.0)  # the LM head's gradient, made by the loss in the forward
+    peak = 0.0
+    recomputes = spec.checkpointing != "none"
+    local_experts = c.n_routed_experts // mesh.ep
+    for i in reversed(range(c.n_layers)):
+        la = layers[i]
+        below -= la.saved + la.copies_saved
+        work = la.full  # the gradients of what it saved
+        if recomputes:
+            work += la.full - la.saved
+            work += _recompute_copies(spec, i, act, device, local_experts)
+        held = below + la.saved + la.copies_saved + work + done + fsdp + (loss_backward if i == c.n_layers - 1 else 0)
+        peak = max(peak, held)
+        done += grads_by_unit.get(f"layers.{i}", 0.0)
+    if getattr(c, "tie_embeddings", False):  # the embedding's own gradient before it joins the LM head's
+        peak = max(peak, done + c.vocab_size * c.d_model * F32 + fsdp)
+    return peak
+
+
+def _recompute_copies(spec: RunSpec, layer: int, act: int, device: str, local_experts: int) -> float:
+    """The weight copies a recomputed layer makes again (its none-mode copies)."""
+    la = layer_activations(spec.model, layer, 1, spec.seq_len, "none", act, device, local_experts)
+    return la.copies_saved
+
+
+def optimizer_transients(spec: RunSpec, mesh: Mesh) -> dict[str, float]:
+    """The update's largest temporaries, by kind (bytes per device)."""
+    trainable = [p for p in spec.params if p.kind != "frozen"]
+    adamw = [p for p in trainable if p.kind == "adamw"]
+    muon = [p for p in trainable if p.kind == "muon"]
+    out: dict[str, float] = {}
+    if spec.optimizer == "adamw":
+        fused = mesh.dp_shard == 1  # torch's fused kernel on plain tensors; foreach on FSDP2's DTensors
+        out["AdamW update"] = 0.0 if fused else sum(shard_bytes(p, mesh) for p in adamw)
+        return out
+    if adamw:  # MuonAdamW's AdamW: denominator, update, its square, per parameter
+        out["AdamW update (largest parameter)"] = 3 * max(shard_bytes(p, mesh) for p in adamw)
+    if muon:
+        ns = NS_BYTES[spec.ns_dtype]
+        largest = max(local_bytes(p, mesh, 1) for p in muon)  # elements of the whole matrix (FSDP gathers it)
+        per_element = F32 + 3 * ns + (F32 if ns < F32 else 0) + F32  # Nesterov, iterates, fp32 copy, square
+        out["Muon Newton-Schulz (largest matrix)"] = largest * per_element
+        gathers = [g for g in (muon_gather(spec, mesh, group) for group in muon_groups(spec)) if g.ranks > 1]
+        if gathers:
+            out["Muon gathered updates (largest group)"] = max(g.payload for g in gathers) + largest * per_element
+    return out
+
+
+@dataclass(frozen=True)
+class MuonGather:
+    payload: float  # bytes of the all-gathered buffer: ranks x the largest share, in the Newton-Schulz dtype
+    ranks: int
+    flops_per_rank: float  # the most Newton-Schulz FLOPs a rank does for this group (one update)
+
+
+def muon_groups(spec: RunSpec) -> list[str]:
+    return sorted({p.group for p in spec.params if p.kind == "muon"})
+
+
+def muon_ranks(mesh: Mesh, routed: bool) -> int:
+    """The ranks that share a Muon group's Newton-Schulz: every data-parallel rank; expert-parallel shards are
+    orthogonalised by the rank that holds them (k3train/optim/muon.py), under FSDP by the dp_shard / ep ranks that
+    shard them (assumed: not built yet)."""
+    return mesh.expert_shard if routed and mesh.ep > 1 else mesh.world
+
+
+def muon_gather(spec: RunSpec, mesh: Mesh, group: str, ns_steps: int = 5) -> MuonGather:
+    """k3train/optim/muon_distributed.py's plan for one group: owners by Newton-Schulz cost, one all-gather of
+    every owner's outputs padded to the largest share. Routed experts under ep: the local E / ep of each stack."""
+    members = [p for p in spec.params if p.kind == "muon" and p.group == group]
+    routed = any(p.routed for p in members)
+    ranks = muon_ranks(mesh, routed)
+    shapes = [_local_matrices(p, mesh) for p in members]
+    costs = [newton_schulz_cost(s) for s in shapes]
+    owners = assign_owners(costs, ranks)
+    numels = [s[0] * s[1] * s[2] for s in shapes]
+    share = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(ranks)]
+    load = [sum(cost for cost, o in zip(costs, owners) if o == r) for r in range(ranks)]
+    return MuonGather(ranks * max(share) * NS_BYTES[spec.ns_dtype], ranks, ns_steps * max(load))
+
+
+def _local_matrices(p: Param, mesh: Mesh) -> tuple[int, int, int]:
+    n, a, b = p.matrices
+    return (n // mesh.ep if p.routed else n, a, b)

@@ -1,0 +1,102 @@
+"""A mesh to plan for: how N devices divide the work, dp_replicate x dp_shard, with ep ranks splitting the routed
+experts.
+
+    world = dp_replicate x dp_shard          every rank reads its own rows of the global batch
+    ep | world                               groups of ep consecutive ranks split the routed experts: E / ep whole
+                                             experts per rank, token slots exchanged by all-to-all
+Everything else (attention, the router, shared experts, dense FFN, embeddings) is data-parallel over every rank:
+replicated (DDP, dp_shard = 1) or FSDP-sharded over dp_shard and replicated over dp_replicate (FSDP2, HSDP).
+The routed experts: under DDP (k3train's parallel=ddp with parallel.ep, k3train/runtime/parallel_dims.py) each
+rank keeps its E / ep whole and the world / ep ranks holding the same experts average their gradients; under FSDP
+(not built in k3train yet: planned as torchtitan does it) ep is carved out of dp_shard (ep | dp_shard) and each
+rank's experts are FSDP-sharded over the dp_shard / ep ranks that hold the same ones, so ep changes where the
+experts' bytes live and what moves rather than the bytes each rank stores: a layer's experts are gathered over
+dp_shard / ep ranks, E / ep of them, not all E over every rank, and the tokens travel to their experts instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mesh:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "ep"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"mesh {name}={getattr(self, name)!r} must be a positive integer")
+        if self.world % self.ep:
+            raise ValueError(f"mesh ep={self.ep} must divide the {self.world} ranks")
+        if self.dp_shard > 1 and self.dp_shard % self.ep:
+            raise ValueError(
+                f"mesh ep={self.ep} must divide dp_shard={self.dp_shard}: under FSDP the expert-parallel ranks are "
+                "taken from the sharded ones"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> Mesh:
+        """'R x S x E' (or 'RxS', ep 1), e.g. '1x1024x64'."""
+        parts = text.lower().replace(" ", "").split("x")
+        try:
+            values = [int(p) for p in parts]
+        except ValueError:
+            values = []
+        if len(values) not in (2, 3):
+            raise ValueError(f"--mesh {text!r}: write dp_replicate x dp_shard x ep, e.g. 1x1024x64")
+        return cls(*values)
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def expert_shard(self) -> int:
+        """The FSDP degree of each rank's experts: the dp_shard / ep ranks that hold the same ones (1 under DDP)."""
+        return self.dp_shard // self.ep if self.dp_shard > 1 else 1
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts' shard: they average its gradients."""
+        return self.world // (self.ep * self.expert_shard)
+
+    @property
+    def strategy(self) -> str:
+        if self.world == 1:
+            return "one process"
+        if self.dp_shard == 1:
+            return "ddp"
+        return "fsdp" if self.dp_replicate == 1 else "hsdp"
+
+    def describe(self) -> str:
+        return f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} (ep {self.ep})"
+
+    def __str__(self) -> str:
+        return f"{self.dp_replicate}x{self.dp_shard}x{self.ep}"
+
+
+def ep_built() -> bool:
+    """Whether k3train's ParallelDims has an expert-parallel dimension yet."""
+    from k3train.runtime.parallel_dims import ParallelDims
+
+    return "ep" in {f.name for f in dataclasses.fields(ParallelDims)}
+
+
+def candidates(devices: int, n_experts: int) -> list[Mesh]:
+    """The meshes a proposal tries, in order, taking the first that fits: DDP (replicated, ep 1), DDP with ep = 2,
+    4, ... (what k3train runs today with parallel.ep), then FSDP over every device with ep = 1, 2, 4, ...: powers of
+    two dividing the devices and the experts."""
+    eps = [ep for ep in _powers_of_two(devices) if devices % ep == 0 and n_experts % ep == 0]
+    return [Mesh(devices, 1, ep) for ep in eps] + [Mesh(1, devices, ep) for ep in eps]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    out, ep = [], 1
+    while ep <= limit:
+        out.append(ep)
+        ep *= 2
+    return out

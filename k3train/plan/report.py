@@ -1,0 +1,161 @@
+"""The plan as text (the CLI's table) and as JSON (--json; what benchmarks and docs read)."""
+
+from __future__ import annotations
+
+from k3train.plan.estimate import Estimate, why
+from k3train.plan.hardware import Hardware
+from k3train.plan.spec import RunSpec
+
+GB = 1e9
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:,.2f}"
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(x) >= scale:
+            return f"{x / scale:,.2f}{unit}"
+    return f"{x:,.0f}"
+
+
+def header(spec: RunSpec, hw: Hardware, devices: int, overrides: list[str]) -> list[str]:
+    c = spec.model
+    total = sum(p.numel for p in spec.params)
+    routed = sum(p.numel for p in spec.params if p.routed)
+    active = total - routed + routed * c.experts_per_token / c.n_routed_experts
+    return [
+        f"k3train plan: {' '.join(overrides) or '(defaults)'} on {devices} x {hw.name}",
+        f"  device: {_si(hw.peak_flops(spec.precision))}FLOP/s dense {spec.precision}, {hw.memory_bytes / GB:,.0f} GB"
+        + (f", link {hw.link_bytes_per_s / GB:,.0f} GB/s" if hw.link_bytes_per_s else "")
+        + (f", network {hw.network_bits_per_s / 1e9:,.0f} Gb/s per device" if hw.network_bits_per_s else "")
+        + (f", {hw.devices_per_node} per node" if hw.devices_per_node else ""),
+        f"  model: {_si(total)} parameters ({_si(active)} active), {c.n_layers} layers, d {c.d_model}, "
+        f"{c.n_routed_experts} experts top-{c.experts_per_token}; {spec.flops_per_token['training']:.3e} training "
+        f"FLOPs per token at seq {spec.seq_len}",
+        f"  recipe: batch {spec.batch_size} x seq {spec.seq_len} x accumulation {spec.accumulation} per device, "
+        f"{spec.precision}, checkpointing {spec.checkpointing}, {spec.optimizer}"
+        + (f" (Newton-Schulz in {spec.ns_dtype})" if spec.ns_dtype else "")
+        + f", configured parallel={spec.strategy}",
+    ]
+
+
+def table(e: Estimate, spec: RunSpec, mfu: float, hw: Hardware) -> list[str]:
+    m = e.memory
+    lines = [f"mesh {e.mesh} = {e.mesh.describe()}, {e.mesh.world} device(s)", "", "memory per device (GB)"]
+    rows = [("parameters (fp32, as stored)", m.params), ("gradients (fp32)", m.grads)]
+    rows += [(f"{name} (fp32)", value) for name, value in m.optimizer.items()]
+    if m.ddp_buckets:
+        rows.append(("DDP gradient buckets", m.ddp_buckets))
+    rows += [
+        ("activations (one micro-batch)", m.activations),
+        ("weight copies held (autocast, fused)", m.weight_copies),
+    ]
+    lines += [f"  {name:<52} {_gb(value):>12}" for name, value in rows]
+    lines.append("  transients (the largest of each kind):")
+    lines += [f"    {name:<50} {_gb(value):>12}" for name, value in m.transients.items() if value]
+    lines.append("  peak by phase:")
+    lines += [f"    {name:<50} {_gb(value):>12}" for name, value in m.phases.items()]
+    verdict = "fits" if e.fits else "DOES NOT FIT"
+    lines.append(f"  peak {_gb(m.peak)} GB ({m.peak_phase}) of {_gb(e.budget)} GB usable: {verdict}")
+    lines += ["", f"{'communication per step per device':<54}payload GB    wire GB    seconds  overlaps compute"]
+    for coll in e.comm:
+        lines.append(
+            f"  {coll.kind:<50} {_gb(coll.payload):>12} {_gb(coll.wire):>10} {e.comm_seconds[coll.kind]:>10.3f}  "
+            f"{'yes' if coll.overlapped else 'no'}"
+        )
+    if not e.comm:
+        lines.append("  none (one process)")
+    peak = hw.peak_flops(spec.precision)
+    lines += [
+        "",
+        f"step time (MFU {mfu:.2f} of {_si(peak)}FLOP/s)",
+        f"  compute      {e.compute_s:10.3f} s  ({spec.flops_per_token['training']:.3e} FLOP/token x "
+        f"{e.tokens_per_step // e.mesh.world:,} tokens)",
+    ]
+    if e.recompute_s:
+        lines.append(f"  recompute    {e.recompute_s:10.3f} s  (checkpointing {spec.checkpointing})")
+    if e.newton_schulz_s:
+        lines.append(f"  Newton-Schulz{e.newton_schulz_s:10.3f} s  (this rank's share)")
+    lines += [
+        f"  exposed comm {e.exposed_s:10.3f} s",
+        f"  step         {e.step_s:10.3f} s",
+        f"throughput: {e.tokens_per_s:,.0f} tokens/s ({e.tokens_per_s / e.mesh.world:,.1f} per device), "
+        f"{e.tokens_per_day:.3e} tokens/day; model {e.model_flops_per_s(spec) / 1e12:,.1f} TFLOP/s per device",
+    ]
+    return lines
+
+
+def alternatives(tried: list[Estimate]) -> list[str]:
+    if len(tried) < 2:
+        return []
+    lines = ["", "meshes tried           peak GB  phase            step s   tokens/day  fits"]
+    for e in tried:
+        lines.append(
+            f"  {str(e.mesh):<18} {_gb(e.memory.peak):>10}  {e.memory.peak_phase:<15} {e.step_s:8.2f}  "
+            f"{e.tokens_per_day:11.3e}  {'yes' if e.fits else 'no'}"
+        )
+    return lines
+
+
+def render(spec, hw, devices, overrides, chosen, tried, mfu, proposed: bool, notes: list[str]) -> str:
+    shown = chosen or min(tried, key=lambda e: e.memory.peak)
+    lines = header(spec, hw, devices, overrides) + [""]
+    lines += [("proposed " if proposed else "") + "mesh, and why:"] + [f"  {line}" for line in why(chosen, tried, spec)]
+    lines += [f"  note: {n}" for n in notes]
+    lines += [""] + table(shown, spec, mfu, hw) + alternatives(tried)
+    return "\n".join(lines)
+
+
+def as_json(spec: RunSpec, hw: Hardware, chosen: Estimate | None, tried: list[Estimate], mfu: float) -> dict:
+    def one(e: Estimate) -> dict:
+        m = e.memory
+        return {
+            "mesh": {"dp_replicate": e.mesh.dp_replicate, "dp_shard": e.mesh.dp_shard, "ep": e.mesh.ep},
+            "fits": e.fits,
+            "usable_bytes": e.budget,
+            "memory_bytes": {
+                "parameters": m.params,
+                "gradients": m.grads,
+                "optimizer": m.optimizer,
+                "ddp_buckets": m.ddp_buckets,
+                "activations": m.activations,
+                "weight_copies": m.weight_copies,
+                "transients": m.transients,
+                "phases": m.phases,
+                "peak": m.peak,
+                "first_step_added": m.first_step_added,
+            },
+            "communication": [
+                {
+                    "kind": c.kind,
+                    "payload_bytes": c.payload,
+                    "wire_bytes": c.wire,
+                    "ranks": c.ranks,
+                    "calls": c.calls,
+                    "overlapped": c.overlapped,
+                    "seconds": e.comm_seconds[c.kind],
+                }
+                for c in e.comm
+            ],  # fmt: skip
+            "seconds": {
+                "compute": e.compute_s,
+                "recompute": e.recompute_s,
+                "newton_schulz": e.newton_schulz_s,
+                "exposed_communication": e.exposed_s,
+                "step": e.step_s,
+            },  # fmt: skip
+            "tokens_per_step": e.tokens_per_step,
+            "tokens_per_s": e.tokens_per_s,
+            "tokens_per_day": e.tokens_per_day,
+            "model_tflops_per_device": e.model_flops_per_s(spec) / 1e12,
+        }
+
+    return {
+        "device": hw.name,
+        "mfu": mfu,
+        "flops_per_token": spec.flops_per_token,
+        "chosen": one(chosen) if chosen else None,
+        "tried": [one(e) for e in tried],
+    }
