@@ -6,9 +6,9 @@
 (a) Newton-Schulz over every Muon matrix of k3_tiny and k3_small (one optimizer step's worth, random momentum)
     in bf16, fp32, and what optim.ns_dtype=auto picks here.
 (b) A k3_tiny train step (forward, backward, MuonAdamW step; batch 8 x 256, the quickstart's) alone and beside 1
-    and 2 busy competitor processes (`while True: pass`), with k3train's CPU choices (auto threads; OpenMP threads
-    that spin ~30 ms, and CpuThreads, k3train/train/cpu_threads.py, giving threads up while the competitors run)
-    against OpenMP threads that sleep at once (OMP_WAIT_POLICY=PASSIVE, k3train's choice before) and torch's
+    and 2 busy competitor processes (`while True: pass`), with train.cpu_threads=adaptive (OpenMP threads that spin
+    ~30 ms, and CpuThreads, k3train/train/cpu_threads.py, giving threads up while the competitors run) against
+    OpenMP threads that sleep at once (OMP_WAIT_POLICY=PASSIVE: what auto gets on CPUs busy at start) and torch's
     defaults (a thread per core, OpenMP's own policy); alone, also with Newton-Schulz forced to fp32 (auto's choice
     on a CPU without native bf16) and with AdamW. Each configuration runs in a fresh process (OpenMP's settings are
     fixed when torch loads), for at most --probe-budget seconds; the steps timed come after 2.5 s of warm-up steps,

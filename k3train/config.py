@@ -44,7 +44,10 @@ class TrainConfig:
     overfit_batch: bool = False  # repeat the first (accumulated) batch forever: a plumbing check
     compile: bool = False
     progress: str = "auto"  # auto (a bar on a terminal, log lines otherwise) | bar | lines
-    cpu_threads: str = "auto"  # torch threads: auto (usable CPUs / local jobs, k3train/runtime/cpu.py) or a count
+    # torch threads: auto (usable CPUs / local jobs, k3train/runtime/cpu.py), a count, or adaptive: auto's count to
+    # start, fewer while other processes use the CPUs (faster on a shared machine; the numbers then depend on the
+    # load, so a resumed run is no longer bitwise the uninterrupted one: k3train/train/cpu_threads.py)
+    cpu_threads: str = "auto"
     # End this session after this many updates (counted from where the session started) with a checkpoint,
     # leaving the plan (and so the schedule) unchanged; the same command with resume=auto does the next slice.
     stop_after: int | None = None
@@ -78,7 +81,7 @@ class TrainConfig:
             raise ValueError(f"train.progress must be auto, bar or lines, got {self.progress!r}")
         if self.stop_after is not None and self.stop_after < 1:
             raise ValueError(f"train.stop_after must be >= 1 or null, got {self.stop_after}")
-        if self.cpu_threads != "auto":
+        if self.cpu_threads not in ("auto", "adaptive"):
             parse_threads(self.cpu_threads)
         if self.peak_flops is not None and not self.peak_flops > 0:
             raise ValueError(f"train.peak_flops must be > 0 (FLOP/s per device) or null, got {self.peak_flops}")

@@ -161,7 +161,7 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     model = parallel.shard(model, device, dims)  # before the optimizer: FSDP2 replaces the parameters
     optimizer = _build_optimizer(instantiate(cfg.optim), model, dims)
     callbacks = _build_named(cfg.callbacks, Callback, "callbacks")
-    if device.type == "cpu" and str(train_cfg.cpu_threads) == "auto" and threads.threads > 1:
+    if device.type == "cpu" and str(train_cfg.cpu_threads) == "adaptive" and threads.threads > 1:
         governor = CpuThreads.for_this_process(threads.threads)  # fewer threads while other processes need the CPUs
         if governor is not None:
             callbacks["cpu_threads"] = governor

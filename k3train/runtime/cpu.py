@@ -33,18 +33,31 @@ def configure_openmp(spin: bool = False) -> str:
     """Choose how OpenMP's idle threads wait, unless the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT set); returns
     the setting in effect (openmp_setting()).
 
-    spin=True (training, where a CPU's load from other processes is visible in /proc/stat): threads spin ~30 ms
-    before they sleep, and k3train/train/cpu_threads.py gives threads up while other processes use the CPUs.
-    Otherwise, and where the load cannot be seen: OMP_WAIT_POLICY=PASSIVE (threads sleep at once).
+    spin=True (training): threads spin ~30 ms before they sleep when the CPUs are free now (other processes used
+    under a quarter of one over 0.2 s of /proc/stat), else OMP_WAIT_POLICY=PASSIVE (threads sleep at once), as
+    everywhere else and where the load cannot be seen. Only how threads wait changes, never how many there are, so
+    the numbers a run computes do not depend on the choice (a resumed run stays bitwise the uninterrupted one).
     Call before `import torch`: once OpenMP is loaded the variables are never read again, so a later change would
     only make the environment lie about what runs (then they are left alone and reported as they are).
     """
     if "torch" not in sys.modules and not any(name in os.environ for name in OPENMP_VARIABLES):
-        if spin and cpu_busy_seconds([0]) is not None:
+        if spin and (others := others_busy(0.2)) is not None and others < 0.25:
             os.environ["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
         else:
             os.environ["OMP_WAIT_POLICY"] = OMP_WAIT_POLICY
     return openmp_setting()
+
+
+def others_busy(seconds: float) -> float | None:
+    """CPUs of this process's affinity that other processes kept busy over `seconds` (this one is idle meanwhile);
+    None where /proc/stat cannot be read."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0]
+    start, own = cpu_busy_seconds(cpus), own_cpu_seconds()
+    if start is None:
+        return None
+    time.sleep(seconds)
+    end = cpu_busy_seconds(cpus)
+    return None if end is None else max(0.0, (end - start - (own_cpu_seconds() - own)) / seconds)
 
 
 def openmp_setting() -> str:
@@ -215,9 +228,10 @@ class ThreadChoice:
 
 
 def choose_threads(setting: str | int, launcher: dict | None = None) -> ThreadChoice:
-    """train.cpu_threads: "auto" (the usable CPUs divided among the local jobs) or a positive count."""
+    """train.cpu_threads: "auto" or "adaptive" (the usable CPUs divided among the local jobs; adaptive's count is where
+    it starts) or a positive count."""
     policy = openmp_setting()
-    if str(setting) != "auto":
+    if str(setting) not in ("auto", "adaptive"):
         return ThreadChoice(parse_threads(setting), "train.cpu_threads", policy)
     cpus, why = usable_cpus()
     per_task = (launcher or {}).get("cpus_per_task")  # submitit's launchers: the CPUs each job asked for

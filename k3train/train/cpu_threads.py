@@ -1,11 +1,15 @@
-"""Fewer threads while other processes use this process's CPUs, all of them again when they leave.
+"""train.cpu_threads=adaptive: fewer threads while other processes use this process's CPUs, all of them again when
+they leave.
 
-Why: training's OpenMP threads spin between parallel regions (runtime/cpu.py), which on free cores makes a k3_tiny
-step ~1.5-2x faster than threads that sleep at once; but beside another busy process a spinning thread whose
-partner is descheduled burns its time slice waiting, and two threads ran slower than one (measured figures:
-docs/decisions/cpu-runtime.md). So every `interval_s` of wall time CpuThreads measures how many CPUs other
-processes kept busy (the CPUs' busy time in /proc/stat minus this process's own CPU time, over the wall time) and
-runs torch on the CPUs they left:
+Why: training's OpenMP threads spin between parallel regions when the CPUs are free at start (runtime/cpu.py), which
+makes a k3_tiny step ~1.5-2x faster than threads that sleep at once; but when another busy process arrives, a
+spinning thread whose partner is descheduled burns its time slice waiting, and two threads ran slower than one
+(measured figures: docs/decisions/cpu-runtime.md). The price: a reduction's rounding depends on the thread count,
+so with adaptive threads the numbers depend on the machine's load, and a resumed run is no longer bitwise the
+uninterrupted one (measured: the fault trials' bitwise resumes failed under load with it on). Off by default.
+
+Every `interval_s` of wall time CpuThreads measures how many CPUs other processes kept busy (the CPUs' busy time in
+/proc/stat minus this process's own CPU time, over the wall time) and runs torch on the CPUs they left:
 
     free = min(threads chosen at start, CPUs) - others
     fewer threads:  floor(free + 0.5)     (a CPU another process holds more than half of is given up)
@@ -15,8 +19,8 @@ at least 1 and at most the count chosen at start. The two thresholds keep a load
 back and forth. Where other processes keep every CPU busy, sleeping threads (OMP_WAIT_POLICY=PASSIVE, set before
 start) do better: the scheduler shares CPU time per thread, and two sleeping threads get more of it than one
 (measured: 0.50 s per k3_tiny step against 0.97 s beside two busy processes on 2 cores); the notice says so.
-build_parts adds CpuThreads to a CPU run whose train.cpu_threads is auto and more than 1; an explicit count is left
-as the user set it.
+build_parts adds CpuThreads to a CPU run whose train.cpu_threads is adaptive (starting at auto's count, if above
+1); auto and an explicit count keep their threads.
 """
 
 from __future__ import annotations
