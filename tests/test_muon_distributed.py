@@ -3,9 +3,6 @@ parameters (DDP) and with FSDP2-sharded ones, and the work is really split; the 
 
 from __future__ import annotations
 
-from datetime import timedelta
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -121,22 +118,15 @@ def _fsdp2_params(world_size: int) -> tuple[list[nn.Parameter], object]:
     return list(holder.parameters()), mesh
 
 
-def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+def _rank_main(rank: int, world_size: int) -> dict:
     from torch.distributed.tensor import distribute_tensor
 
-    torch.set_num_threads(1)  # as the 1-process reference: the same matmul kernels, so the same bits
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    ddp = _run_counting_newton_schulz()
+    params, mesh = _fsdp2_params(world_size)
+    fsdp2 = _run_counting_newton_schulz(  # this rank's shard of the full gradient, as FSDP2's reduce-scatter
+        params, lambda g, p: distribute_tensor(g, mesh, p.placements, src_data_rank=None)
     )
-    try:
-        ddp = _run_counting_newton_schulz()
-        params, mesh = _fsdp2_params(world_size)
-        fsdp2 = _run_counting_newton_schulz(  # this rank's shard of the full gradient, as FSDP2's reduce-scatter
-            params, lambda g, p: distribute_tensor(g, mesh, p.placements, src_data_rank=None)
-        )
-        torch.save({"ddp": ddp, "fsdp2": fsdp2}, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    return {"ddp": ddp, "fsdp2": fsdp2}
 
 
 @pytest.fixture(scope="module")

@@ -2,18 +2,22 @@
 test_expert_parallel.py)."""
 
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 SPAWN_TIMEOUT_S = 120  # a hung collective fails the test instead of the suite
 
 
 def spawn_ranks(rank_main, tmp_path: Path, nprocs: int = 2) -> list[dict]:
-    """mp.spawn rank_main(rank, nprocs, init_file, out_dir) and load each rank's out_dir/rank{r}.pt."""
-    ctx = mp.spawn(rank_main, args=(nprocs, str(tmp_path / "init"), str(tmp_path)), nprocs=nprocs, join=False)
+    """rank_main(rank, world_size) -> dict on `nprocs` gloo ranks (one thread each, as a 1-process reference runs)
+    in spawned processes; returns each rank's dict."""
+    args = (nprocs, str(tmp_path / "init"), str(tmp_path), rank_main)
+    ctx = mp.spawn(_in_a_gloo_group, args=args, nprocs=nprocs, join=False)
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
     while not ctx.join(timeout=1):
         if time.monotonic() > deadline:
@@ -21,3 +25,14 @@ def spawn_ranks(rank_main, tmp_path: Path, nprocs: int = 2) -> list[dict]:
                 p.kill()
             pytest.fail(f"{nprocs} ranks did not finish in {SPAWN_TIMEOUT_S} s (a hung collective?)")
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(nprocs)]
+
+
+def _in_a_gloo_group(rank: int, world_size: int, init_file: str, out_dir: str, rank_main) -> None:
+    torch.set_num_threads(1)  # the same matmul kernels as the 1-process reference, so the same bits
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
+    )
+    try:
+        torch.save(rank_main(rank, world_size), Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
