@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import time
 from contextlib import nullcontext
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -265,17 +264,10 @@ def _train_step(overrides: list[str], mode: str, accumulation: int, rank: int, s
             setattr(owner, name, original)
 
 
-def _collectives_rank_main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
-    try:
-        out = {name: _train_step(SMALL, mode, acc, rank, "fsdp") for name, (mode, acc) in FSDP_CASES.items()}
-        out["ddp"] = _train_step(SMALL, "none", 1, rank, "ddp")
-        torch.save(out, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _collectives_rank_main(rank: int, world_size: int) -> dict:
+    out = {name: _train_step(SMALL, mode, acc, rank, "fsdp") for name, (mode, acc) in FSDP_CASES.items()}
+    out["ddp"] = _train_step(SMALL, "none", 1, rank, "ddp")
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +307,7 @@ def test_collective_bytes_equal_a_two_rank_gloo_run(two_rank_counts: list[dict],
         assert counts[case] == pytest.approx(want, rel=1e-9), f"rank {rank}"
 
 
-def _expert_parallel_rank_main(rank: int, world_size: int, init_file: str, out_dir: str) -> None:
+def _expert_parallel_rank_main(rank: int, world_size: int) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from k3train.models.k3.expert_parallel import shard_experts
@@ -334,27 +326,20 @@ def _expert_parallel_rank_main(rank: int, world_size: int, init_file: str, out_d
                 self.bytes += tensors.nbytes
             return func(*args, **(kwargs or {}))
 
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
-    )
-    try:
-        cfg = composed(*SMALL, "precision=bf16")
-        torch.manual_seed(0)
-        model = instantiate(cfg.model).train()
-        for module in model.modules():
-            if isinstance(module, MoE):
-                module.process_group = dist.group.WORLD
-                shard_experts(module, dist.group.WORLD)
-        x = torch.randint(0, 257, (1, 32), generator=torch.Generator().manual_seed(rank))
-        counter = AllToAllBytes()
-        with counter:
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                _, loss = model(x, targets=x)
-            loss.backward()
-        torch.save({"all_to_all": counter.bytes}, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    cfg = composed(*SMALL, "precision=bf16")
+    torch.manual_seed(0)
+    model = instantiate(cfg.model).train()
+    for module in model.modules():
+        if isinstance(module, MoE):
+            module.process_group = dist.group.WORLD
+            shard_experts(module, dist.group.WORLD)
+    x = torch.randint(0, 257, (1, 32), generator=torch.Generator().manual_seed(rank))
+    counter = AllToAllBytes()
+    with counter:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            _, loss = model(x, targets=x)
+        loss.backward()
+    return {"all_to_all": counter.bytes}
 
 
 @pytest.mark.slow
