@@ -166,11 +166,7 @@ def test_consolidate_refuses_to_overwrite_and_names_what_it_needs(tmp_path):
 
 
 def test_an_fsdp_run_refuses_a_single_file_checkpoint_saying_what_to_do(tmp_path):
-    class OneRankMesh:
-        def get_rank(self):
-            return 0
-
-    checkpointer = ShardedCheckpointer(tmp_path, {}, keep_last_k=0, mesh=OneRankMesh())
+    checkpointer = ShardedCheckpointer(tmp_path, {}, keep_last_k=0, layouts={("dp_shard",): None}, writer=True)
     (tmp_path / "consolidated.pt").write_bytes(b"")
     with pytest.raises(CheckpointError, match="resume it with parallel=ddp, or in one process"):
         checkpointer.load(tmp_path / "consolidated.pt")

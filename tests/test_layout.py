@@ -70,8 +70,12 @@ def test_parallel_dims_say_how_the_ranks_divide_the_work() -> None:
     assert ParallelDims(dp_replicate=2, ep=2).ep == 2 and ParallelDims().ep_group is None
     with pytest.raises(ValueError, match="parallel.ep=3 must divide the 4 process"):
         ParallelDims(dp_replicate=4, ep=3)
-    with pytest.raises(ValueError, match="parallel.ep=2 with parallel=fsdp is not supported yet"):
-        ParallelDims(dp_shard=2, ep=2)
+    both = ParallelDims.for_strategy("fsdp", world_size=4, rank=0, device_type="cpu", ep=2)
+    assert both.expert_dp == 2 and both.describe() == (
+        "FSDP2 over 4 process(es), routed experts split over 2 ranks (expert parallel)"
+    )
+    with pytest.raises(ValueError, match="no expert mesh"):
+        ParallelDims(dp_shard=2).expert_mesh  # noqa: B018
     assert not dist.is_initialized()  # none of this asked torch.distributed anything
 
 

@@ -28,7 +28,7 @@ from k3train.plan.activations import F32, I64, layer_activations, root_activatio
 from k3train.plan.comm import plan_comm
 from k3train.plan.hardware import GPUS
 from k3train.plan.memory import plan_memory
-from k3train.plan.mesh import Mesh, candidates, ep_built
+from k3train.plan.mesh import Mesh, candidates
 from k3train.plan.spec import build_spec
 
 from helpers.config import composed
@@ -346,8 +346,6 @@ def _expert_parallel_rank_main(rank: int, world_size: int) -> dict:
 def test_expert_parallel_all_to_all_bytes_equal_a_real_run(tmp_path: Path) -> None:
     """Both ranks of an ep = 2 exchange (k3train/models/k3/expert_parallel.py) together send what the plan says two
     ranks send: each rank sends all its slots out and its experts' results back, forward and backward."""
-    if not ep_built():
-        pytest.skip("expert parallelism (parallel.ep) is not built yet")
     counts = spawn_ranks(_expert_parallel_rank_main, tmp_path)
     spec = spec_of(*SMALL, "precision=bf16")
     (a2a,) = [x for x in plan_comm(spec, Mesh(2, 1, 2)) if x.kind == "EP all-to-all"]

@@ -12,7 +12,8 @@ global outside torch's allow-list (code, e.g. posix.system) is refused in one li
 
 Files in the run directory: last.pt; step_<7 digits>.pt (keep_last_k hard links); previous.pt (the checkpoint
 last.pt replaced, until an update goes on from the new one); diverged_step_<7 digits>.pt (set aside by
-`set_aside_diverged`). Under FSDP2 (ShardedCheckpointer) the same names end .dcp and name sharded directories.
+`set_aside_diverged`). Under FSDP2 or expert parallelism (ShardedCheckpointer) the same names end .dcp and name
+sharded directories.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed.tensor as distributed_tensor
-from torch.distributed.tensor import Shard
 
 from k3train.checkpoint.dcp import (
     CodeRefused,
@@ -38,7 +38,7 @@ from k3train.checkpoint.dcp import (
 )
 from k3train.files import write_atomic
 
-SHARDED_STORE = "dcp"  # <run dir>/dcp/step_<N>-<random>/: the sharded checkpoints an FSDP2 run wrote
+SHARDED_STORE = "dcp"  # <run dir>/dcp/step_<N>-<random>/: the sharded checkpoints a run wrote
 FORMAT_VERSION = 2  # 2: named Stateful parts (train_loader, val_loader, rng, trainer, plan); 1 had fixed entries
 
 
@@ -59,8 +59,8 @@ def save_checkpoint(path: Path, payload: dict) -> int:
 
 
 def load_checkpoint(path: Path, make_shard: MakeShard | None = None) -> dict:
-    """A checkpoint file, or a sharded checkpoint directory (FSDP2's, sharded_checkpoint.py) whose sharded tensors
-    `make_shard(shape, dtype)` allocates (whole plain tensors by default: any number of processes can read it)."""
+    """A checkpoint file, or a sharded checkpoint directory (dcp.py) whose sharded tensors
+    `make_shard(shape, dtype, mesh)` allocates (whole plain tensors by default: any number of processes can read it)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist: check the resume= path")
@@ -262,18 +262,22 @@ class Checkpointer:
 
 
 class ShardedCheckpointer(Checkpointer):
-    """The Checkpointer of an FSDP2 run: every rank writes its shards (sharded_checkpoint.py) of each checkpoint into
-    a new directory `dcp/step_<7 digits>-<random>/`, and the names a run uses (last.dcp, previous.dcp,
-    step_<N>.dcp, diverged_step_<N>.dcp) are symbolic links to those directories, each replaced atomically. So a
-    kill at any moment leaves last.dcp naming a complete checkpoint, and the keep/previous/diverged rules are the
-    single-file ones; a directory no name refers to any more is deleted. Loading allocates each sharded tensor on
-    this run's mesh (FSDP2's layout: dim 0 over the ranks), so a checkpoint of N ranks resumes on M."""
+    """The Checkpointer of a run with sharded tensors (FSDP2, expert parallelism): every rank writes its shards
+    (dcp.py) of each checkpoint into a new directory `dcp/step_<7 digits>-<random>/`, and the names a run uses
+    (last.dcp, previous.dcp, step_<N>.dcp, diverged_step_<N>.dcp) are symbolic links to those directories, each
+    replaced atomically. So a kill at any moment leaves last.dcp naming a complete checkpoint, and the
+    keep/previous/diverged rules are the single-file ones; a directory no name refers to any more is deleted.
+
+    `layouts` maps the names of the mesh a tensor was saved on to how this run holds that kind of tensor (mesh,
+    placements: the parallel strategy's shard_layouts); a tensor saved on a mesh this run has no layout for is read
+    as FSDP2 holds everything (dim 0 over dp_shard), or whole. So a checkpoint of N ranks resumes on M, with or
+    without expert parallelism."""
 
     suffix = ".dcp"
 
-    def __init__(self, run_dir: Path, meta: dict, keep_last_k: int, mesh):
-        super().__init__(run_dir, meta, keep_last_k, writer=mesh.get_rank() == 0)
-        self.mesh = mesh
+    def __init__(self, run_dir: Path, meta: dict, keep_last_k: int, layouts: dict, writer: bool):
+        super().__init__(run_dir, meta, keep_last_k, writer=writer)
+        self.layouts = layouts
         self.store = self.run_dir / SHARDED_STORE
 
     def _write(self, step: int) -> int:
@@ -284,15 +288,19 @@ class ShardedCheckpointer(Checkpointer):
         return size
 
     def _read(self, path: Path) -> dict:
-        if not path.is_dir():
+        if not path.is_dir() and ("dp_shard",) in self.layouts:
             raise CheckpointError(
                 f"{path} is a single-file checkpoint and parallel=fsdp resumes from a sharded one "
                 "(a .dcp directory): resume it with parallel=ddp, or in one process"
             )
         return load_checkpoint(path, self._make_shard)
 
-    def _make_shard(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        return distributed_tensor.empty(shape, dtype=dtype, device_mesh=self.mesh, placements=[Shard(0)])
+    def _make_shard(self, shape: torch.Size, dtype: torch.dtype, mesh: tuple[str, ...]) -> torch.Tensor:
+        layout = self.layouts.get(mesh, self.layouts.get(("dp_shard",)))
+        if layout is None:
+            return whole_tensor(shape, dtype)
+        device_mesh, placements = layout
+        return distributed_tensor.empty(shape, dtype=dtype, device_mesh=device_mesh, placements=placements)
 
     def _forget_unnamed(self) -> None:
         named = {link.resolve() for link in self.run_dir.glob(f"*{self.suffix}") if link.is_symlink()}

@@ -1,11 +1,13 @@
 """Sharded checkpoints (FSDP2): a directory that torch.distributed.checkpoint (DCP) fills with every rank's shards.
 
 A checkpoint is the same tree of parts as a single-file one (checkpoint.py). Its sharded tensors (DTensors: FSDP2
-parameters and the optimizer state made like them) are replaced by placeholders `{"__dcp__": key, "shape",
-"dtype"}` and saved with `dcp.save`, each rank writing its own shards; the rest of the tree (meta, counters,
-loader cursors, RNG, buffers: the same on every rank) is rank 0's `extra.pt`. Reading allocates each placeholder
-with `make_shard(shape, dtype)` (a DTensor on this run's mesh, or a whole plain tensor) and lets `dcp.load` fill
-it, so a checkpoint saved by N ranks loads on M ranks, or in one process (consolidate.py).
+parameters and the optimizer state made like them, routed experts under expert parallelism: expert_shards.py) are
+replaced by placeholders `{"__dcp__": key, "shape", "dtype", "mesh"}` (mesh: the names of the mesh's dimensions)
+and saved with `dcp.save`, each rank writing its own shards; the rest of the tree (meta, counters, loader
+cursors, RNG, buffers: the same on every rank) is rank 0's `extra.pt`. Reading allocates each placeholder with
+`make_shard(shape, dtype, mesh)` (a DTensor laid out as this run holds that kind of tensor, or a whole plain
+tensor) and lets `dcp.load` fill it, so a checkpoint saved by N ranks loads on M ranks, or in one process
+(consolidate.py).
 
 Opening a checkpoint never runs code from it. DCP itself reads `.metadata` with a plain `pickle.load` and
 non-tensor entries with `torch.load(weights_only=False)` (torch 2.13's filesystem.py and default_planner.py:
@@ -39,7 +41,7 @@ from torch.distributed.tensor import DTensor
 
 from k3train.files import atomic_directory
 
-MakeShard = Callable[[torch.Size, torch.dtype], torch.Tensor]
+MakeShard = Callable[[torch.Size, torch.dtype, tuple[str, ...]], torch.Tensor]
 EXTRA = "extra.pt"  # rank 0's part: the tree with placeholders where the sharded tensors go
 PLACEHOLDER = "__dcp__"
 
@@ -134,7 +136,7 @@ def _pickle_globals(data: bytes) -> list[str]:
     return names
 
 
-def whole_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+def whole_tensor(shape: torch.Size, dtype: torch.dtype, mesh: tuple[str, ...] = ()) -> torch.Tensor:
     """A placeholder read whole, as a plain CPU tensor (one process, DDP, consolidation)."""
     return torch.empty(shape, dtype=dtype)
 
@@ -142,9 +144,9 @@ def whole_tensor(shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
 def split_shards(tree: Any, prefix: str = "") -> tuple[Any, dict[str, DTensor]]:
     """(the tree with each DTensor replaced by a placeholder, {key: DTensor}); keys are the '/'-joined path."""
     if isinstance(tree, DTensor):
-        return {PLACEHOLDER: prefix, "shape": list(tree.shape), "dtype": str(tree.dtype).removeprefix("torch.")}, {
-            prefix: tree
-        }
+        mesh = list(tree.device_mesh.mesh_dim_names or ())
+        dtype = str(tree.dtype).removeprefix("torch.")
+        return {PLACEHOLDER: prefix, "shape": list(tree.shape), "dtype": dtype, "mesh": mesh}, {prefix: tree}
     shards: dict[str, DTensor] = {}
     if isinstance(tree, dict):
         out = type(tree)() if type(tree) is not dict else {}
@@ -224,9 +226,14 @@ def read_sharded(directory: Path, make_shard: MakeShard) -> Any:
     wanted = {}
     for p in _placeholders(skeleton):
         dtype = getattr(torch, str(p["dtype"]), None)
-        if not isinstance(dtype, torch.dtype) or not all(isinstance(n, int) for n in p["shape"]):
+        mesh = p.get("mesh", ["dp_shard"])  # written before there was more than FSDP2's
+        if (
+            not isinstance(dtype, torch.dtype)
+            or not all(isinstance(n, int) for n in p["shape"])
+            or not all(isinstance(n, str) for n in mesh)
+        ):
             raise ValueError(f"{directory / EXTRA} has a malformed tensor entry {p!r}")
-        wanted[p[PLACEHOLDER]] = make_shard(torch.Size(p["shape"]), dtype)
+        wanted[p[PLACEHOLDER]] = make_shard(torch.Size(p["shape"]), dtype, tuple(mesh))
     reader = SafeFileSystemReader(directory)
     reader.read_metadata()  # refused here, in one clear line, rather than inside dcp.load's collectives
     if wanted:

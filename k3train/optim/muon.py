@@ -17,7 +17,10 @@ one process): each rank orthogonalises a share of every Muon group's parameters 
 every rank applies the same update as a 1-process run would, bit for bit (k3train/optim/muon_distributed.py). Every
 rank still keeps the whole optimizer state, so rank 0's state_dict is the checkpoint. Expert-parallel shards
 (parameters with `expert_parallel` > 1: each rank holds other experts) are orthogonalised by their own rank, never
-spread; their state is gathered whole for a checkpoint (k3train/train/parallel.py, DDP.whole_experts).
+spread; under FSDP2 they are sharded again on the expert dimension, so each rank still holds whole experts and
+orthogonalises those, gathering nothing, or, with fewer experts than ranks to shard them over, on dim 1, and every
+rank of those gathers and orthogonalises its ep rank's experts (k3train/train/parallel.py). A checkpoint holds every
+rank's own experts (k3train/checkpoint/expert_shards.py).
 
 Sources: KellerJordan/Muon, torch.optim.Muon and Moonlight's Muon:
 https://github.com/KellerJordan/Muon/blob/857d1adc159e098212f828d927460782d3da59e9/muon.py
@@ -41,6 +44,9 @@ from k3train.optim.muon_distributed import (
     assign_owners,
     data_parallel_group,
     full_matrix,
+    global_square_sum,
+    holds_whole_experts,
+    is_expert_shard,
     is_sharded,
     local_part,
     local_shard,
@@ -233,9 +239,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 self._muon_step(group)
             else:
                 self._adamw_step(group)
-            if any(is_sharded(p) for p in group["params"]):  # FSDP2: diagnostics() must not need a collective
-                local_sq = sum(local_part(p.detach()).float().square().sum() for p in group["params"])
-                self._sharded_weight_sq[group["name"]] = float(sum_over_shards(local_sq, group["params"]))
+            if any(is_sharded(p) or is_expert_shard(p) for p in group["params"]):  # diagnostics(): no collective
+                self._sharded_weight_sq[group["name"]] = float(global_square_sum(group["params"]))
         return loss
 
     def _muon_step(self, group: dict[str, Any]) -> None:
@@ -244,7 +249,7 @@ class MuonAdamW(torch.optim.Optimizer):
         with_grad = [(p, s) for p, s in zip(group["params"], group["head_splits"]) if p.grad is not None]
         ranks = data_parallel_group(self.process_group)
         # an expert-parallel shard differs by rank: its own rank orthogonalises it (each expert is its own matrix)
-        local = [getattr(p, "expert_parallel", 1) > 1 for p, _ in with_grad]
+        local = [is_expert_shard(p) for p, _ in with_grad]
         if ranks is None or all(local):
             orthogonalised = self._orthogonalise_each(group, with_grad)
         elif not any(local):
@@ -255,10 +260,14 @@ class MuonAdamW(torch.optim.Optimizer):
             )
             each = self._orthogonalise_each(group, [w for w, mine in zip(with_grad, local) if mine])
             orthogonalised = [next(each) if mine else next(spread) for mine in local]
-        for i, ((p, split), O) in enumerate(zip(with_grad, orthogonalised)):  # O: [N, A, B] of the whole matrix
+        for i, ((p, split), O, own) in enumerate(zip(with_grad, orthogonalised, local)):
+            # O: [N, A, B] of the whole matrix, or of this rank's experts alone (own)
             scaled_lr = lr * (group["rms_match"] * math.sqrt(max(O.shape[-2:])))
             p.mul_(1 - lr * wd)
-            p.add_(local_shard(from_matrices(O, split, p.shape), p), alpha=-scaled_lr)
+            if own and holds_whole_experts(p):
+                local_part(p).add_(from_matrices(O, split, local_part(p).shape), alpha=-scaled_lr)
+            else:
+                p.add_(local_shard(from_matrices(O, split, p.shape), p), alpha=-scaled_lr)
             update_sq = update_sq + O.float().square().sum() * scaled_lr**2
             numel += p.numel()
             if self._orthogonality_due(self.state[p]["step"], i, len(with_grad)):
@@ -267,10 +276,13 @@ class MuonAdamW(torch.optim.Optimizer):
             self._update_sq[group["name"]] = (update_sq, numel)
 
     def _orthogonalise_each(self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]]):
-        """One process: Newton-Schulz of every parameter's momentum, one at a time (a generator, so only one
-        parameter's output is alive at once)."""
+        """One process, or a rank's own experts: Newton-Schulz of every parameter's momentum, one at a time (a
+        generator, so only one parameter's output is alive at once). Whole experts are this rank's part alone;
+        slices of them (FSDP2 on dim 1) are gathered from the ranks holding the rest, which all orthogonalise them."""
         for p, split in with_grad:
-            yield self._newton_schulz(group, full_matrix(self._momentum(group, p)), split)
+            momentum = self._momentum(group, p)
+            whole = local_part(momentum) if holds_whole_experts(p) else full_matrix(momentum)
+            yield self._newton_schulz(group, whole, split)
 
     def _orthogonalise_spread(
         self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]], ranks: dist.ProcessGroup

@@ -118,10 +118,10 @@ def full_matrix(t: Tensor) -> Tensor:
 
 
 def check_fsdp_layout(t: Tensor) -> None:
-    """Only FSDP2's layout is supported: sharded on dim 0 of a 1-D mesh."""
-    if t.device_mesh.ndim != 1 or any(not isinstance(pl, Shard) or pl.dim != 0 for pl in t.placements):
+    """Only FSDP2's layouts are supported: sharded on one dim (0; 1 for routed experts) of a 1-D mesh."""
+    if t.device_mesh.ndim != 1 or any(not isinstance(pl, Shard) for pl in t.placements):
         raise NotImplementedError(
-            f"MuonAdamW supports DTensor parameters sharded on dim 0 of a 1-D mesh (FSDP2's "
+            f"MuonAdamW supports DTensor parameters sharded on one dim of a 1-D mesh (FSDP2's "
             f"fully_shard); got placements {t.placements} on a {t.device_mesh.ndim}-D mesh"
         )
 
@@ -139,6 +139,32 @@ def local_shard(full: Tensor, like: Tensor) -> Tensor:
 def local_part(t: Tensor) -> Tensor:
     """This rank's shard of a DTensor as a plain tensor, or t itself."""
     return t.to_local() if is_sharded(t) else t
+
+
+def is_expert_shard(p: Tensor) -> bool:
+    """A routed-expert weight of which this rank holds its own experts (expert parallelism)."""
+    return getattr(p, "expert_parallel", 1) > 1
+
+
+def holds_whole_experts(p: Tensor) -> bool:
+    """An expert-parallel weight whose every expert this rank holds whole: plain, or FSDP2-sharded on dim 0 (the
+    experts); on dim 1 each rank holds a slice of every expert."""
+    return is_expert_shard(p) and (not is_sharded(p) or p.placements[0] == Shard(0))
+
+
+def global_square_sum(params: Sequence[Tensor]) -> Tensor:
+    """The sum of squares of the whole `params`: FSDP2 shards summed over their mesh, expert-parallel ones also over
+    the ranks holding the other experts (a collective: every rank calls it, in step())."""
+    total = torch.zeros(())
+    for kind in (False, True):
+        some = [p for p in params if is_expert_shard(p) == kind]
+        if some:
+            sq = sum_over_shards(sum(local_part(p.detach()).float().square().sum() for p in some), some)
+            if kind:
+                sq = sq.clone()
+                dist.all_reduce(sq, group=some[0].expert_group)
+            total = total + sq
+    return total
 
 
 def sum_over_shards(local_sum: Tensor, params: Sequence[Tensor]) -> Tensor:

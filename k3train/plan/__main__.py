@@ -21,7 +21,7 @@ from hydra.utils import instantiate  # noqa: E402
 from k3train.config import register_configs  # noqa: E402
 from k3train.plan.estimate import estimate, propose  # noqa: E402
 from k3train.plan.hardware import CHOICES, lookup  # noqa: E402
-from k3train.plan.mesh import Mesh, ep_built  # noqa: E402
+from k3train.plan.mesh import Mesh  # noqa: E402
 from k3train.plan.report import as_json, render  # noqa: E402
 from k3train.plan.spec import build_spec  # noqa: E402
 
@@ -70,10 +70,6 @@ def notes_for(mesh: Mesh, spec) -> list[str]:
         have = f"parallel={spec.strategy}" + (f" parallel.ep={spec.ep}" if spec.ep > 1 else "")
         if want != have:
             notes.append(f"run it with {want} (the config says {have})")
-    if mesh.ep > 1 and not ep_built():
-        notes.append("expert parallelism (parallel.ep) is not built in k3train yet: ep > 1 is a plan for it")
-    elif mesh.ep > 1 and mesh.dp_shard > 1:
-        notes.append("k3train does not combine parallel=fsdp with parallel.ep yet: planned as torchtitan shards it")
     if mesh.strategy == "hsdp":
         notes.append("k3train runs DDP or FSDP, not both at once (HSDP), yet")
     return notes

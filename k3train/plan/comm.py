@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from k3train.models.k3.moe import quantile_rank
 from k3train.plan.activations import F32
-from k3train.plan.memory import muon_gather, muon_groups, shard_bytes
+from k3train.plan.memory import experts_whole, muon_gather, muon_groups, shard_bytes
 from k3train.plan.mesh import Mesh
 from k3train.plan.spec import RunSpec
 
@@ -100,7 +100,7 @@ def plan_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
         forwards = 2 if spec.checkpointing != "none" else 1  # the recompute exchanges again
         per_layer = (2 * forwards + 2) * slots * (c.expert_latent_dim or c.d_model) * spec.act_bytes
         per_layer += (forwards + 1) * slots * F32 + forwards * c.n_routed_experts * 8  # gate weights, counts
-        calls = A * moe_layers * (4 * forwards + 2)
+        calls = A * moe_layers * (4 * forwards + 3)  # forward: counts, slots, gate weights, results; backward: 3
         payload = A * moe_layers * per_layer
         out.append(Collective("EP all-to-all", payload, ring(payload, mesh.ep), mesh.ep, calls, False, True))
     if spec.optimizer == "muon_adamw" and mesh.world > 1:
@@ -109,8 +109,14 @@ def plan_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
             if g.ranks > 1:
                 kind = f"Newton-Schulz update all-gather ({group})"
                 out.append(Collective(kind, g.payload, ring(g.payload, g.ranks), g.ranks, 1, False))
+        # expert-parallel shards are orthogonalised where they are (k3train/optim/muon.py): whole experts need no
+        # gather; slices of them (dim 1) are gathered from the expert_dp ranks holding the rest
         for routed, ranks in ((False, mesh.dp_shard), (True, mesh.expert_shard)):
-            muon = [p for p in spec.params if p.kind == "muon" and p.routed == routed]
+            muon = [
+                p
+                for p in spec.params
+                if p.kind == "muon" and p.routed == routed and not (routed and mesh.ep > 1 and experts_whole(p, mesh))
+            ]
             payload = sum(ranks * shard_bytes(p, mesh) for p in muon)
             if payload and ranks > 1:
                 name = "Newton-Schulz momentum all-gather" + (" (routed experts)" if routed else "")

@@ -253,14 +253,15 @@ def muon_groups(spec: RunSpec) -> list[str]:
 
 def muon_ranks(mesh: Mesh, routed: bool) -> int:
     """The ranks that share a Muon group's Newton-Schulz: every data-parallel rank; expert-parallel shards are
-    orthogonalised by the rank that holds them (k3train/optim/muon.py), under FSDP by the dp_shard / ep ranks that
-    shard them (assumed: not built yet)."""
-    return mesh.expert_shard if routed and mesh.ep > 1 else mesh.world
+    orthogonalised by the rank that holds them, alone (k3train/optim/muon.py): whole experts under FSDP's dim-0
+    sharding; with fewer experts than ranks (dim 1) every rank gathers its ep rank's experts and orthogonalises all."""
+    return 1 if routed and mesh.ep > 1 else mesh.world
 
 
 def muon_gather(spec: RunSpec, mesh: Mesh, group: str, ns_steps: int = 5) -> MuonGather:
     """k3train/optim/muon_distributed.py's plan for one group: owners by Newton-Schulz cost, one all-gather of
-    every owner's outputs padded to the largest share. Routed experts under ep: the local E / ep of each stack."""
+    every owner's outputs padded to the largest share. Routed experts under ep: each rank's own experts of each
+    stack, alone (E / ep, over dp_shard / ep again when FSDP shards them whole)."""
     members = [p for p in spec.params if p.kind == "muon" and p.group == group]
     routed = any(p.routed for p in members)
     ranks = muon_ranks(mesh, routed)
@@ -275,4 +276,12 @@ def muon_gather(spec: RunSpec, mesh: Mesh, group: str, ns_steps: int = 5) -> Muo
 
 def _local_matrices(p: Param, mesh: Mesh) -> tuple[int, int, int]:
     n, a, b = p.matrices
-    return (n // mesh.ep if p.routed else n, a, b)
+    if not (p.routed and mesh.ep > 1):
+        return (n, a, b)
+    return (n // mesh.ep // (mesh.expert_shard if experts_whole(p, mesh) else 1), a, b)
+
+
+def experts_whole(p: Param, mesh: Mesh) -> bool:
+    """Whether FSDP2 shards a routed-expert weight's local experts whole (dim 0) over the ranks holding them: when
+    there are at least as many as ranks (k3train/train/parallel.py), else on dim 1 (see shard_bytes)."""
+    return p.shape[0] // mesh.ep >= mesh.expert_shard

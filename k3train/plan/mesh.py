@@ -8,7 +8,7 @@ Everything else (attention, the router, shared experts, dense FFN, embeddings) i
 replicated (DDP, dp_shard = 1) or FSDP-sharded over dp_shard and replicated over dp_replicate (FSDP2, HSDP).
 The routed experts: under DDP (k3train's parallel=ddp with parallel.ep, k3train/runtime/parallel_dims.py) each
 rank keeps its E / ep whole and the world / ep ranks holding the same experts average their gradients; under FSDP
-(not built in k3train yet: planned as torchtitan does it) ep is carved out of dp_shard (ep | dp_shard) and each
+(parallel=fsdp with parallel.ep, as torchtitan does it) ep is carved out of dp_shard (ep | dp_shard) and each
 rank's experts are FSDP-sharded over the dp_shard / ep ranks that hold the same ones, so ep changes where the
 experts' bytes live and what moves rather than the bytes each rank stores: a layer's experts are gathered over
 dp_shard / ep ranks, E / ep of them, not all E over every rank, and the tokens travel to their experts instead.
@@ -16,7 +16,6 @@ dp_shard / ep ranks, E / ep of them, not all E over every rank, and the tokens t
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 
@@ -79,16 +78,9 @@ class Mesh:
         return f"{self.dp_replicate}x{self.dp_shard}x{self.ep}"
 
 
-def ep_built() -> bool:
-    """Whether k3train's ParallelDims has an expert-parallel dimension yet."""
-    from k3train.runtime.parallel_dims import ParallelDims
-
-    return "ep" in {f.name for f in dataclasses.fields(ParallelDims)}
-
-
 def candidates(devices: int, n_experts: int) -> list[Mesh]:
     """The meshes a proposal tries, in order, taking the first that fits: DDP (replicated, ep 1), DDP with ep = 2,
-    4, ... (what k3train runs today with parallel.ep), then FSDP over every device with ep = 1, 2, 4, ...: powers of
+    4, ... (parallel=ddp parallel.ep), then FSDP over every device with ep = 1, 2, 4, ...: powers of
     two dividing the devices and the experts."""
     eps = [ep for ep in _powers_of_two(devices) if devices % ep == 0 and n_experts % ep == 0]
     return [Mesh(devices, 1, ep) for ep in eps] + [Mesh(1, devices, ep) for ep in eps]

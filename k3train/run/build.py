@@ -170,9 +170,9 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     # The log file is opened at its first event, after all checks.
     metrics = MetricsLogger(run_dir / "metrics.jsonl", sinks=list(sinks.values()), enabled=world.is_main)
     meta = build_meta(model, optimizer, train_cfg, precision, data, world)
-    checkpointer = (  # sharded parameters: every rank writes its shards
-        ShardedCheckpointer(run_dir, meta, train_cfg.keep_last_k, dims.shard_mesh)
-        if dims.dp_shard > 1
+    checkpointer = (  # sharded parameters or experts: every rank writes its own
+        ShardedCheckpointer(run_dir, meta, train_cfg.keep_last_k, parallel.shard_layouts(dims), writer=world.is_main)
+        if dims.dp_shard > 1 or dims.ep > 1
         else Checkpointer(run_dir, meta, train_cfg.keep_last_k, writer=world.is_main)
     )
     trainer = Trainer(

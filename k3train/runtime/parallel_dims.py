@@ -3,10 +3,14 @@
     dp_replicate x dp_shard == world size;   ep divides it
 
 dp_replicate ranks hold whole copies of the model (DDP); dp_shard ranks each hold a slice of every parameter
-(FSDP2). Today a run uses one of the two (`parallel=ddp` or `parallel=fsdp`). ep (parallel.ep, DDP only so far)
-splits the routed experts: groups of ep consecutive ranks each hold 1/ep of them and exchange token slots
-(k3train/models/k3/expert_parallel.py); the ranks holding the same experts (world / ep of them) average those
-experts' gradients. Every rank still reads its own rows of the global batch. Context parallelism arrives as a
+(FSDP2). Today a run uses one of the two (`parallel=ddp` or `parallel=fsdp`). ep (parallel.ep) splits the routed
+experts: groups of ep consecutive ranks each hold 1/ep of them and exchange token slots
+(k3train/models/k3/expert_parallel.py); the world / ep ranks holding the same experts (expert_dp) average those
+experts' gradients: DDP keeps a whole copy of its share on each, FSDP2 shards it again over them.
+
+    expert_mesh (ep, expert_dp), world 4, ep 2:   ep groups {0, 1} {2, 3};  expert_dp groups {0, 2} {1, 3}
+
+Every rank still reads its own rows of the global batch. Context parallelism arrives as a
 further dimension. Modules never ask torch.distributed who they are: the model's parallelize function,
 Muon's distributed Newton-Schulz, Quantile Balancing's global quantiles, QK-Clip's max-logit reduction, the loaders,
 the checkpointer and evaluation all take the group or rank they need from here. In one process every group is None
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -31,7 +36,7 @@ class ParallelDims:
     device_type: str = "cpu"
     ep: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
-    _ep_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard"):
@@ -48,8 +53,6 @@ class ParallelDims:
             raise ValueError(
                 f"parallel.ep={self.ep} must divide the {self.world_size} process(es): experts split over ep ranks"
             )
-        if self.ep > 1 and self.dp_shard > 1:
-            raise ValueError(f"parallel.ep={self.ep} with parallel=fsdp is not supported yet; use parallel=ddp")
 
     @classmethod
     def for_strategy(cls, strategy: str, world_size: int, rank: int, device_type: str, ep: int = 1) -> ParallelDims:
@@ -94,19 +97,30 @@ class ParallelDims:
     @property
     def ep_group(self) -> dist.ProcessGroup | None:
         """The ranks that share out the routed experts and exchange token slots (None: ep == 1)."""
-        return None if self.ep == 1 else self._expert_mesh()["ep"].get_group()
+        return None if self.ep == 1 else self.expert_mesh["ep"].get_group()
 
     @property
     def expert_dp_group(self) -> dist.ProcessGroup | None:
         """The ranks that hold the same experts and average their gradients (None: one such rank)."""
-        return None if self.ep == self.world_size else self._expert_mesh()["expert_dp"].get_group()
+        return None if self.ep == self.world_size else self.expert_mesh["expert_dp"].get_group()
 
-    def _expert_mesh(self) -> DeviceMesh:
-        """(expert_dp, ep): ep consecutive ranks split the experts; built on first use, a collective on every rank."""
-        if self._ep_mesh is None:
-            shape = (self.world_size // self.ep, self.ep)
-            self._ep_mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=("expert_dp", "ep"))
-        return self._ep_mesh
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same routed experts."""
+        return self.world_size // self.ep
+
+    @property
+    def expert_mesh(self) -> DeviceMesh:
+        """(ep, expert_dp): ep consecutive ranks split the experts, the world / ep ranks at the same place in their
+        groups hold the same ones. Dimension ep first, so a routed-expert weight is a DTensor sharded (Shard(0))
+        over ep and then, under FSDP2, again over expert_dp, each rank's rows one contiguous block of experts
+        (k3train/checkpoint/expert_shards.py). Built on first use, a collective on every rank."""
+        if self.ep == 1:
+            raise ValueError("no expert mesh: parallel.ep is 1")
+        if self._expert_mesh is None:
+            ranks = torch.arange(self.world_size).view(self.expert_dp, self.ep).t()  # [ep, expert_dp]
+            self._expert_mesh = DeviceMesh(self.device_type, ranks, mesh_dim_names=("ep", "expert_dp"))
+        return self._expert_mesh
 
     def describe(self) -> str:
         if not self.several_ranks:

@@ -2,9 +2,10 @@
 
 Each strategy has `shard(model, device, dims)` (called before the optimizer is built: FSDP2 replaces the
 parameters; both hand the data-parallel group to the modules that balance over it), `wrap(model, device, dims)`
-(the module the Trainer runs forward through), and `no_sync(module)`; `dims` is the run's
-ParallelDims (k3train/runtime/parallel_dims.py). In one
-process `shard` and `wrap` return the model itself and `no_sync` does nothing, so the update loop has one code path.
+(the module the Trainer runs forward through), `no_sync(module)`, `finish_gradients(model, dims)` (after the last
+backward of an update: the expert-parallel weights neither reduces) and `shard_layouts(dims)` (how a sharded
+checkpoint's tensors are laid out on this run); `dims` is the run's ParallelDims (k3train/runtime/parallel_dims.py).
+In one process `shard` and `wrap` return the model itself and `no_sync` does nothing: the update loop has one path.
 DDP (torch.nn.parallel.DistributedDataParallel) all-reduces (averages) gradients during backward; under gradient
 accumulation only the last micro-batch's backward does (`no_sync` for the others), so an update costs one
 all-reduce however many micro-batches it has. Buffers are not broadcast from rank 0 before each forward: the
@@ -21,23 +22,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from k3train.models.k3.expert_parallel import expert_shards, shard_experts
 from k3train.models.k3.moe import MoE
 from k3train.runtime.parallel_dims import ParallelDims
-
-
-def _set(owner, key: str, value: torch.Tensor) -> None:
-    if isinstance(owner, dict):
-        owner[key] = value
-    else:
-        owner.data = value
-
-
-def _get(owner, key: str) -> torch.Tensor:
-    return owner[key] if isinstance(owner, dict) else owner.data
 
 
 def global_grad_norm(params: list[torch.Tensor], dims: ParallelDims) -> float:
@@ -46,17 +36,49 @@ def global_grad_norm(params: list[torch.Tensor], dims: ParallelDims) -> float:
     whole = [p.grad for p in params if p.grad is not None and getattr(p, "expert_parallel", 1) == 1]
     split = [p.grad for p in params if p.grad is not None and getattr(p, "expert_parallel", 1) > 1]
     total = full_value(torch.nn.utils.get_total_norm(whole)).square() if whole else torch.zeros(())
-    if split:
-        split_sq = torch.nn.utils.get_total_norm(split).square()
+    if split:  # FSDP2 may shard them again over expert_dp: full_value sums those shards first
+        split_sq = full_value(torch.nn.utils.get_total_norm(split)).square()
         dist.all_reduce(split_sq, group=dims.ep_group)
         total = total + split_sq
     return total.sqrt().item()
+
+
+def clip_gradients(params: list[torch.Tensor], max_norm: float, total_norm: float) -> None:
+    """Scale every gradient in place by max_norm / total_norm when that is < 1 (torch's clip_grads_with_norm_),
+    one call per mesh: torch's refuses to mix FSDP2's DTensors, the expert-parallel weights sharded over expert_dp
+    alone, and the plain tensors beside them (expert-parallel weights FSDP2 ignores)."""
+    meshes: dict = {}
+    for p in params:
+        meshes.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
+    for some in meshes.values():
+        torch.nn.utils.clip_grads_with_norm_(some, max_norm, torch.tensor(total_norm))
 
 
 def full_value(t: torch.Tensor) -> torch.Tensor:
     """A figure computed from FSDP2-sharded tensors (a DTensor, e.g. a gradient norm with a pending sum over
     shards) as a plain tensor; a plain tensor as it is. A collective for a DTensor: every rank must call it."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def split_experts(model: nn.Module, dims: ParallelDims) -> None:
+    """Each MoE of `model` keeps this rank's 1/ep of its routed experts (expert_parallel.shard_experts)."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    if not moes:
+        raise ValueError(f"parallel.ep={dims.ep}: {type(model).__name__} has no MoE layer to split")
+    for moe in moes:
+        shard_experts(moe, dims.ep_group)
+
+
+def average_expert_gradients(model: nn.Module, dims: ParallelDims) -> None:
+    """After the last backward of an update: the routed-expert weights that neither DDP nor FSDP2 reduces (each
+    rank's own) averaged as the rest are. An expert's gradient on its rank already sums every token of the ep group
+    that chose it (the all-to-all's backward brought them), so it is divided by the world size, as the others'
+    average divides, and summed over the ranks holding the same experts (expert_dp)."""
+    for p in expert_shards(model):
+        if p.grad is not None and not isinstance(p, DTensor):  # FSDP2's reduce-scatter does its own
+            p.grad.div_(dims.world_size)
+            if dims.expert_dp_group is not None:
+                dist.all_reduce(p.grad, group=dims.expert_dp_group)
 
 
 def hand_data_parallel_group(model: nn.Module, dims: ParallelDims) -> None:
@@ -71,10 +93,8 @@ _DDP_OPTIONS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 class DDP:
-    """DDP, and with ep > 1 expert parallelism: each MoE keeps 1/ep of its routed experts (shard_experts), DDP leaves
-    those weights out of its all-reduce, and finish_gradients averages them instead: an expert's gradient on its
-    rank already sums every rank's tokens that chose it (the all-to-all's backward brings them), so it is divided by
-    the world size, as DDP's average divides the others, and summed over the ranks holding the same experts."""
+    """DDP, and with ep > 1 expert parallelism: each MoE keeps 1/ep of its routed experts (split_experts), DDP leaves
+    those weights out of its all-reduce, and average_expert_gradients averages them instead."""
 
     name = "ddp"
 
@@ -86,51 +106,16 @@ class DDP:
         """DDP keeps every parameter whole on every rank; with ep > 1 each rank keeps its routed experts only."""
         hand_data_parallel_group(model, dims)
         if dims.ep > 1:
-            moes = [m for m in model.modules() if isinstance(m, MoE)]
-            if not moes:
-                raise ValueError(f"parallel.ep={dims.ep}: {type(model).__name__} has no MoE layer to split")
-            for moe in moes:
-                shard_experts(moe, dims.ep_group)
+            split_experts(model, dims)
         return model
 
     def finish_gradients(self, model: nn.Module, dims: ParallelDims) -> None:
-        """After the last backward of an update: the routed experts' gradients averaged as DDP averages the rest."""
-        for p in expert_shards(model):
-            if p.grad is not None:
-                p.grad.div_(dims.world_size)
-                if dims.expert_dp_group is not None:
-                    dist.all_reduce(p.grad, group=dims.expert_dp_group)
+        average_expert_gradients(model, dims)
 
-    @contextlib.contextmanager
-    def whole_experts(self, model: nn.Module, optimizer: torch.optim.Optimizer, dims: ParallelDims):
-        """Within: every routed-expert weight (and its optimizer state) whole on every rank, gathered over the
-        expert-parallel group; after: this rank's 1/ep again, sliced from what is there then (what a checkpoint
-        load wrote, or the gathered values). So a checkpoint holds whole experts, whatever ep wrote or reads it."""
-        shards = expert_shards(model)
-        if not shards:
-            yield
-            return
-        rank, local = dist.get_rank(dims.ep_group), {p: p.shape[0] for p in shards}
-
-        def each_tensor():  # (where it is kept, under which key, this rank's rows of it)
-            for p in shards:
-                yield p, "data", local[p]
-                for key, value in optimizer.state.get(p, {}).items():
-                    if torch.is_tensor(value) and value.dim() == p.dim():
-                        yield optimizer.state[p], key, local[p]
-
-        for owner, key, n in list(each_tensor()):
-            part = _get(owner, key)
-            whole = part.new_empty((n * dims.ep, *part.shape[1:]))
-            dist.all_gather_into_tensor(whole, part.contiguous(), group=dims.ep_group)
-            _set(owner, key, whole)
-        try:
-            yield
-        finally:
-            for owner, key, n in list(each_tensor()):  # the state a load brought in, too
-                whole = _get(owner, key)
-                if whole.shape[0] == n * dims.ep:
-                    _set(owner, key, whole[rank * n : (rank + 1) * n].clone())
+    def shard_layouts(self, dims: ParallelDims) -> dict:
+        """How this run holds each kind of sharded checkpoint tensor, by the names of the mesh it was saved on:
+        (mesh, placements). DDP's are the routed experts alone, each ep rank's whole on every expert_dp rank."""
+        return {("ep", "expert_dp"): (dims.expert_mesh, [Shard(0), Replicate()])} if dims.ep > 1 else {}
 
     def wrap(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         if not dims.several_ranks:
@@ -161,41 +146,79 @@ class FSDP:
     the root holds the rest (embeddings, head, final norm): a block's parameters are all-gathered just before its
     forward and backward and freed after; gradients are reduce-scattered (averaged) at the end of backward.
 
+    With ep > 1 each rank first keeps its 1/ep of the routed experts (split_experts); those are not sharded over all
+    ranks but over the expert_dp ranks that hold the same experts, as their own unit (torchtitan does the same:
+    torchtitan/models/llama4/infra/parallelize.py), whose reduce-scatter divides by the world size, not by
+    expert_dp (see average_expert_gradients for why): on dim 0 (whole experts per rank) when each rank gets at least
+    one, else on dim 1. With expert_dp 1 there is nothing to shard them over: FSDP2
+    ignores them and average_expert_gradients divides them.
+
     fully_shard replaces each parameter by a new DTensor parameter, which loses Python attributes such as
-    `head_split` (docs/contracts.md): they are read before and set again on the new parameters, so the optimizer
-    built afterwards sees them. Buffers (the MoE balancing bias) stay whole on every rank.
+    `head_split` (docs/contracts.md) and `expert_parallel`: they are read before and set again on the new
+    parameters, so the optimizer built afterwards sees them. Buffers (the MoE balancing bias) stay whole on every
+    rank.
     """
 
     name = "fsdp"
 
     def __init__(self, reshard_after_forward: bool = True, ep: int = 1):
         self.reshard_after_forward = reshard_after_forward
-        self.ep = ep  # ParallelDims refuses > 1 with FSDP2 for now
+        self.ep = ep
+        self.expert_placement = Replicate()  # over expert_dp: set by shard() when it shards the experts there
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         hand_data_parallel_group(model, dims)
         if not dims.several_ranks:
             return model
-        annotations = {
-            name: {"head_split": p.head_split} for name, p in model.named_parameters() if hasattr(p, "head_split")
-        }
+        if dims.ep > 1:
+            split_experts(model, dims)
+        annotations = {name: dict(vars(p)) for name, p in model.named_parameters() if vars(p)}
+        experts = set(expert_shards(model))
+        ignored = None
+        if experts and dims.expert_dp > 1:
+            for moe in (m for m in model.modules() if isinstance(m, MoE)):
+                # whole experts per rank (dim 0) while there are enough; else slices of every one (dim 1), whose
+                # Newton-Schulz then gathers them (k3train/optim/muon.py), as torchtitan's shard_placement_fn does
+                whole = moe.experts.w_gate.shape[0] >= dims.expert_dp
+                self.expert_placement = Shard(0) if whole else Shard(1)
+                fully_shard(
+                    moe.experts,
+                    mesh=dims.expert_mesh["expert_dp"],
+                    reshard_after_forward=self.reshard_after_forward,
+                    shard_placement_fn=lambda p, placement=self.expert_placement: placement,
+                )
+                moe.experts.set_gradient_divide_factor(float(dims.world_size))
+                if dims.device_type == "cpu":  # gloo has no PREMUL_SUM: a sum, divided after
+                    moe.experts.set_force_sum_reduction_for_comms(True)
+        elif experts:
+            ignored = experts  # each rank's own, whole: average_expert_gradients averages them
         blocks = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
         for block in blocks:
-            fully_shard(block, mesh=dims.shard_mesh, reshard_after_forward=self.reshard_after_forward)
-        fully_shard(model, mesh=dims.shard_mesh, reshard_after_forward=self.reshard_after_forward)
+            fully_shard(
+                block, mesh=dims.shard_mesh, reshard_after_forward=self.reshard_after_forward, ignored_params=ignored
+            )
+        fully_shard(
+            model, mesh=dims.shard_mesh, reshard_after_forward=self.reshard_after_forward, ignored_params=ignored
+        )
         for name, p in model.named_parameters():
             for key, value in annotations.get(name, {}).items():
                 setattr(p, key, value)
         return model
 
+    def shard_layouts(self, dims: ParallelDims) -> dict:
+        """How this run holds each kind of sharded checkpoint tensor, by the names of the mesh it was saved on:
+        (mesh, placements). Under FSDP2 everything is sharded on dim 0; the routed experts over ep, then over
+        expert_dp."""
+        layouts = {("dp_shard",): (dims.shard_mesh, [Shard(0)])} if dims.several_ranks else {}
+        if dims.ep > 1:
+            layouts[("ep", "expert_dp")] = (dims.expert_mesh, [Shard(0), self.expert_placement])
+        return layouts
+
     def wrap(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         return model  # fully_shard changed the model in place
 
     def finish_gradients(self, model: nn.Module, dims: ParallelDims) -> None:
-        pass  # the reduce-scatter at the end of the backward did it
-
-    def whole_experts(self, model: nn.Module, optimizer: torch.optim.Optimizer, dims: ParallelDims):
-        return contextlib.nullcontext()  # no expert parallelism with FSDP2 yet (ParallelDims refuses it)
+        average_expert_gradients(model, dims)  # the experts FSDP2 ignores; its reduce-scatter did the rest
 
     @contextlib.contextmanager
     def no_sync(self, module: nn.Module):

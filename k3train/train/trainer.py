@@ -23,6 +23,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from k3train.checkpoint.checkpointer import Checkpointer
+from k3train.checkpoint.expert_shards import with_expert_shards
 from k3train.config import ProfileConfig, TrainConfig
 from k3train.data import EndOfData
 from k3train.models.protocol import LanguageModel
@@ -36,7 +37,7 @@ from k3train.runtime.parallel_dims import ParallelDims
 from k3train.runtime.signals import StopSignals
 from k3train.train.callbacks import Callback
 from k3train.train.evaluate import evaluate
-from k3train.train.parallel import DDP, global_grad_norm
+from k3train.train.parallel import DDP, clip_gradients, global_grad_norm
 from k3train.train.plan import TrainingPlan
 from k3train.train.precision import Precision
 from k3train.train.rng import RNGState
@@ -116,7 +117,7 @@ class Trainer:
             "trainer": self.state,
             "plan": self.plan,
         }  # restored in this order: the plan re-derives from the counters and cursor
-        for name, part in parts.items():
+        for name, part in with_expert_shards(parts, model, optimizer, self.dims).items():
             checkpointer.add(name, part)
         for callback in self.callbacks.values():
             callback.setup(model, optimizer, self.dims)
@@ -167,8 +168,7 @@ class Trainer:
         result = {"loss": loss, "grad_norm": grad_norm, "lr_factor": lr_factor}
         if math.isfinite(loss) and math.isfinite(grad_norm):
             if self.config.clip_norm is not None:
-                # Scales each parameter's .grad in place (it must be given the parameters, not the gradients).
-                torch.nn.utils.clip_grads_with_norm_(self.params, self.config.clip_norm, torch.tensor(grad_norm))
+                clip_gradients(self.params, self.config.clip_norm, grad_norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.state.step += 1
@@ -317,8 +317,7 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint at an update boundary (gradients are already cleared)."""
         t0 = time.perf_counter()
-        with self.parallel.whole_experts(self.model, self.optimizer, self.dims):  # every rank: a collective
-            size = self.checkpointer.save(self.state.step)
+        size = self.checkpointer.save(self.state.step)  # sharded: every rank writes its own, a collective
         self.metrics.log(
             "checkpoint",
             step=self.state.step,
@@ -331,8 +330,7 @@ class Trainer:
     def resume(self, path: Path) -> None:
         """Continue from a checkpoint: the Checkpointer checks it against this run and restores every part.
         Optimizer hyperparameters come from the current config (see state.ConfiguredOptimizer)."""
-        with self.parallel.whole_experts(self.model, self.optimizer, self.dims):  # loaded whole, kept in part
-            self.checkpointer.load(path)
+        self.checkpointer.load(path)
         if self.state.step > 0:  # the lr of the last update, as the checkpoint had it (not the configured peak)
             self.schedule.apply(self.optimizer, self.state.step - 1)
         self._resumed_from = Path(path)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from k3train.models.k3.moe import GroupedSwiGLU, MoE, _situ_betas
+from k3train.models.k3.moe import MoE
 
 
 def shard_experts(moe: MoE, group: dist.ProcessGroup) -> None:
@@ -40,6 +40,7 @@ def shard_experts(moe: MoE, group: dist.ProcessGroup) -> None:
         for key, value in vars(full).items():  # annotations such as head_split travel with the weight
             setattr(local, key, value)
         local.expert_parallel = ep  # 1/ep of the whole weight: its gradient, norm and checkpoint need the others
+        local.expert_group = group  # the ranks holding the rest of it
         setattr(experts, name, local)
     moe.ep_group = group
     moe.first_local_expert = rank * per_rank
@@ -71,10 +72,7 @@ def dispatch_across_ranks(moe: MoE, x: torch.Tensor, weights: torch.Tensor, expe
     local_expert = torch.arange(per_rank, device=x.device).repeat(ep).repeat_interleave(received)
     grouped = torch.argsort(local_expert, stable=True)
     local_counts = received.view(ep, per_rank).sum(0).tolist()
-    e = moe.experts
-    situ = _situ_betas(e.activation, e.situ_beta, e.situ_linear_beta)
-    y = GroupedSwiGLU.apply(
-        x_in.index_select(0, grouped), e.w_gate, e.w_up, e.w_down, local_counts, scale_in[grouped], situ
-    )
+    # through the module, so FSDP2 (which may shard these experts again over expert_dp) gathers them first
+    y = moe.experts(x_in.index_select(0, grouped), local_counts, scale_in[grouped])
     y_back = all_to_all_single_autograd(y.index_select(0, torch.argsort(grouped)), send_splits, recv_splits, group)
     return y_back.new_zeros(N, y_back.shape[1]).index_add_(0, token_of_slot, y_back)

@@ -1,0 +1,130 @@
+"""Routed experts in a checkpoint under expert parallelism: written by the ranks that hold them, read at any ep.
+
+Each rank holds 1/ep of every routed-expert weight (k3train/models/k3/expert_parallel.py), and FSDP2 may split that
+again over expert_dp. In a checkpoint each such weight, and each optimizer state tensor shaped like it (Muon's
+momentum), is the whole [E, ...] tensor it is part of: a DTensor over the run's expert mesh (ParallelDims.
+expert_mesh, ep then expert_dp), whose local part is this rank's experts, no copy. DCP writes every rank's own
+experts, nothing is gathered, and reads them back resharded: on another ep, or whole in one process (consolidate,
+export, generate, a resume without expert parallelism). A whole plain tensor (a single-file checkpoint of a run
+without expert parallelism) loads too: each rank keeps its rows.
+
+The model and optimizer parts of the Checkpointer are wrapped (`with_expert_shards`); everything else in them is
+as the unwrapped parts give it. torchtitan keeps expert weights as DTensors on its expert mesh throughout for the
+same reason (torchtitan/distributed/expert_parallel.py); here they stay plain tensors in the forward, and only a
+checkpoint sees the DTensor.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from k3train.models.k3.expert_parallel import expert_shards
+from k3train.runtime.parallel_dims import ParallelDims
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def to_whole(value: torch.Tensor, p: nn.Parameter, dims: ParallelDims) -> DTensor:
+    """`value` (p itself, or a state tensor laid out like it) as the DTensor of the whole [E, ...] over the expert
+    mesh: ep first, then expert_dp as p is placed there (FSDP2's shard of each ep rank's experts, else the same rows
+    on every expert_dp rank)."""
+    again = p.placements[0] if isinstance(p, DTensor) else Replicate()
+    shape = torch.Size((p.shape[0] * dims.ep, *p.shape[1:]))
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(_local(value), dims.expert_mesh, [Shard(0), again], shape=shape, stride=stride)
+
+
+def to_rank(value: torch.Tensor, p: nn.Parameter, dims: ParallelDims) -> torch.Tensor:
+    """A checkpoint's value of p (a DTensor over the expert mesh, or the whole tensor) as this rank holds p: its ep
+    rank's experts, sharded like p under FSDP2."""
+    if isinstance(value, DTensor) and value.device_mesh.mesh_dim_names == ("ep", "expert_dp"):
+        local = value.to_local()  # allocated in this run's layout (the strategy's shard_layouts)
+        if not isinstance(p, DTensor):
+            return local
+        return DTensor.from_local(local, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+    if isinstance(value, DTensor):
+        value = value.full_tensor()  # saved without expert parallelism, read on FSDP2's mesh: a collective
+    if value.shape[0] != p.shape[0] * dims.ep:
+        raise ValueError(
+            f"a routed-expert tensor of shape {tuple(value.shape)} where this run holds {p.shape[0] * dims.ep} "
+            "experts: the checkpoint is of another model"
+        )
+    start = dims.expert_mesh.get_local_rank("ep") * p.shape[0]
+    rows = value[start : start + p.shape[0]]
+    if isinstance(p, DTensor):  # every rank holds the rows: each keeps its shard, no communication
+        return distribute_tensor(rows, p.device_mesh, p.placements, src_data_rank=None)
+    return rows.clone()
+
+
+def _is_like(value, p: nn.Parameter) -> bool:
+    """A per-weight tensor of p (a momentum, not a step count): p's shape but for the number of experts."""
+    return torch.is_tensor(value) and value.dim() == p.dim() and value.shape[1:] == p.shape[1:]
+
+
+class ExpertShardedModel:
+    """The model as a checkpoint part: its state_dict with each routed-expert weight whole (to_whole)."""
+
+    def __init__(self, model: nn.Module, dims: ParallelDims):
+        self.model, self.dims = model, dims
+        self.experts = {name: p for name, p in model.named_parameters() if getattr(p, "expert_parallel", 1) > 1}
+
+    def state_dict(self) -> dict:
+        state = self.model.state_dict()
+        for name, p in self.experts.items():
+            state[name] = to_whole(state[name], p, self.dims)
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        with torch.no_grad():
+            for name, p in self.experts.items():
+                if name in state:  # else load_state_dict names it missing
+                    _local(p).copy_(_local(to_rank(state[name], p, self.dims)))
+                    state[name] = p.detach()
+        self.model.load_state_dict(state)
+
+
+class ExpertShardedOptimizer:
+    """An optimizer part (ConfiguredOptimizer) whose routed-expert state tensors are whole in a checkpoint."""
+
+    def __init__(self, part, optimizer: torch.optim.Optimizer, model: nn.Module, dims: ParallelDims):
+        self.part, self.dims = part, dims
+        experts = {id(p) for p in expert_shards(model)}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        # torch.optim numbers the parameters in its state_dict in param-group order
+        self.experts = {i: p for i, p in enumerate(params) if id(p) in experts}
+
+    @property
+    def changed(self) -> dict:
+        return self.part.changed
+
+    def state_dict(self) -> dict:
+        out = self.part.state_dict()
+        state = out["state"] = dict(out["state"])
+        for i, p in self.experts.items():
+            if i in state:  # a new dict: the optimizer's own state stays as it is
+                state[i] = {k: to_whole(v, p, self.dims) if _is_like(v, p) else v for k, v in state[i].items()}
+        return out
+
+    def load_state_dict(self, saved: dict) -> None:
+        saved = dict(saved)
+        state = saved["state"] = dict(saved.get("state", {}))
+        for i, p in self.experts.items():
+            if i in state:
+                state[i] = {k: to_rank(v, p, self.dims) if _is_like(v, p) else v for k, v in state[i].items()}
+        self.part.load_state_dict(saved)
+
+
+def with_expert_shards(parts: dict, model: nn.Module, optimizer: torch.optim.Optimizer, dims: ParallelDims) -> dict:
+    """The Checkpointer's parts, the model and optimizer wrapped when `model` holds expert-parallel weights."""
+    if not expert_shards(model):
+        return parts
+    return {
+        **parts,
+        "model": ExpertShardedModel(model, dims),
+        "optimizer": ExpertShardedOptimizer(parts["optimizer"], optimizer, model, dims),
+    }
