@@ -122,7 +122,7 @@ def plan_memory(spec: RunSpec, mesh: Mesh, device_type: str) -> Memory:
     grads_along = grads if spec.accumulation > 1 else 0.0  # earlier micro-batches' gradients
     fwd = activations + copies + grads_along + max(forward.values(), default=0.0)
     bwd = backward_peak(spec, mesh, layers, grad_of, device_type)
-    opt_transients = optimizer_transients(spec, mesh)
+    opt_transients = optimizer_transients(spec, mesh, device_type)
     memory.transients.update(opt_transients)
     opt = grads + max(opt_transients.values(), default=0.0)
     memory.phases = {
@@ -130,7 +130,10 @@ def plan_memory(spec: RunSpec, mesh: Mesh, device_type: str) -> Memory:
         "backward": stored_without_state + state + bwd,
         "optimizer step": stored_without_state + state + opt,
     }
-    memory.first_step_added = max(fwd, bwd, opt + state)  # DDP's buckets exist before the first step
+    # DDP's buckets exist before the first step; on a CPU their pages become resident only when the first backward
+    # writes them (bench_plan.py: a 2-rank DDP step grew by the gradients plus the buckets)
+    untouched = ddp_buckets if device_type == "cpu" else 0.0
+    memory.first_step_added = max(fwd, bwd + untouched, opt + state + untouched)
     return memory
 
 
@@ -217,7 +220,7 @@ def _recompute_copies(spec: RunSpec, layer: int, act: int, device: str, local_ex
     return la.copies_saved
 
 
-def optimizer_transients(spec: RunSpec, mesh: Mesh) -> dict[str, float]:
+def optimizer_transients(spec: RunSpec, mesh: Mesh, device_type: str = "cuda") -> dict[str, float]:
     """The update's largest temporaries, by kind (bytes per device)."""
     trainable = [p for p in spec.params if p.kind != "frozen"]
     adamw = [p for p in trainable if p.kind == "adamw"]
@@ -235,8 +238,11 @@ def optimizer_transients(spec: RunSpec, mesh: Mesh) -> dict[str, float]:
         per_element = F32 + 3 * ns + (F32 if ns < F32 else 0) + F32  # Nesterov, iterates, fp32 copy, square
         out["Muon Newton-Schulz (largest matrix)"] = largest * per_element
         gathers = [g for g in (muon_gather(spec, mesh, group) for group in muon_groups(spec)) if g.ranks > 1]
-        if gathers:
-            out["Muon gathered updates (largest group)"] = max(g.payload for g in gathers) + largest * per_element
+        if gathers:  # alive at the gather: the received buffer, this rank's outputs and its padded send buffer,
+            # and on gloo (a CPU) a flat copy of the received one (bench_plan.py measured them on 2 ranks)
+            g = max(gathers, key=lambda g: g.payload)
+            copy = g.payload if device_type == "cpu" else 0.0
+            out["Muon gathered updates (largest group)"] = g.payload * (g.ranks + 2) / g.ranks + copy
     return out
 
 
