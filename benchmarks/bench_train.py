@@ -35,6 +35,7 @@ from results_file import write_results  # benchmarks/, beside this script
 from k3train.checkpoint.checkpointer import Checkpointer
 from k3train.config import register_configs
 from k3train.data import TokenData
+from k3train.models.protocol import document_inputs
 from k3train.observe.metrics import MetricsLogger
 from k3train.optim import qk_clip
 from k3train.run.build import _build_named, build_meta
@@ -95,8 +96,8 @@ def bare_round(trainer: Trainer, steps: int, tau: float | None) -> float:
     t0 = time.perf_counter()
     for _ in range(steps):
         trainer.schedule.apply(optimizer, trainer.state.step)
-        x, y = loader.next_batch()
-        _, loss = model(x, targets=y)
+        x, y, document_ids = loader.next_batch()
+        _, loss = model(x, targets=y, **document_inputs(model, document_ids, x.device))
         loss.backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

@@ -69,19 +69,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def data_config(loaded: Loaded, overrides: list[str]) -> dict:
-    """The data node the model trained on, or the one these overrides compose (as `python -m k3train` would)."""
+    """The data node the model trained on, or the one these overrides compose (as `python -m k3train` would); either
+    way with the document masking the model trained with, unless an override sets data.document_masking."""
     if not overrides:
         if loaded.data is None:
             raise ValueError(
                 f"{loaded.path} does not say which data it trained on: name a dataset, e.g. data=prepared data.path=DIR"
             )
-        return loaded.data
+        return {**loaded.data, **trained_masking(loaded.data)}
     foreign = [o for o in overrides if not o.lstrip("+~").startswith("data")]
     if foreign:
         raise ValueError(f"evaluate takes only data overrides (data=..., data.path=...); got {foreign}")
     register_configs()
     with initialize_config_module("k3train.conf", version_base="1.3"):
-        return OmegaConf.to_container(compose("config", overrides=overrides).data, resolve=True)
+        node = OmegaConf.to_container(compose("config", overrides=overrides).data, resolve=True)
+    if loaded.data is None or any("document_masking" in o for o in overrides) or "document_masking" not in node:
+        return node
+    return {**node, **trained_masking(loaded.data)}
+
+
+def trained_masking(run_data: dict) -> dict:
+    """{"document_masking": what the run trained with} for a k3train data node: its own setting, or off for a run
+    from before the setting existed (it trained each row as one sequence); {} for a data class of another kind."""
+    if not str(run_data.get("_target_", "")).startswith("k3train.data.TokenData"):
+        return {}
+    return {"document_masking": run_data.get("document_masking", False)}
 
 
 def evaluate_split(loaded: Loaded, data, args: argparse.Namespace) -> dict:
@@ -130,7 +142,7 @@ def count_text_bytes(loader, batches: int, tokenizer) -> int:
     loader.reset()
     total = 0
     for _ in range(batches):
-        targets = loader.next_batch()[1].numpy()
+        targets = loader.next_batch().targets.numpy()
         if isinstance(tokenizer, ByteTokenizer):
             total += int((targets != tokenizer.eod_id).sum())
         else:

@@ -230,7 +230,7 @@ def test_every_data_option_loads_next_token_batches(option, k3_cache, tiny_data_
         cfg.data.cache_dir = str(k3_cache)  # the test session's cache, not ~/.cache
     data = instantiate(cfg.data)
     for loader in data.loaders(B, T):  # tiny_data_dir's val split holds 73 tokens
-        x, y = loader.next_batch()
+        x, y, _ = loader.next_batch()
         assert x.shape == y.shape == (B, T) and torch.equal(x[:, 1:], y[:, :-1])
         assert 0 <= x.min() and x.max() < data.vocab_size
 

@@ -40,7 +40,8 @@ def test_batches_are_shifted_contiguous_and_never_wrap(data_dir, ref):
     expected_batches = (len(ref) - 1) // (B * T)
     assert loader.batches_remaining() == expected_batches and loader.tokens_per_batch == B * T
     for i in range(expected_batches):
-        x, y = loader.next_batch()
+        x, y, document_ids = loader.next_batch()
+        assert document_ids is None  # no eod_id: each row is one sequence
         assert x.shape == y.shape == (B, T) and x.dtype == y.dtype == torch.int64 and x.device.type == "cpu"
         c = i * B * T
         assert torch.equal(x.flatten(), torch.from_numpy(ref[c : c + B * T]))
@@ -57,7 +58,7 @@ def test_batches_are_shifted_contiguous_and_never_wrap(data_dir, ref):
 def test_last_batch_may_end_on_the_last_token(data_dir, ref):
     ds = ShardedTokenDataset(data_dir, "train")
     loader = TokenDataLoader(ds, 1, len(ref) - 1)
-    x, y = loader.next_batch()
+    x, y, _ = loader.next_batch()
     assert y[0, -1].item() == ref[-1] == 256
     with pytest.raises(EndOfData):
         loader.next_batch()
@@ -76,8 +77,8 @@ def test_restored_cursor_continues_identically_in_a_fresh_loader(data_dir):
     fresh = TokenDataLoader(ShardedTokenDataset(data_dir, "train"), 2, 33)
     fresh.load_state_dict(state)
     assert fresh.cursor == 5 * 66 and fresh.batches_remaining() == loader.batches_remaining() + 4
-    for x, y in expected:
-        fx, fy = fresh.next_batch()
+    for x, y, _ in expected:
+        fx, fy, _ = fresh.next_batch()
         assert torch.equal(fx, x) and torch.equal(fy, y)
 
 
@@ -115,7 +116,7 @@ def test_data_parallel_ranks_together_equal_one_big_batch(data_dir):
     steps = single.batches_remaining()
     assert steps > 3 and all(r.batches_remaining() == steps for r in ranks)
     for _ in range(steps):
-        x, y = single.next_batch()
+        x, y, _ = single.next_batch()
         parts = [r.next_batch() for r in ranks]
         assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
     for r in ranks:  # every rank ends at the same step, so no rank waits on a collective forever
@@ -242,6 +243,6 @@ def test_a_state_restores_into_another_split_of_the_same_global_batch(data_dir):
         loader.next_batch()
     single = TokenDataLoader(data.train, 4, 8)
     single.load_state_dict(ranks[0].state_dict())
-    x, y = single.next_batch()
+    x, y, _ = single.next_batch()
     parts = [loader.next_batch() for loader in ranks]
     assert torch.equal(x, torch.cat([p[0] for p in parts])) and torch.equal(y, torch.cat([p[1] for p in parts]))

@@ -266,11 +266,13 @@ def reference_qkv(layer, x):
 
 
 def reference_forget_gate(layer, x):
-    """The forget gate as the docstring states it, in fp32 as the layer computes it (its sums over T need it)."""
+    """The forget gate as the docstring states it, in at least fp32 as the layer computes it (its sums over T need
+    it; an fp64 layer keeps fp64)."""
     B, T, _ = x.shape
-    f = layer.f_b_proj(layer.f_a_proj(x)).float().view(B, T, layer.n_value_heads, layer.head_dim)
-    f = f + layer.dt_bias.float().view(layer.n_value_heads, layer.head_dim)
-    rate = layer.A_log.float().exp()[:, None]
+    dtype = torch.promote_types(layer.dt_bias.dtype, torch.float32)
+    f = layer.f_b_proj(layer.f_a_proj(x)).to(dtype).view(B, T, layer.n_value_heads, layer.head_dim)
+    f = f + layer.dt_bias.to(dtype).view(layer.n_value_heads, layer.head_dim)
+    rate = layer.A_log.to(dtype).exp()[:, None]
     if layer.gate == "softplus":
         return -rate * F.softplus(f)
     return layer.gate_lower_bound * torch.sigmoid(rate * f)
@@ -440,7 +442,7 @@ def test_fla_path_receives_the_normalised_q_and_k(monkeypatch):
     q, k, g = seen[0]
     torch.testing.assert_close(q, q_ref, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(k, k_ref, rtol=1e-12, atol=1e-14)
-    torch.testing.assert_close(g, reference_forget_gate(layer, x), rtol=0, atol=0)
+    torch.testing.assert_close(g, reference_forget_gate(layer, x), rtol=1e-12, atol=1e-14)  # fused f_a_proj
     torch.testing.assert_close(torch.cat([seen[1][0], seen[2][0]], dim=1), q_ref, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(y, y_chunk, rtol=0, atol=0)
     torch.testing.assert_close(y_cached, y, rtol=1e-10, atol=1e-12)

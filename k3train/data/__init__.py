@@ -2,12 +2,13 @@
 
 from k3train.data.builtin import prepare_builtin
 from k3train.data.dataset import ShardedTokenDataset, TokenData
-from k3train.data.loader import EndOfData, TokenDataLoader
+from k3train.data.loader import Batch, EndOfData, TokenDataLoader
 from k3train.data.prepare import prepare_dataset
 from k3train.data.sources import PrepareError
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
+    "Batch",
     "ByteTokenizer",
     "EndOfData",
     "HFTokenizer",

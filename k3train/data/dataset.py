@@ -131,10 +131,17 @@ class TokenData:
     """The train and val splits a run uses, opened together and checked to share one tokenizer.
 
     val comes from the same directory unless val_path names another prepared dataset (e.g. a standard held-out
-    set), which must then have been prepared with the same tokenizer."""
+    set), which must then have been prepared with the same tokenizer.
 
-    def __init__(self, path: str | Path, val_path: str | Path | None = None, verify: bool = False):
+    document_masking (data.document_masking): the loaders hand each batch its document boundaries (the tokens after
+    the tokenizer's end-of-document id start new documents; loader.py), so a model that takes them attends within
+    each document only. Off: every row is one sequence, documents reading into each other as before."""
+
+    def __init__(
+        self, path: str | Path, val_path: str | Path | None = None, verify: bool = False, document_masking: bool = True
+    ):
         self.path = Path(path)
+        self.document_masking = document_masking
         self.train = ShardedTokenDataset(self.path, "train", verify=verify)
         self.val = ShardedTokenDataset(val_path or self.path, "val", verify=verify)
         if self.train.tokenizer_identity != self.val.tokenizer_identity:
@@ -148,9 +155,15 @@ class TokenData:
         self.vocab_size = self.train.vocab_size
 
     @classmethod
-    def builtin(cls, cache_dir: str | None = None, tokenizer: str = "byte", eod_token: str | None = None) -> TokenData:
+    def builtin(
+        cls,
+        cache_dir: str | None = None,
+        tokenizer: str = "byte",
+        eod_token: str | None = None,
+        document_masking: bool = True,
+    ) -> TokenData:
         """The built-in pydoc_data.topics corpus, prepared into the cache on first use (see builtin.py)."""
-        return cls(prepare_builtin(cache_dir, load_tokenizer(tokenizer, eod_token)))
+        return cls(prepare_builtin(cache_dir, load_tokenizer(tokenizer, eod_token)), document_masking=document_masking)
 
     def identity(self) -> dict[str, Any]:
         """What a checkpoint pins and run.json records; JSON-able."""
@@ -164,13 +177,20 @@ class TokenData:
             "tokens": {"train": self.train.num_tokens, "val": self.val.num_tokens},
         }
 
+    @property
+    def eod_id(self) -> int:
+        """The end-of-document id every document of both splits ends with (one tokenizer: checked when opened)."""
+        return self.train.tokenizer_identity["eod_id"]
+
     def loaders(
         self, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1
     ) -> tuple[TokenDataLoader, TokenDataLoader]:
-        """Independent (train, val) loaders, each with its own cursor."""
+        """Independent (train, val) loaders, each with its own cursor; with document masking both hand out the
+        boundaries, so evaluation masks as training does."""
+        eod_id = self.eod_id if self.document_masking else None
         return (
-            TokenDataLoader(self.train, batch_size, seq_len, rank, world_size),
-            TokenDataLoader(self.val, batch_size, seq_len, rank, world_size),
+            TokenDataLoader(self.train, batch_size, seq_len, rank, world_size, eod_id=eod_id),
+            TokenDataLoader(self.val, batch_size, seq_len, rank, world_size, eod_id=eod_id),
         )
 
     def tokenizer(self) -> Tokenizer:
@@ -185,5 +205,6 @@ class TokenData:
     def __repr__(self) -> str:
         return (
             f"TokenData({str(self.path)!r}, vocab_size={self.vocab_size}, train={self.train.num_tokens:,} tokens, "
-            f"val={self.val.num_tokens:,} tokens, fingerprint={self.train.fingerprint[:12]})"
+            f"val={self.val.num_tokens:,} tokens, fingerprint={self.train.fingerprint[:12]}, "
+            f"document_masking={self.document_masking})"
         )

@@ -6,6 +6,7 @@ runner checks a built model against it and names what is missing; nothing else p
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -25,7 +26,11 @@ class LanguageModel(Protocol):
         """x [B, T] token ids -> (logits [B, T, V], None); with targets [B, T] (x shifted by one token) -> (logits
         or None, loss): the mean next-token cross-entropy over all B*T positions in fp32. A model may skip the
         logits when it has the targets (KimiK3 does: it never builds them whole), so callers that want logits
-        call it without targets."""
+        call it without targets.
+
+        Optional: a keyword `document_ids` ([B, T] or None, k3train/models/documents.py), the documents packed in
+        each row, which the model keeps from attending to each other (document masking). The Trainer passes it to a
+        forward that names it (takes_document_ids), and only when a batch has boundaries."""
         ...
 
     def check_data(self, vocab_size: int, seq_len: int) -> None:
@@ -56,3 +61,17 @@ def missing_members(model: object) -> list[str]:
     methods = [name for name, value in vars(LanguageModel).items() if callable(value) and not name.startswith("_")]
     wanted = [*LanguageModel.__annotations__, *methods]
     return [name for name in wanted if not hasattr(model, name)]
+
+
+def takes_document_ids(model: object) -> bool:
+    """Whether `model`'s forward takes the `document_ids` keyword (document masking). One that does not sees each
+    row as one sequence, as before document masking existed."""
+    return "document_ids" in inspect.signature(model.forward).parameters
+
+
+def document_inputs(model: object, document_ids: torch.Tensor | None, device: torch.device) -> dict:
+    """The document keyword for model.forward: {"document_ids": ...} on `device` when the batch has boundaries and
+    the model takes them, else {} (a model without the keyword is called as before)."""
+    if document_ids is None or not takes_document_ids(model):
+        return {}
+    return {"document_ids": document_ids.to(device, non_blocking=True)}

@@ -43,8 +43,11 @@ class SmokeTestLM(nn.Module):
     def from_fields(cls, **fields) -> SmokeTestLM:
         return cls(SmokeTestConfig(**fields))
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None):
-        """x: [B, T] token ids -> logits [B, T, V]; loss: mean cross-entropy over all B*T targets (fp32)."""
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
+        """x: [B, T] token ids -> logits [B, T, V]; loss: mean cross-entropy over all B*T targets (fp32).
+
+        document_ids is taken and needs nothing done: logits at t read token t alone, so no document ever sees
+        another; documents packed in a row are already masked from each other."""
         logits = self.lm_head(self.embed(x))
         loss = None
         if targets is not None:

@@ -26,6 +26,7 @@ from omegaconf.errors import MissingMandatoryValue
 
 from k3train.checkpoint.checkpointer import CheckpointError
 from k3train.files import remove_stale_temp_files
+from k3train.models.protocol import takes_document_ids
 from k3train.observe.metrics import MetricsLogger
 from k3train.observe.run_manifest import RunManifest, environment
 from k3train.optim.summary import format_param_groups, summarize_param_groups
@@ -251,6 +252,7 @@ def _print_summary(run_dir: Path, trainer: Trainer, threads: ThreadChoice) -> No
         lines.insert(2, f"  cpu: {threads.describe()}; malloc: {malloc_setting()}; denormals: {denormal_setting()}")
     lines += ["    " + row for row in format_param_groups(optimizer.param_groups).splitlines()]
     lines.append(f"  parallel: {trainer.dims.describe()}")
+    lines.append(f"  documents: {_describe_documents(trainer)}")
     lines.append(f"  schedule: {schedule.describe()}")
     lines += [f"  {callback.describe()}" for callback in trainer.callbacks.values()]
     lines.append(f"  {trainer.mfu.describe()}")
@@ -259,3 +261,16 @@ def _print_summary(run_dir: Path, trainer: Trainer, threads: ThreadChoice) -> No
         f"= {trainer.tokens_per_update * trainer.total_steps:,} tokens (a plan, not a measurement)"
     )
     print("\n".join(lines), flush=True)
+
+
+def _describe_documents(trainer: Trainer) -> str:
+    """The summary's word on document masking: whether the documents packed in a row are kept apart."""
+    eod_id = getattr(trainer.train_loader, "eod_id", None)
+    if eod_id is None:
+        return "not masked (data.document_masking=false): each row is one sequence"
+    if not takes_document_ids(trainer.model):
+        return (
+            f"not masked: {type(trainer.model).__name__}.forward takes no document_ids, so each row is one sequence "
+            "(data.document_masking has no effect on it)"
+        )
+    return f"masked: each document (ended by token {eod_id}) attends only within itself"

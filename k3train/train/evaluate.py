@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from k3train.data import EndOfData
+from k3train.models.protocol import document_inputs
 from k3train.runtime.distributed import mean_across_ranks
 from k3train.train.rng import capture_rng_state, restore_rng_state
 
@@ -17,7 +18,8 @@ def evaluate(
     """Mean loss over the first num_batches val batches (fewer if the split is shorter).
 
     Model mode, the val cursor and all RNG states are restored afterwards, so evaluating never changes what
-    training does next; routers see model.eval() and leave their balancing state alone.
+    training does next; routers see model.eval() and leave their balancing state alone. Documents are masked as the
+    loader marks them, as in training (the same TokenData gives both loaders).
     """
     was_training = model.training
     rng = capture_rng_state()
@@ -28,11 +30,11 @@ def evaluate(
     try:
         for _ in range(num_batches):
             try:
-                x, y = val_loader.next_batch()
+                x, y, document_ids = val_loader.next_batch()
             except EndOfData:
                 break
             with precision.autocast(device):
-                _, loss = model(x.to(device), targets=y.to(device))
+                _, loss = model(x.to(device), targets=y.to(device), **document_inputs(model, document_ids, device))
             losses.append(loss.float())
     finally:
         val_loader.load_state_dict(cursor)

@@ -26,7 +26,7 @@ from k3train.checkpoint.checkpointer import Checkpointer
 from k3train.checkpoint.expert_shards import with_expert_shards
 from k3train.config import ProfileConfig, TrainConfig
 from k3train.data import EndOfData
-from k3train.models.protocol import LanguageModel
+from k3train.models.protocol import LanguageModel, document_inputs
 from k3train.observe.metrics import MetricsLogger
 from k3train.observe.mfu import MFU
 from k3train.observe.profile import make_profiler
@@ -150,12 +150,13 @@ class Trainer:
         lr_factor = self.schedule.apply(self.optimizer, self.state.step)
         losses = []
         batches = self._micro_batches()
-        for i, (x, y) in enumerate(batches):
+        for i, (x, y, document_ids) in enumerate(batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+            documents = document_inputs(self.model, document_ids, self.device)  # {} without boundaries
             last = i == len(batches) - 1  # only its backward all-reduces the gradients across ranks
             with self.parallel.no_sync(self.replicated) if not last else contextlib.nullcontext():
                 with self.precision.autocast(self.device):
-                    _, loss = self.forward(x, targets=y)
+                    _, loss = self.forward(x, targets=y, **documents)
                 self.scaler.scale(loss / accum).backward()
             losses.append(loss.detach().float())
         self.parallel.finish_gradients(self.model, self.dims)  # e.g. expert-parallel weights, which DDP leaves out

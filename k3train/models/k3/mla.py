@@ -17,6 +17,11 @@ decoding alike) and a separate epsilon for the two latent norms q_a_norm and kv_
 https://github.com/NVIDIA-NeMo/Automodel/blob/9a9b020c389454efdc58e6f39b15eedc8280dbff/nemo_automodel/components/models/kimi_k3/model.py
 (KimiMLAAttention: g_proj [H * dv, d] without bias, sigmoid, elementwise before o_proj; its latent norms keep
 their own 1e-6 default rather than rms_norm_eps).
+
+Documents packed into a row (document_ids, k3train/models/documents.py): each position attends causally within its
+own document only (block-diagonal causal), and QK-Clip's max logit counts only those pairs. How, on a CPU, is
+document_attention's choice (docs/decisions/document-masking.md): rows cut into tiles of whole documents, each
+tile one SDPA call. Decoding (forward_cached) is one document and unaffected.
 """
 
 from __future__ import annotations
@@ -28,8 +33,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from k3train.models.documents import document_lengths
 from k3train.models.k3.cache import MLACache
 from k3train.models.norm import RMSNorm
+
+# document_attention's tiles: consecutive documents are grouped until a tile holds at least this many positions
+# (a longer document is a tile alone). Smaller tiles skip more of the masked-out square, larger ones make fewer
+# calls, which matters on a busy CPU; measured on k3_small's shapes in docs/decisions/document-masking.md.
+MIN_DOCUMENT_TILE = 256
 
 
 class RotaryEmbedding(nn.Module):
@@ -113,8 +124,8 @@ class MultiHeadLatentAttention(nn.Module):
         """The projection whose rows are per head [q_nope | q_rope]: q_proj, or q_b_proj with query compression."""
         return self.q_proj if hasattr(self, "q_proj") else self.q_b_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, d] -> [B, T, d], causal."""
+    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, d] -> [B, T, d], causal; with document_ids [B, T], causal within each document."""
         B, T, _ = x.shape
         H, dn, dr, dv = self.n_heads, self.dn, self.dr, self.dv
         q = self._query(x).view(B, T, H, dn + dr)
@@ -131,9 +142,12 @@ class MultiHeadLatentAttention(nn.Module):
         if self.track_max_logit and self.training:
             # A running max until QK-Clip reads and resets it: gradient-accumulated micro-batches all count.
             with torch.autocast(q.device.type, enabled=False):  # fp16 would overflow past 65504, bf16 round
-                step_max = causal_max_logit(q.float(), k.float(), self.scale)
+                step_max = causal_max_logit(q.float(), k.float(), self.scale, document_ids)
             self.max_logit = step_max if self.max_logit is None else torch.maximum(self.max_logit, step_max)
-        o = causal_attention(q, k, v, self.scale)  # [B, H, T, dv]
+        if document_ids is None:
+            o = causal_attention(q, k, v, self.scale)  # [B, H, T, dv]
+        else:
+            o = document_attention(q, k, v, self.scale, document_ids)
         return self._output(o.transpose(1, 2).reshape(B, T, H * dv), x)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -220,25 +234,83 @@ def scale_rows_(weight: torch.Tensor, row_scale: torch.Tensor) -> None:
     weight.mul_(scale)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q, k [B, H, T, dk], v [B, H, T, dv] -> [B, H, T, dv]: causal softmax attention.
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q, k [B, H, T, dk], v [B, H, T, dv] -> [B, H, T, dv]: causal softmax attention, or with `visible` (bool,
+    broadcast to [B, H, T, T], True where query i may attend key j) attention over those pairs instead.
 
     On CPU, torch's fused (flash) kernel needs dk == dv and otherwise falls back to the math path, which
     materialises the T x T weights and is slower (docs/decisions/mla-attention.md). So on CPU with dk != dv the
     narrower side gets zero columns appended: they change no score and no output column, so the result is exact.
     """
     dk, dv = q.shape[-1], v.shape[-1]
+    mask = dict(is_causal=True) if visible is None else dict(attn_mask=visible)
     if q.device.type != "cpu" or dk == dv:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, **mask)
     if dv < dk:
-        return F.scaled_dot_product_attention(q, k, F.pad(v, (0, dk - dv)), is_causal=True, scale=scale)[..., :dv]
+        return F.scaled_dot_product_attention(q, k, F.pad(v, (0, dk - dv)), scale=scale, **mask)[..., :dv]
     q, k = F.pad(q, (0, dv - dk)), F.pad(k, (0, dv - dk))
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, **mask)
+
+
+def document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    document_ids: torch.Tensor,
+    min_tile: int = MIN_DOCUMENT_TILE,
+) -> torch.Tensor:
+    """causal_attention within each document: q, k [B, H, T, dk], v [B, H, T, dv], document_ids [B, T].
+
+    On a CPU each row is cut into tiles of whole consecutive documents holding at least min_tile positions (the last
+    may hold fewer); a tile of one document is plain causal attention, one of several gets their block-diagonal
+    causal mask. No position attends across a tile, so little outside a document's own block is computed, and short
+    documents share a call. Elsewhere (a GPU: not measured here) one call takes the whole [B, T, T] mask, with no host
+    sync and no per-tile launches. torchtitan builds the same mask for flex_attention (get_document_mask_mod), which
+    has no CPU backward; why tiles, with numbers: docs/decisions/document-masking.md.
+    https://github.com/pytorch/torchtitan/blob/0012170a0708b751408e6085f970082ecd678d2b/torchtitan/models/attention.py
+    """
+    if q.device.type != "cpu":
+        return causal_attention(q, k, v, scale, block_causal_mask(document_ids).unsqueeze(1))
+    rows = []
+    for b, lengths in enumerate(document_lengths(document_ids)):
+        tiles = []
+        for start, stop, documents in _document_tiles(lengths, min_tile):
+            ids = document_ids[b : b + 1, start:stop]
+            visible = None if documents == 1 else block_causal_mask(ids).unsqueeze(1)  # [1, 1, n, n]
+            tiles.append(causal_attention(*(x[b : b + 1, :, start:stop] for x in (q, k, v)), scale, visible))
+        rows.append(torch.cat(tiles, dim=2))
+    return torch.cat(rows, dim=0)
+
+
+def _document_tiles(lengths: list[int], min_tile: int) -> list[tuple[int, int, int]]:
+    """A row's documents (their lengths in order) grouped into tiles of at least min_tile positions, a document of
+    min_tile or more a tile alone (plain causal): (start, stop, number of documents) of each tile."""
+    tiles, start, stop, documents = [], 0, 0, 0
+    for length in lengths:
+        if documents and length >= min_tile:  # not the tail of a masked tile: its square would mostly be masked out
+            tiles.append((start, stop, documents))
+            start, documents = stop, 0
+        stop, documents = stop + length, documents + 1
+        if stop - start >= min_tile:
+            tiles.append((start, stop, documents))
+            start, documents = stop, 0
+    return tiles + [(start, stop, documents)] if documents else tiles
+
+
+def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """document_ids [B, T] -> [B, T, T] bool: True where query i may attend key j, i.e. j <= i in the same document."""
+    return (document_ids[:, :, None] == document_ids[:, None, :]).tril_()
 
 
 @torch.no_grad()
-def causal_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
-    """q, k [B, H, T, D] -> [H] fp32: max over batch and causal pairs (j <= i) of scale * q_i . k_j.
+def causal_max_logit(
+    q: torch.Tensor, k: torch.Tensor, scale: float, document_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """q, k [B, H, T, D] -> [H] fp32: max over batch and causal pairs (j <= i) of scale * q_i . k_j; with
+    document_ids [B, T], over the pairs within one document only (the logits attention computes).
 
     A separate matmul because the fused attention kernel never exposes its logits. One batch row at a time
     keeps the extra memory at H * T * T floats.
@@ -247,6 +319,7 @@ def causal_max_logit(q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Te
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     best = torch.full((H,), -math.inf, dtype=torch.float32, device=q.device)
     for b in range(B):
+        visible = causal if document_ids is None else block_causal_mask(document_ids[b : b + 1])[0]
         logits = (q[b].float() @ k[b].float().transpose(-1, -2)) * scale  # [H, T, T]
-        best = torch.maximum(best, logits.masked_fill(~causal, -math.inf).amax(dim=(-1, -2)))
+        best = torch.maximum(best, logits.masked_fill(~visible, -math.inf).amax(dim=(-1, -2)))
     return best

@@ -31,6 +31,11 @@ each Block's inputs and recomputes the Block in the backward; "selective" recomp
 mixer) and the routed experts (MoE.checkpoint_experts; the dense FFN whole), keeping the norms, mixes and routing.
 The MoE's routing changes its bias in a training forward, so a recomputed Block replays the experts its forward
 chose and leaves the bias alone (MoE.route): the recompute is the forward, bit for bit.
+
+Document masking (forward's document_ids, k3train/models/documents.py): each row may hold several documents, and
+only the mixers read across positions, so only they take the boundaries: KDA restarts its state and short convs at
+each document start, MLA attends within the document. Everything else is per token. The routing's bias update is
+over the batch's tokens either way: balancing, not attention, so documents do not split it.
 """
 
 from __future__ import annotations
@@ -129,22 +134,29 @@ class Block(nn.Module):
         """With attention residuals: this layer begins a block, so its input joins `blocks` (module docstring)."""
         return self.attn_res_block_size is not None and self.layer_idx % self.attn_res_block_size == 0
 
-    def forward(self, x: torch.Tensor, blocks: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, blocks: tuple[torch.Tensor, ...] = (), document_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """x [B, T, d] the previous layer's output (the embedding at layer 0) -> this layer's output [B, T, d].
 
         blocks: with attention residuals, the finished blocks' sums before this layer, the embedding first (the
-        caller appends x after a layer that starts_block). Without: unused, the output is x + f(x)."""
+        caller appends x after a layer that starts_block). Without: unused, the output is x + f(x).
+        document_ids [B, T]: the documents in each row, for the mixer (module docstring); None: one per row."""
+
+        def mixer(y: torch.Tensor) -> torch.Tensor:
+            return self.mixer(y, document_ids)
+
         if self.checkpointing == "block" and torch.is_grad_enabled():
             routes: dict = {}  # the experts the forward chose, for the recompute to replay (MoE.route)
 
             def run(h: torch.Tensor, *bs: torch.Tensor) -> torch.Tensor:
                 with replayed_routes(self.ffn, routes):
-                    return self._forward(h, bs, self.mixer)
+                    return self._forward(h, bs, mixer)
 
             return checkpoint(run, x, *blocks, use_reentrant=False)
         if self.checkpointing == "selective" and torch.is_grad_enabled():
-            return self._forward(x, blocks, lambda y: checkpoint(self.mixer, y, use_reentrant=False))
-        return self._forward(x, blocks, self.mixer)
+            return self._forward(x, blocks, lambda y: checkpoint(self.mixer, y, document_ids, use_reentrant=False))
+        return self._forward(x, blocks, mixer)
 
     def forward_cached(
         self, x: torch.Tensor, cache: KDAState | MLACache, blocks: tuple[torch.Tensor, ...] = ()
@@ -246,17 +258,19 @@ class KimiK3(nn.Module):
                 nn.init.normal_(module.w_down, std=residual_std)
 
     def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """x [B, T] token ids -> (logits [B, T, V], None); with targets [B, T] -> (None, the mean next-token
         cross-entropy over all B*T positions in fp32) (targets are already shifted: targets[:, t] follows x[:, t]).
+        document_ids [B, T] (k3train/models/documents.py): the documents packed in each row, each then seen as if
+        alone (module docstring); None: each row is one sequence. The loss still averages over every position.
 
         With targets the logits are never built whole: linear_cross_entropy (k3train/models/loss.py) runs the LM
         head and the loss together over row chunks, the same matmuls as lm_head + F.cross_entropy."""
         h = self.embed_tokens(x)
         blocks: tuple[torch.Tensor, ...] = ()
         for layer in self.layers:
-            h, blocks = layer(h, blocks), self._blocks_after(layer, h, blocks)
+            h, blocks = layer(h, blocks, document_ids), self._blocks_after(layer, h, blocks)
         h = self.norm(self._output_mix(h, blocks))
         if targets is None:
             return self.lm_head(h), None

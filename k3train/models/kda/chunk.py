@@ -25,6 +25,17 @@ The gradient is written out by hand (_ChunkKDA.backward) rather than left to aut
 every intermediate: it runs the state recurrence in reverse, then the same decay-weighted triangular products as
 the forward (_decayed_rows, _decayed_cols). Equality with naive.py's autograd, every gradient: tests/test_kda.py.
 Why these forms, with timings: docs/decisions/kda-chunk.md.
+
+Documents packed into a row (document_ids, k3train/models/documents.py): the state restarts from zero where a
+document starts, as if each document ran alone. A chunk the boundary falls inside keeps the algebra above, with
+four factors cut to zero where a boundary lies between the two positions they join (_Documents): A_qk[i, j] and
+P[i, j] for i, j in different documents, exp(G_i) for a row that no longer continues the chunk's first document
+(it reads nothing of the start state), exp(G_last - G_j) for a row before the chunk's last document (it writes
+nothing into the end state), and exp(G_last) for a chunk a document starts in (the start state does not carry
+through). G stays the plain cumulative sum, so every kept factor is the one the document alone would have and every
+cut one was finite (<= 1) before it was zeroed. The backward cuts the same factors. Without document_ids (or with
+None) nothing is masked and the arithmetic is the same, bit for bit. FLA's kernels take boundaries as `cu_seqlens`
+over one flattened row instead (fla.py); here the rows stay a batch, so the chunk loop stays T / C steps.
 """
 
 from __future__ import annotations
@@ -49,12 +60,15 @@ def chunk_kda(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     chunk_size: int = 64,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Chunkwise KDA, equal to naive_recurrent_kda up to fp32 rounding. Any T works: the tail is padded.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] log decay (<= 0); beta [B, T, HV];
-    initial_state [B, HV, K, V]; chunk_size a power of two. Returns o [B, T, HV, V] in v's dtype and the final
-    state [B, HV, K, V] in fp32 (None unless output_final_state). Computes in fp32 even under autocast.
+    initial_state [B, HV, K, V]; chunk_size a power of two; document_ids [B, T] (k3train/models/documents.py): the
+    state restarts at each document start (a row's first document continues initial_state). Returns o [B, T, HV, V]
+    in v's dtype and the final state [B, HV, K, V] in fp32 (that of each row's last document; None unless
+    output_final_state). Computes in fp32 even under autocast.
     """
     check_kda_inputs(q, k, v, g, beta, initial_state)
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
@@ -81,29 +95,74 @@ def chunk_kda(
         q, k, v, g = (x.transpose(1, 2).contiguous().view(B, HV, N, C, -1) for x in (q, k, v, g))  # [B, HV, N, C, D]
         beta = beta.transpose(1, 2).reshape(B, HV, N, C, 1)
         S0 = None if initial_state is None else initial_state.to(dtype)
-        o, S = _ChunkKDA.apply(q, k, v, g, beta, S0)  # [B, HV, N, C, V], [B, HV, K, V]
+        documents = None if document_ids is None else _Documents.of(document_ids, pad, C, dtype)
+        o, S = _ChunkKDA.apply(q, k, v, g, beta, S0, documents)  # [B, HV, N, C, V], [B, HV, K, V]
         o = o.reshape(B, HV, N * C, V)[:, :, :T].transpose(1, 2)  # [B, T, HV, V]
     return o.to(out_dtype), (S if output_final_state else None)
 
 
+class _Documents(NamedTuple):
+    """Which factors a document boundary cuts (module docstring), 1 kept and 0 cut, per row and chunk and broadcast
+    over heads: `same` [B, 1, N, C, C] whether rows i and j of a chunk lie in one document; `reads` [B, 1, N, C, 1]
+    whether row i continues the document the chunk began in (so sees the state at the chunk start)."""
+
+    same: Tensor
+    reads: Tensor
+
+    @classmethod
+    def of(cls, document_ids: Tensor, pad: int, C: int, dtype: torch.dtype) -> _Documents:
+        """From document_ids [B, T]; the `pad` padded steps join the row's last document (they change nothing)."""
+        if pad:
+            document_ids = torch.cat([document_ids, document_ids[:, -1:].expand(-1, pad)], dim=1)
+        ids = document_ids.view(document_ids.shape[0], 1, -1, C)  # [B, 1, N, C]
+        # The document each chunk begins in: that of the previous chunk's last row (the first chunk: its own first
+        # row, which continues the initial state).
+        entering = torch.cat([ids[..., :1, :1], ids[..., :-1, -1:]], dim=-2)  # [B, 1, N, 1]
+        same = ids[..., :, None] == ids[..., None, :]
+        return cls(same.to(dtype), (ids == entering).unsqueeze(-1).to(dtype))
+
+    @property
+    def writes(self) -> Tensor:
+        """[B, 1, N, C, 1]: row j lies in the chunk's last document (it writes into the state at the chunk end)."""
+        return self.same[..., -1, :].unsqueeze(-1)
+
+    @property
+    def carries(self) -> Tensor:
+        """[B, 1, N, 1, 1]: no document starts in the chunk (its start state carries through to its end)."""
+        return self.reads[..., -1:, :]
+
+
+def _state_decays(G: Tensor, documents: _Documents | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The decays between a chunk's boundary states and its rows, for G [..., N, C, K]: exp(G_i) from the chunk start
+    to row i (reading the start state) [..., N, C, K], exp(G_last - G_j) from row j to the chunk end (writing the end
+    state) [..., N, C, K] and exp(G_last) across the chunk (carrying the state) [..., N, K, 1]; with documents, cut
+    to zero where a document starts between the two."""
+    read, write, carry = G.exp(), (G[..., -1:, :] - G).exp(), G[..., -1, :, None].exp()
+    if documents is not None:
+        read, write, carry = read * documents.reads, write * documents.writes, carry * documents.carries
+    return read, write, carry
+
+
 class _ChunkKDA(torch.autograd.Function):
-    """q, k, g [..., N, C, K], v [..., N, C, V], beta [..., N, C, 1], initial state [..., K, V] or None
-    -> o [..., N, C, V] and the final state [..., K, V]."""
+    """q, k, g [..., N, C, K], v [..., N, C, V], beta [..., N, C, 1], initial state [..., K, V] or None, documents
+    (_Documents) or None -> o [..., N, C, V] and the final state [..., K, V]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state):
+    def forward(ctx, q, k, v, g, beta, initial_state, documents):
         N, C, K = q.shape[-3:]
         G = g.cumsum(-2)
         decays = _decays(G)
         A_qk, P = _intra_chunk(q, k, decays)
+        if documents is not None:  # no attention and no delta-rule interaction between documents
+            A_qk.mul_(documents.same)
+            P.mul_(documents.same)
         # M = (I + beta P)^-1; unitriangular: the solver takes the unit diagonal as given and reads only below it.
         eye = torch.eye(C, dtype=q.dtype, device=q.device).expand_as(P)
         M = torch.linalg.solve_triangular(beta * P, eye, upper=False, unitriangular=True)
-        eG = G.exp()
+        eG, out_decay, chunk_decay = _state_decays(G, documents)  # [..., N, C, K] twice, [..., N, K, 1]
         w, u = M @ (beta * k * eG), M @ (beta * v)
         q_in = q * eG  # reads the state at the chunk start
-        k_out = (k * (G[..., -1:, :] - G).exp()).transpose(-1, -2)  # [..., N, K, C]: writes the chunk-end state
-        chunk_decay = G[..., -1, :, None].exp()  # [..., N, K, 1]
+        k_out = (k * out_decay).transpose(-1, -2)  # [..., N, K, C]: writes the chunk-end state
 
         # Inter-chunk recurrence: the only sequential part.
         S = q.new_zeros(*q.shape[:-3], K, v.shape[-1]) if initial_state is None else initial_state
@@ -116,7 +175,7 @@ class _ChunkKDA(torch.autograd.Function):
             S = decay_n * S + k_out_n @ v_new_n
         o = q_in @ starts + A_qk @ v_new
         ctx.save_for_backward(q, k, v, G, beta, A_qk, P, M, w, u, v_new, starts)
-        ctx.has_initial_state, ctx.block = initial_state is not None, decays.block
+        ctx.has_initial_state, ctx.block, ctx.documents = initial_state is not None, decays.block, documents
         return o, S
 
     @staticmethod
@@ -128,12 +187,11 @@ class _ChunkKDA(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, do, dS_final):
         q, k, v, G, beta, A_qk, P, M, w, u, v_new, starts = ctx.saved_tensors
+        documents = ctx.documents
         decays = _decays(G, ctx.block)
-        eG = G.exp()
+        eG, out_decay, chunk_decay = _state_decays(G, documents)  # [..., N, C, K] twice, [..., N, K, 1]
         q_in, kg = q * eG, k * eG
-        out_decay = (G[..., -1:, :] - G).exp()  # [..., N, C, K]
         k_out = k * out_decay
-        chunk_decay = G[..., -1, :, None].exp()  # [..., N, K, 1]
         do = do.contiguous()
 
         # The recurrence in reverse: dS is the gradient of the state at a chunk's end, then at its start.
@@ -163,6 +221,8 @@ class _ChunkKDA(torch.autograd.Function):
         torch.matmul(dR_k, w.transpose(-1, -2), out=dA_kk).add_(dR_v @ u.transpose(-1, -2)).tril_(-1).neg_()
         dbeta = (dR_k * kg).sum(-1, keepdim=True) + (dR_v * v).sum(-1, keepdim=True) + (dA_kk * P).sum(-1, keepdim=True)
         dA_kk.mul_(beta)  # A_kk = beta P: now dP
+        if documents is not None:  # the forward zeroed these entries: nothing flows back through them
+            dA.mul_(documents.same)
         dv = beta * dR_v
         # The decay-weighted products: A_qk's and P's gradients back onto their rows and columns.
         rows = _decayed_rows(dA, k, decays)  # [2, ..., N, C, K]: into q (from A_qk) and into k as P's row
@@ -175,7 +235,7 @@ class _ChunkKDA(torch.autograd.Function):
         dG.addcmul_(k, rows[1].sub_(cols_qk).sub_(cols_kk))
         dG[..., -1, :] += (dk_out * k_out).sum(-2) + (dchunk_decay * chunk_decay)[..., 0]
         dg = dG.flip(-2).cumsum(-2).flip(-2)  # G = cumsum(g) within the chunk
-        return dq, dk, dv, dg, dbeta, d_initial_state
+        return dq, dk, dv, dg, dbeta, d_initial_state, None
 
 
 # The largest |G_i - G_m| the factored form exp(G_i - G_m) exp(G_m - G_j) may meet inside a block (m: the block's

@@ -16,9 +16,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from k3train.models.documents import same_document
 from k3train.models.kda.chunk import chunk_kda
 from k3train.models.kda.fla import fla_chunk_kda, fla_fused_recurrent_kda, require_fla
-from k3train.models.kda.naive import naive_recurrent_kda
+from k3train.models.kda.naive import compute_dtype, naive_recurrent_kda
 from k3train.models.kda.state import KDAState
 from k3train.models.norm import RMSNorm, l2_normalize_eps
 
@@ -131,16 +132,18 @@ class KimiDeltaAttention(nn.Module):
             f"qk_norm_eps={self.qk_norm_eps}"
         )
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x [B, T, d_model] -> [B, T, d_model]; causal."""
+    def forward(self, x: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        """x [B, T, d_model] -> [B, T, d_model]; causal. document_ids [B, T] (k3train/models/documents.py): the
+        short convs and the recurrent state start afresh at each document start, as if each document ran alone."""
         B, T, _ = x.shape
         H, HV, K = self.n_heads, self.n_value_heads, self.head_dim
         qkv, f_a, g_in, b = self._input_projections(x)
         # one conv over q, k and v side by side (the three depthwise convs' weights concatenated)
         conv_weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])
-        q, k, v = CausalConvSiLU.apply(qkv, conv_weight).split(self._qkv_widths(), dim=-1)
+        q, k, v = CausalConvSiLU.apply(qkv, conv_weight, document_ids).split(self._qkv_widths(), dim=-1)
         q, k = self._qk_normalize(q.view(B, T, H, K)), self._qk_normalize(k.view(B, T, H, K))
-        o = self._recurrence(q, k, v.view(B, T, HV, K), self._forget_gate(f_a), b.sigmoid())  # in v's dtype
+        g, beta = self._forget_gate(f_a), b.sigmoid()
+        o = self._recurrence(q, k, v.view(B, T, HV, K), g, beta, document_ids)  # in v's dtype
         return self._gated_output(g_in, o)
 
     def _input_projections(self, x: Tensor, fused: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -229,21 +232,25 @@ class KimiDeltaAttention(nn.Module):
         return naive_recurrent_kda
 
     def _forget_gate(self, f_a: Tensor) -> Tensor:
-        """Per-channel log decay g [B, T, HV, K] from f_a = f_a_proj(x), fp32 even under autocast (summed over T)."""
+        """Per-channel log decay g [B, T, HV, K] from f_a = f_a_proj(x), fp32 even under autocast (summed over T);
+        an fp64 model keeps fp64 (the kernels' compute_dtype), so its gradients hold to fp64 in tests."""
         B, T, _ = f_a.shape
-        f = self.f_b_proj(f_a).float().view(B, T, self.n_value_heads, self.head_dim)
-        f = f + self.dt_bias.float().view(self.n_value_heads, self.head_dim)
-        rate = self.A_log.float().exp()[:, None]  # [HV, 1]
+        dtype = compute_dtype(self.dt_bias)
+        f = self.f_b_proj(f_a).to(dtype).view(B, T, self.n_value_heads, self.head_dim)
+        f = f + self.dt_bias.to(dtype).view(self.n_value_heads, self.head_dim)
+        rate = self.A_log.to(dtype).exp()[:, None]  # [HV, 1]
         if self.gate == "softplus":
             return -rate * F.softplus(f)
         return self.gate_lower_bound * torch.sigmoid(rate * f)
 
-    def _recurrence(self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+    def _recurrence(
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, document_ids: Tensor | None
+    ) -> Tensor:
         if self.implementation == "chunk":
-            return chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size)[0]
+            return chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, document_ids=document_ids)[0]
         if self.implementation == "recurrent":
-            return naive_recurrent_kda(q, k, v, g, beta)[0]
-        return fla_chunk_kda(q, k, v, g, beta)[0]
+            return naive_recurrent_kda(q, k, v, g, beta, document_ids=document_ids)[0]
+        return fla_chunk_kda(q, k, v, g, beta, document_ids=document_ids)[0]
 
 
 def causal_depthwise_conv(window: Tensor, weight: Tensor) -> Tensor:
@@ -268,21 +275,26 @@ class CausalConvSiLU(torch.autograd.Function):
     autograd, each of the W shifted slices' backward allocated and zero-filled a padded copy of the whole input.
     The layer runs q, k and v through one call (D = 2 H K + HV K, their weights concatenated). Timings:
     docs/decisions/kda-layer.md.
+
+    document_ids [B, T] (or None): a tap that would reach back across a document start reads zero instead, the
+    padding the document would see at the start of a row of its own (FLA's short conv does the same per cu_seqlens
+    sequence).
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, document_ids: Tensor | None = None) -> Tensor:
         W, T = weight.shape[-1], x.shape[1]
         w = weight[:, 0]  # [D, W]; out[t] = sum_s w[:, W - 1 - s] * x[t - s]: no padded copy of x
         pre = x * w[:, W - 1]
         for s in range(1, min(W, T)):
-            pre[:, s:].addcmul_(x[:, : T - s], w[:, W - 1 - s])
+            pre[:, s:].addcmul_(_same_document_only(x[:, : T - s], document_ids, s), w[:, W - 1 - s])
         ctx.save_for_backward(x, weight, pre)
+        ctx.document_ids = document_ids
         return F.silu(pre)
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor]:
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
         x, weight, pre = ctx.saved_tensors
         grad_pre = torch.ops.aten.silu_backward(grad, pre)  # the kernel autograd's silu would use
         W, T = weight.shape[-1], x.shape[1]
@@ -292,7 +304,16 @@ class CausalConvSiLU(torch.autograd.Function):
         grad_w = torch.empty(weight.shape, dtype=acc, device=weight.device)
         grad_w[:, 0, W - 1] = (grad_pre * x).sum((0, 1), dtype=acc)
         for s in range(1, min(W, T)):
-            grad_x[:, : T - s].addcmul_(grad_pre[:, s:], w[:, W - 1 - s])
-            grad_w[:, 0, W - 1 - s] = (grad_pre[:, s:] * x[:, : T - s]).sum((0, 1), dtype=acc)
+            grad_tap = _same_document_only(grad_pre[:, s:], ctx.document_ids, s)  # the taps the forward kept
+            grad_x[:, : T - s].addcmul_(grad_tap, w[:, W - 1 - s])
+            grad_w[:, 0, W - 1 - s] = (grad_tap * x[:, : T - s]).sum((0, 1), dtype=acc)
         grad_w[:, 0, : max(W - T, 0)] = 0  # taps that only ever saw the padding
-        return grad_x.to(x.dtype), grad_w.to(weight.dtype)
+        return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
+
+
+def _same_document_only(tap: Tensor, document_ids: Tensor | None, shift: int) -> Tensor:
+    """tap [B, T - shift, D], the pairs (t, t + shift) of a conv tap: zeroed where a document starts between them
+    (tap itself, untouched, without document_ids)."""
+    if document_ids is None:
+        return tap
+    return tap * same_document(document_ids, shift).to(tap.dtype)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3train.models.documents import document_starts
+
 
 def check_kda_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None) -> None:
     """Raise ValueError naming the first tensor whose shape does not fit the [B, T, H, K] layout."""
@@ -46,11 +48,13 @@ def naive_recurrent_kda(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """One step at a time: S <- diag(exp g_t) S; S <- S + beta_t k_t (v_t - S^T k_t)^T; o_t = S^T (scale q_t).
 
-    q, k are used as given (the layer L2-normalises them). Returns o [B, T, HV, V] in v's dtype and the final
-    state [B, HV, K, V] fp32 (None unless output_final_state).
+    q, k are used as given (the layer L2-normalises them). document_ids [B, T] (k3train/models/documents.py): S
+    starts from zero again where a document starts, as if each document ran alone. Returns o [B, T, HV, V] in v's
+    dtype and the final state [B, HV, K, V] fp32 (None unless output_final_state).
     """
     check_kda_inputs(q, k, v, g, beta, initial_state)
     B, T, H, K = q.shape
@@ -63,8 +67,11 @@ def naive_recurrent_kda(
         k = k.to(dtype).repeat_interleave(HV // H, dim=2)  # [B, T, HV, K]
         v, g, beta = v.to(dtype), g.to(dtype), beta.to(dtype)
         S = q.new_zeros(B, HV, K, V) if initial_state is None else initial_state.to(dtype)
+        starts = None if document_ids is None else document_starts(document_ids)
         outputs = []
         for t in range(T):
+            if starts is not None:  # a new document remembers nothing of the one before it
+                S = torch.where(starts[:, t, None, None, None], 0.0, S)
             S = S * g[:, t, :, :, None].exp()  # decay each key row of the state
             error = v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S)  # [B, HV, V]: what S mispredicts
             S = S + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * k[:, t], error)
