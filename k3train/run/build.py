@@ -20,7 +20,9 @@ from omegaconf import DictConfig, OmegaConf
 from k3train.checkpoint.checkpointer import Checkpointer, CheckpointError, ShardedCheckpointer
 from k3train.checkpoint.latest import LATEST_NAMES, newest_checkpoint
 from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig, check_known_keys
+from k3train.data.context_slices import ContextSlices
 from k3train.inference.loading import load
+from k3train.models.context_parallel import ContextParallel, set_context_parallel
 from k3train.models.protocol import missing_members
 from k3train.observe.metrics import MetricsLogger, MetricsSink
 from k3train.observe.run_manifest import RUN_JSON
@@ -64,8 +66,11 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
     return path
 
 
-def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data, world: World) -> dict:
+def build_meta(
+    model, optimizer, train_cfg: TrainConfig, precision, data, world: World, dims: ParallelDims | None = None
+) -> dict:
     """The identities a checkpoint pins and a resume must match."""
+    data_parallel = world.size if dims is None else dims.dp_size  # ranks reading different rows
     layout = {
         # whole sizes: an expert-parallel shard counts as its whole weight, so any ep can resume the checkpoint
         g.get("name", str(i)): f"{len(g['params'])} tensors, "
@@ -84,7 +89,7 @@ def build_meta(model, optimizer, train_cfg: TrainConfig, precision, data, world:
         # The global batch, not the per-process one: a resume may split it over another number of processes.
         "recipe": {
             **{f: getattr(train_cfg, f) for f in RESUME_MUST_MATCH},
-            "global_batch_size": train_cfg.batch_size * world.size,
+            "global_batch_size": train_cfg.batch_size * data_parallel,
             "precision": precision.dtype,
             "optimizer": type(optimizer).__name__,
         },
@@ -133,7 +138,9 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     configure_determinism(train_cfg.deterministic)
     seed_everything(train_cfg.seed)
     parallel = instantiate(cfg.parallel)
-    dims = ParallelDims.for_strategy(parallel.name, world.size, world.rank, device.type, getattr(parallel, "ep", 1))
+    dims = ParallelDims.for_strategy(
+        parallel.name, world.size, world.rank, device.type, getattr(parallel, "ep", 1), getattr(parallel, "cp", 1)
+    )
     data = instantiate(cfg.data)
     # vocab_size: null in a model YAML means "the data's"; a value the user set is kept, and check_data refuses a
     # mismatch.
@@ -157,6 +164,12 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     train_loader, val_loader = data.loaders(
         train_cfg.batch_size, train_cfg.seq_len, rank=dims.dp_rank, world_size=dims.dp_size
     )
+    if dims.cp > 1:  # each rank of a group keeps its slice of the rows' sequence, the model exchanges the rest
+        train_loader, val_loader = (
+            ContextSlices(loader, dims.cp_rank, dims.cp) for loader in (train_loader, val_loader)
+        )
+        if not set_context_parallel(model, ContextParallel(dims.cp_group)):
+            raise ValueError(f"parallel.cp={dims.cp}: {type(model).__name__} has no layer that splits its sequence")
     model.to(device)
     model = parallel.shard(model, device, dims)  # before the optimizer: FSDP2 replaces the parameters
     optimizer = _build_optimizer(instantiate(cfg.optim), model, dims)
@@ -169,7 +182,7 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
 
     # The log file is opened at its first event, after all checks.
     metrics = MetricsLogger(run_dir / "metrics.jsonl", sinks=list(sinks.values()), enabled=world.is_main)
-    meta = build_meta(model, optimizer, train_cfg, precision, data, world)
+    meta = build_meta(model, optimizer, train_cfg, precision, data, world, dims)
     checkpointer = (  # sharded parameters or experts: every rank writes its own
         ShardedCheckpointer(run_dir, meta, train_cfg.keep_last_k, parallel.shard_layouts(dims), writer=world.is_main)
         if dims.dp_shard > 1 or dims.ep > 1

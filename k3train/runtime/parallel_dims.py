@@ -1,17 +1,19 @@
 """ParallelDims: how a run's processes divide the work, built once and handed to everything that communicates.
 
-    dp_replicate x dp_shard == world size;   ep divides it
+    dp_replicate x dp_shard == world size;   ep and cp each divide it
 
 dp_replicate ranks hold whole copies of the model (DDP); dp_shard ranks each hold a slice of every parameter
-(FSDP2). Today a run uses one of the two (`parallel=ddp` or `parallel=fsdp`). ep (parallel.ep) splits the routed
+(FSDP2). A run uses one of the two (`parallel=ddp` or `parallel=fsdp`). ep (parallel.ep) splits the routed
 experts: groups of ep consecutive ranks each hold 1/ep of them and exchange token slots
 (k3train/models/k3/expert_parallel.py); the world / ep ranks holding the same experts (expert_dp) average those
 experts' gradients: DDP keeps a whole copy of its share on each, FSDP2 shards it again over them.
 
     expert_mesh (ep, expert_dp), world 4, ep 2:   ep groups {0, 1} {2, 3};  expert_dp groups {0, 2} {1, 3}
 
-Every rank still reads its own rows of the global batch. Context parallelism arrives as a
-further dimension. Modules never ask torch.distributed who they are: the model's parallelize function,
+cp (parallel.cp) splits each row's sequence: groups of cp consecutive ranks read the same rows and hold consecutive
+slices of them (k3train/models/context_parallel.py); gradients and losses still average over every rank, each
+rank's tokens being different ones. The other world / cp ranks read their own rows of the global batch.
+Modules never ask torch.distributed who they are: the model's parallelize function,
 Muon's distributed Newton-Schulz, Quantile Balancing's global quantiles, QK-Clip's max-logit reduction, the loaders,
 the checkpointer and evaluation all take the group or rank they need from here. In one process every group is None
 and nothing communicates.
@@ -35,7 +37,9 @@ class ParallelDims:
     rank: int = 0
     device_type: str = "cpu"
     ep: int = 1
+    cp: int = 1
     _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    _cp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
     _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -53,15 +57,23 @@ class ParallelDims:
             raise ValueError(
                 f"parallel.ep={self.ep} must divide the {self.world_size} process(es): experts split over ep ranks"
             )
+        if self.cp < 1 or self.world_size % self.cp:
+            raise ValueError(
+                f"parallel.cp={self.cp} must divide the {self.world_size} process(es): each row's sequence is split "
+                "over cp ranks"
+            )
 
     @classmethod
-    def for_strategy(cls, strategy: str, world_size: int, rank: int, device_type: str, ep: int = 1) -> ParallelDims:
-        """All ranks data-parallel: replicas under DDP, shards under FSDP2; routed experts split over ep."""
+    def for_strategy(
+        cls, strategy: str, world_size: int, rank: int, device_type: str, ep: int = 1, cp: int = 1
+    ) -> ParallelDims:
+        """All ranks data-parallel: replicas under DDP, shards under FSDP2; routed experts split over ep; each row's
+        sequence over cp."""
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown parallel strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if strategy == "fsdp":
-            return cls(dp_shard=world_size, rank=rank, device_type=device_type, ep=ep)
-        return cls(dp_replicate=world_size, rank=rank, device_type=device_type, ep=ep)
+            return cls(dp_shard=world_size, rank=rank, device_type=device_type, ep=ep, cp=cp)
+        return cls(dp_replicate=world_size, rank=rank, device_type=device_type, ep=ep, cp=cp)
 
     @property
     def world_size(self) -> int:
@@ -73,16 +85,32 @@ class ParallelDims:
 
     @property
     def dp_size(self) -> int:
-        """Ranks that read different rows of the global batch."""
-        return self.world_size
+        """Ranks that read different rows of the global batch: cp consecutive ranks share theirs."""
+        return self.world_size // self.cp
 
     @property
     def dp_rank(self) -> int:
-        return self.rank
+        return self.rank // self.cp
+
+    @property
+    def cp_rank(self) -> int:
+        """Which slice of its rows' sequence this rank holds."""
+        return self.rank % self.cp
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The cp consecutive ranks that split the same rows' sequence (None: cp == 1)."""
+        if self.cp == 1:
+            return None
+        if self._cp_mesh is None:  # built on first use, a collective on every rank
+            shape = (self.world_size // self.cp, self.cp)
+            self._cp_mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=("cp_dp", "cp"))
+        return self._cp_mesh["cp"].get_group()
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        """The data-parallel ranks (gradient, loss and balancing reductions), or None in one process."""
+        """Every rank, whose tokens all differ (gradient, loss and balancing reductions: with cp, the ranks of a
+        row hold different positions of it), or None in one process."""
         return dist.group.WORLD if self.several_ranks else None
 
     @property
@@ -126,6 +154,7 @@ class ParallelDims:
         if not self.several_ranks:
             return "one process"
         experts = f", routed experts split over {self.ep} ranks (expert parallel)" if self.ep > 1 else ""
+        experts += f", each sequence split over {self.cp} ranks (context parallel)" if self.cp > 1 else ""
         if self.dp_shard > 1:
             return f"FSDP2 over {self.dp_shard} process(es){experts}"
         return f"DDP over {self.dp_replicate} process(es){experts}"

@@ -98,9 +98,9 @@ class DDP:
 
     name = "ddp"
 
-    def __init__(self, bucket_cap_mb: int = 25, ep: int = 1):
+    def __init__(self, bucket_cap_mb: int = 25, ep: int = 1, cp: int = 1):
         self.bucket_cap_mb = bucket_cap_mb
-        self.ep = ep
+        self.ep, self.cp = ep, cp
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         """DDP keeps every parameter whole on every rank; with ep > 1 each rank keeps its routed experts only."""
@@ -161,9 +161,9 @@ class FSDP:
 
     name = "fsdp"
 
-    def __init__(self, reshard_after_forward: bool = True, ep: int = 1):
+    def __init__(self, reshard_after_forward: bool = True, ep: int = 1, cp: int = 1):
         self.reshard_after_forward = reshard_after_forward
-        self.ep = ep
+        self.ep, self.cp = ep, cp
         self.expert_placement = Replicate()  # over expert_dp: set by shard() when it shards the experts there
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:

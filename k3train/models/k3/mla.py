@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from k3train.models.context_parallel import ContextParallel
 from k3train.models.documents import document_lengths
 from k3train.models.k3.cache import MLACache
 from k3train.models.norm import RMSNorm
@@ -118,6 +119,8 @@ class MultiHeadLatentAttention(nn.Module):
 
         self.track_max_logit = False
         self.max_logit: torch.Tensor | None = None  # [H] fp32 running max since QK-Clip last read it
+        # the ranks the sequence is split over (parallel.cp; k3train/models/context_parallel.py), or None
+        self.context_parallel: ContextParallel | None = None
 
     @property
     def q_out_proj(self) -> nn.Linear:
@@ -125,26 +128,39 @@ class MultiHeadLatentAttention(nn.Module):
         return self.q_proj if hasattr(self, "q_proj") else self.q_b_proj
 
     def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, T, d] -> [B, T, d], causal; with document_ids [B, T], causal within each document."""
+        """x [B, T, d] -> [B, T, d], causal; with document_ids [B, T], causal within each document. Split over ranks
+        (context_parallel), x is this rank's slice of the rows and the keys are every position up to its last."""
         B, T, _ = x.shape
         H, dn, dr, dv = self.n_heads, self.dn, self.dr, self.dv
+        cp = self.context_parallel
+        start = 0 if cp is None else cp.offset(T)
         q = self._query(x).view(B, T, H, dn + dr)
-        c_kv, k_rope = self.kv_a_proj(x).split([self.kv_lora_rank, dr], dim=-1)  # [B, T, r], [B, T, dr]
-        kv = self.kv_b_proj(self.kv_a_norm(c_kv)).view(B, T, H, dn + dv)
+        latent = self.kv_a_proj(x)  # [B, T, r + dr]: [c_kv | k_rope]
+        key_ids = document_ids
+        if cp is not None:  # the latent is what moves (kv_lora_rank + dr a position), keys and values are made here
+            latent = torch.cat(cp.gather(latent)[: cp.rank + 1], dim=1)  # [B, start + T, r + dr]
+            if document_ids is not None:
+                key_ids = torch.cat(cp.gather(document_ids)[: cp.rank + 1], dim=1)
+        S = latent.shape[1]  # keys: every position up to this rank's last
+        c_kv, k_rope = latent.split([self.kv_lora_rank, dr], dim=-1)  # [B, S, r], [B, S, dr]
+        kv = self.kv_b_proj(self.kv_a_norm(c_kv)).view(B, S, H, dn + dv)
         k_nope, v = kv.split([dn, dv], dim=-1)
-        k_rope = k_rope.unsqueeze(2)  # [B, T, 1, dr]: one rotary key shared by all heads
+        k_rope = k_rope.unsqueeze(2)  # [B, S, 1, dr]: one rotary key shared by all heads
         if self.rotary is not None:
-            q = torch.cat((q[..., :dn], self.rotary(q[..., dn:])), dim=-1)
+            q = torch.cat((q[..., :dn], self.rotary(q[..., dn:], start)), dim=-1)
             k_rope = self.rotary(k_rope)
-        k = torch.cat((k_nope, k_rope.expand(B, T, H, dr)), dim=-1)  # [B, T, H, dn+dr]
+        k = torch.cat((k_nope, k_rope.expand(B, S, H, dr)), dim=-1)  # [B, S, H, dn+dr]
 
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T, D]
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T or S, D]
+        visible = None if cp is None else visible_keys(T, start, document_ids, key_ids, x.device)
         if self.track_max_logit and self.training:
             # A running max until QK-Clip reads and resets it: gradient-accumulated micro-batches all count.
             with torch.autocast(q.device.type, enabled=False):  # fp16 would overflow past 65504, bf16 round
-                step_max = causal_max_logit(q.float(), k.float(), self.scale, document_ids)
+                step_max = causal_max_logit(q.float(), k.float(), self.scale, document_ids, visible)
             self.max_logit = step_max if self.max_logit is None else torch.maximum(self.max_logit, step_max)
-        if document_ids is None:
+        if visible is not None:
+            o = causal_attention(q, k, v, self.scale, visible.unsqueeze(1))
+        elif document_ids is None:
             o = causal_attention(q, k, v, self.scale)  # [B, H, T, dv]
         else:
             o = document_attention(q, k, v, self.scale, document_ids)
@@ -307,19 +323,41 @@ def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def causal_max_logit(
-    q: torch.Tensor, k: torch.Tensor, scale: float, document_ids: torch.Tensor | None = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    scale: float,
+    document_ids: torch.Tensor | None = None,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q, k [B, H, T, D] -> [H] fp32: max over batch and causal pairs (j <= i) of scale * q_i . k_j; with
-    document_ids [B, T], over the pairs within one document only (the logits attention computes).
+    document_ids [B, T], over the pairs within one document only (the logits attention computes); with `visible`
+    [B, T, S] (k [B, H, S, D]: a rank's queries against the keys up to its last position) over those pairs.
 
     A separate matmul because the fused attention kernel never exposes its logits. One batch row at a time
-    keeps the extra memory at H * T * T floats.
+    keeps the extra memory at H * T * S floats.
     """
     B, H, T, _ = q.shape
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     best = torch.full((H,), -math.inf, dtype=torch.float32, device=q.device)
     for b in range(B):
-        visible = causal if document_ids is None else block_causal_mask(document_ids[b : b + 1])[0]
-        logits = (q[b].float() @ k[b].float().transpose(-1, -2)) * scale  # [H, T, T]
-        best = torch.maximum(best, logits.masked_fill(~visible, -math.inf).amax(dim=(-1, -2)))
+        if visible is not None:
+            pairs = visible[b if visible.shape[0] > 1 else 0]
+        elif document_ids is not None:
+            pairs = causal & (document_ids[b, :, None] == document_ids[b, None, :])
+        else:
+            pairs = causal
+        logits = (q[b].float() @ k[b].float().transpose(-1, -2)) * scale  # [H, T, S]
+        best = torch.maximum(best, logits.masked_fill(~pairs, -math.inf).amax(dim=(-1, -2)))
     return best
+
+
+def visible_keys(
+    T: int, start: int, document_ids: torch.Tensor | None, key_ids: torch.Tensor | None, device: torch.device
+) -> torch.Tensor:
+    """[B or 1, T, start + T] bool: which keys the T queries at global positions start.. see, causally by global
+    position and, with documents, within their own (document_ids the queries', key_ids the keys')."""
+    S = start + T
+    visible = (torch.arange(S, device=device)[None, :] <= (start + torch.arange(T, device=device))[:, None])[None]
+    if document_ids is not None:
+        visible = visible & (document_ids[:, :, None] == key_ids[:, None, :])
+    return visible

@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
+from k3train.models.context_parallel import ContextParallel
 from k3train.models.documents import same_document
 from k3train.models.kda.chunk import chunk_kda
+from k3train.models.kda.context_parallel import context_parallel_chunk_kda
 from k3train.models.kda.fla import fla_chunk_kda, fla_fused_recurrent_kda, require_fla
 from k3train.models.kda.naive import compute_dtype, naive_recurrent_kda
 from k3train.models.kda.state import KDAState
@@ -90,6 +92,7 @@ class KimiDeltaAttention(nn.Module):
         self.conv_size, self.implementation, self.chunk_size, self.gate = conv_size, implementation, chunk_size, gate
         self.output_gate, self.gate_lower_bound, self.qk_norm_eps = output_gate, float(gate_lower_bound), qk_norm_eps
         self.output_gate_bias = output_gate_bias
+        self._context_parallel: ContextParallel | None = None
         key_dim, value_dim = n_heads * head_dim, n_value_heads * head_dim
 
         self.q_proj = nn.Linear(d_model, key_dim, bias=False)
@@ -140,11 +143,37 @@ class KimiDeltaAttention(nn.Module):
         qkv, f_a, g_in, b = self._input_projections(x)
         # one conv over q, k and v side by side (the three depthwise convs' weights concatenated)
         conv_weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])
-        q, k, v = CausalConvSiLU.apply(qkv, conv_weight, document_ids).split(self._qkv_widths(), dim=-1)
+        q, k, v = self._short_conv(qkv, conv_weight, document_ids).split(self._qkv_widths(), dim=-1)
         q, k = self._qk_normalize(q.view(B, T, H, K)), self._qk_normalize(k.view(B, T, H, K))
         g, beta = self._forget_gate(f_a), b.sigmoid()
         o = self._recurrence(q, k, v.view(B, T, HV, K), g, beta, document_ids)  # in v's dtype
         return self._gated_output(g_in, o)
+
+    @property
+    def context_parallel(self) -> ContextParallel | None:
+        """The ranks this layer's sequence is split over (parallel.cp; k3train/models/context_parallel.py), or None."""
+        return self._context_parallel
+
+    @context_parallel.setter
+    def context_parallel(self, cp: ContextParallel | None) -> None:
+        if cp is not None and self.implementation != "chunk":
+            raise ValueError(
+                f"parallel.cp splits KDA's sequence with the chunked kernel; this layer runs {self.implementation!r}: "
+                "set model.kda_implementation=chunk"
+            )
+        self._context_parallel = cp
+
+    def _short_conv(self, qkv: Tensor, weight: Tensor, document_ids: Tensor | None) -> Tensor:
+        """The causal depthwise conv + SiLU over q, k, v side by side; split over ranks, the first positions read
+        the previous rank's last conv_size - 1 inputs (and their documents), the first rank's zeros."""
+        cp = self.context_parallel
+        if cp is None:
+            return CausalConvSiLU.apply(qkv, weight, document_ids)
+        n = self.conv_size - 1
+        window = torch.cat([cp.previous_tail(qkv, n), qkv], dim=1)
+        if document_ids is not None:
+            document_ids = torch.cat([cp.previous_tail(document_ids, n), document_ids], dim=1)
+        return CausalConvSiLU.apply(window, weight, document_ids)[:, n:]
 
     def _input_projections(self, x: Tensor, fused: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """q, k, v side by side [..., 2 H K + HV K], the forget gate's low-rank input f_a, the output gate's input
@@ -246,6 +275,8 @@ class KimiDeltaAttention(nn.Module):
     def _recurrence(
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, document_ids: Tensor | None
     ) -> Tensor:
+        if self.context_parallel is not None:
+            return context_parallel_chunk_kda(q, k, v, g, beta, self.context_parallel, self.chunk_size, document_ids)
         if self.implementation == "chunk":
             return chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, document_ids=document_ids)[0]
         if self.implementation == "recurrent":
