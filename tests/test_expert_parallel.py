@@ -168,6 +168,7 @@ def test_fsdp_with_ep_2_trains_as_one_process_writes_each_ranks_experts_and_a_ki
     run whose rank 1 is killed after step 5 resumes to the uninterrupted run's losses and weights, bit for bit."""
     from k3train.checkpoint.checkpointer import load_checkpoint
     from k3train.checkpoint.dcp import SafeFileSystemReader
+    from k3train.consolidate import consolidate
     from k3train.inference.loading import load
 
     from helpers.distributed_runs import K3, kill_a_rank_then_resume, launch
@@ -185,6 +186,9 @@ def test_fsdp_with_ep_2_trains_as_one_process_writes_each_ranks_experts_and_a_ki
     experts = chunks["model/layers.1.ffn.experts.w_gate"]
     assert experts.size[0] == 8 and sorted(c.offsets[0] for c in experts.chunks) == [0, 4]  # each rank its own 4
     assert load(straight).model.layers[1].ffn.experts.w_gate.shape[0] == 8  # generate, evaluate, export
+    one_file = load_checkpoint(consolidate(straight / "last.dcp"))  # k3train.consolidate: whole experts, one file
+    assert one_file["model"]["layers.1.ffn.experts.w_gate"].shape[0] == 8
+    assert one_file["optimizer"]["state"].keys() == load_checkpoint(straight / "last.dcp")["optimizer"]["state"].keys()
 
     kill_a_rank_then_resume(k3_cache, ep, straight, killed, "last.dcp")
     resumed = load_checkpoint(killed / "last.dcp")
