@@ -1,10 +1,12 @@
 """`python -m k3train.plan` (k3train/plan/): its figures against what k3train really allocates and sends.
 
 - the saved-activation formula against the tensors autograd saves, layer by layer (every checkpointing mode, fp32
-  and a bf16 autocast, K3's form and Kimi Linear's);
+  and a bf16 autocast, K3's form and Kimi Linear's), and with each row split over ranks (context parallelism): in
+  one process through a 1-rank group, and on both ranks of a real 2-rank split (slow);
 - parameter, gradient and optimizer-state bytes against a real k3_tiny after one step (MuonAdamW and AdamW);
 - FSDP's all-gathers and reduce-scatters, DDP's all-reduce, Newton-Schulz's and Quantile Balancing's gathers
-  against a real 2-rank gloo run (slow: spawned ranks), and the EP all-to-all by hand and against a real exchange;
+  against a real 2-rank gloo run (slow: spawned ranks), the EP all-to-all by hand and against a real exchange, and
+  context parallelism's all-gathers and reduce-scatters against a real cp = 2 split;
 - the CLI: model=k3 on 1,024 H200s in seconds, a table; exit 2 when nothing fits; the hardware table's FLOP/s are
   k3train/observe/mfu.py's.
 The measured peak memory of k3_small against the prediction is benchmarks/bench_plan.py's (seconds per step).
@@ -15,6 +17,7 @@ from __future__ import annotations
 import collections
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,11 +25,14 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 
+from k3train.models.context_parallel import ContextParallel, set_context_parallel
+from k3train.models.k3.flops import chunk_state_macs
 from k3train.observe.mfu import gpu_peak
 from k3train.plan.__main__ import main
-from k3train.plan.activations import F32, I64, layer_activations, root_activations
+from k3train.plan.activations import F32, I64, ContextSlice, layer_activations, root_activations
 from k3train.plan.comm import plan_comm
-from k3train.plan.hardware import GPUS
+from k3train.plan.estimate import context_flops_per_token, estimate
+from k3train.plan.hardware import GPUS, lookup
 from k3train.plan.memory import plan_memory
 from k3train.plan.mesh import Mesh, candidates
 from k3train.plan.spec import build_spec
@@ -54,7 +60,7 @@ def spec_of(*overrides: str, device: str = "cpu"):
 
 
 # ---- activations -------------------------------------------------------------------------------------------------
-def saved_bytes_by_layer(model, x, y, autocast: bool) -> dict[str, int]:
+def saved_bytes_by_layer(model, x, y, autocast: bool, document_ids=None) -> dict[str, int]:
     """Bytes of every storage autograd saves in a forward (each once, parameters left out), by the layer that saved
     it ("layers.<i>", or "root" for the embedding, final norm and loss)."""
     stack = ["root"]
@@ -73,7 +79,7 @@ def saved_bytes_by_layer(model, x, y, autocast: bool) -> dict[str, int]:
 
     context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else nullcontext()
     with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x, targets=y)
+        model(x, targets=y, document_ids=document_ids)
     by_layer: dict[str, int] = collections.defaultdict(int)
     for where, nbytes in seen.values():
         by_layer[where] += nbytes
@@ -99,6 +105,79 @@ def test_the_activation_formula_is_what_autograd_saves(model_name: str, precisio
         la = layer_activations(c, i, B * T, T, mode, act, "cpu", c.n_routed_experts)
         routes = B * T * c.experts_per_token * I64 if mode == "block" and c.is_moe_layer(i) else 0
         assert la.saved + la.copies_saved - routes == pytest.approx(got[f"layers.{i}"], rel=0.01), f"layer {i}"
+    assert root_activations(c, B * T, act) == pytest.approx(got["root"], rel=0.01)
+
+
+def formula_ratios(
+    c, got: dict, B: int, T: int, mode: str, act: int, context: ContextSlice | None, documents: bool
+) -> list[float]:
+    """Each layer's formula over what autograd saved (T: this rank's positions of each of the B rows)."""
+    ratios = []
+    for i in range(c.n_layers):
+        la = layer_activations(c, i, B * T, T, mode, act, "cpu", c.n_routed_experts, context, documents)
+        routes = B * T * c.experts_per_token * I64 if mode == "block" and c.is_moe_layer(i) else 0
+        ratios.append((la.saved + la.copies_saved - routes) / got[f"layers.{i}"])
+    return ratios
+
+
+def split_documents(B: int, T: int) -> torch.Tensor:
+    """Document ids of B rows of T: a boundary in the first third and one in the second half."""
+    ids = torch.zeros(B, T, dtype=torch.long)
+    ids[:, T // 3 :], ids[:, T // 2 + 3 :] = 1, 2
+    return ids
+
+
+@dataclass(frozen=True)
+class PretendSplit(ContextParallel):
+    """Rank `at` of `of` ranks splitting a row, in one process: every rank's share of an exchange is a copy of this
+    rank's, gathered into one tensor as the real all-gather gathers (so the same tensors are saved); no backward
+    exchange. The real exchange, on 2 ranks: test_context_parallel_bytes_equal_a_two_rank_split."""
+
+    at: int = 0
+    of: int = 1
+
+    @property
+    def rank(self) -> int:
+        return self.at
+
+    @property
+    def size(self) -> int:
+        return self.of
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.cat([t.contiguous()] * self.of).chunk(self.of))
+
+
+@pytest.mark.parametrize(
+    "model_name, precision, mode, documents, rank, size",
+    [
+        ("k3_tiny", "fp32", "none", False, 0, 1),
+        ("k3_tiny", "fp32", "none", True, 1, 2),
+        ("k3_tiny", "bf16", "none", True, 3, 4),
+        ("k3_tiny", "fp32", "selective", True, 2, 3),
+        ("kimi_linear_tiny", "fp32", "none", False, 2, 3),
+        ("kimi_linear_tiny", "bf16", "none", False, 1, 2),
+    ],
+)
+def test_the_context_parallel_formula_is_what_autograd_saves(
+    model_name: str, precision: str, mode: str, documents: bool, rank: int, size: int
+) -> None:
+    """Layer by layer within 1% on slice `rank` of `size` (in one process; 2 real ranks: the slow test): KDA's
+    identity pass, the conv window and the composition of the slices before, MLA's keys up to the slice's last and
+    its dense mask, at a slice length that pads KDA's last chunk."""
+    cfg = composed(f"model={model_name}", "model.vocab_size=257")
+    torch.manual_seed(0)
+    model = instantiate(cfg.model).train()
+    model.set_activation_checkpointing(mode)
+    assert set_context_parallel(model, PretendSplit(None, rank, size))
+    c, B, T = model.config, 2, 40
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randint(0, 257, (B, T), generator=g) for _ in range(2))
+    ids = split_documents(B, T) if documents else None
+    act = 2 if precision == "bf16" else 4
+    got = saved_bytes_by_layer(model, x, y, precision == "bf16", ids)
+    ratios = formula_ratios(c, got, B, T, mode, act, ContextSlice(size, rank), documents)
+    assert ratios == pytest.approx([1.0] * c.n_layers, abs=0.01)
     assert root_activations(c, B * T, act) == pytest.approx(got["root"], rel=0.01)
 
 
@@ -352,6 +431,163 @@ def test_expert_parallel_all_to_all_bytes_equal_a_real_run(tmp_path: Path) -> No
     assert sum(c["all_to_all"] for c in counts) == 2 * a2a.payload
 
 
+# The cp = 2 split's cases: precision, checkpointing, document masking, micro-batches; 2 rows of 40 positions (20 a
+# rank: KDA's last chunk of 16 padded).
+CP_CASES = {
+    "fp32": ("fp32", "none", False, 1),
+    "bf16, documents": ("bf16", "none", True, 1),
+    "fp32, selective, documents": ("fp32", "selective", True, 1),
+    "bf16, block, 2 micro-batches": ("bf16", "block", False, 2),
+}
+CP_SMALL = [*SMALL, "train.seq_len=40", "train.batch_size=2"]
+
+
+def _cp_kind(t: torch.Tensor, n: int) -> str:
+    """Which cp exchange a collective's tensor belongs to, from its shape: KDA's summaries [B, H, K, K + V] (and
+    the slice's first and last document ids [B, 2]), the conv tails [B, n, 3W] (ids [B, n]), MLA's latent
+    [B, T, r + dr] (ids [B, T])."""
+    if t.ndim == 4 or (t.dtype == torch.long and t.shape[1] == 2):
+        return "CP KDA state"
+    return "CP conv tails" if t.shape[1] == n else "CP MLA latent"
+
+
+def _context_parallel_rank_main(rank: int, world_size: int) -> dict:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from k3train.models.k3 import moe
+
+    class CollectiveBytes(TorchDispatchMode):
+        """The functional collectives' payloads (an all-gather's output, a reduce-scatter's input), by cp kind."""
+
+        def __init__(self, n: int):
+            super().__init__()
+            self.n, self.bytes = n, collections.defaultdict(float)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.name()
+            if name == "_c10d_functional::all_gather_into_tensor":
+                self.bytes[f"{_cp_kind(args[0], self.n)} all-gather"] += args[0].nbytes * args[1]
+            elif name == "_c10d_functional::reduce_scatter_tensor":
+                t = args[0]
+                self.bytes[f"{_cp_kind(t[: t.shape[0] // args[2]], self.n)} reduce-scatter"] += t.nbytes
+            return func(*args, **(kwargs or {}))
+
+    gather = moe._all_gather_single
+    out: dict = {}
+    for case, (precision, mode, documents, accumulation) in CP_CASES.items():
+        cfg = composed(*CP_SMALL, f"precision={precision}")
+        torch.manual_seed(0)
+        model = instantiate(cfg.model).train()
+        model.set_activation_checkpointing(mode)
+        set_context_parallel(model, ContextParallel(dist.group.WORLD))
+        for module in model.modules():  # Quantile Balancing over both ranks, as hand_data_parallel_group does
+            if hasattr(module, "process_group"):
+                module.process_group = dist.group.WORLD
+        counter = CollectiveBytes(model.config.kda_conv_size - 1)
+
+        def balancing(output, input, group=None, counter=counter, **kw):
+            counter.bytes["balancing"] += output.nbytes
+            return gather(output, input, group=group, **kw)
+
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
+        g = torch.Generator().manual_seed(0)
+        batches = []
+        for _ in range(accumulation):
+            x = torch.randint(0, 257, (2, 40), generator=g)  # the same rows on both ranks: a cp group's
+            ids = split_documents(2, 40) if documents else None
+            mine = slice(20 * rank, 20 * (rank + 1))  # copies: a view would keep (and count) the whole row's ids
+            batches.append((x[:, mine].clone(), None if ids is None else ids[:, mine].clone()))
+        # what the first micro-batch saves, by layer (a forward of its own, before the counting)
+        saved = saved_bytes_by_layer(model, batches[0][0], batches[0][0], precision == "bf16", batches[0][1])
+        moe._all_gather_single = balancing
+        try:
+            for x, ids in batches:
+                with counter:
+                    with autocast:
+                        _, loss = model(x, targets=x, document_ids=ids)
+                    loss.backward()
+        finally:
+            moe._all_gather_single = gather
+        out[case] = {"saved": dict(saved), "comm": dict(counter.bytes)}
+    return out
+
+
+@pytest.fixture(scope="module")
+def context_parallel_counts(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return spawn_ranks(_context_parallel_rank_main, tmp_path_factory.mktemp("plan-cp-2-ranks"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CP_CASES))
+def test_context_parallel_bytes_equal_a_two_rank_split(context_parallel_counts: list[dict], case: str) -> None:
+    """Rows split over 2 gloo ranks (model.context_parallel, as parallel.cp=2 sets it): every cp all-gather and its
+    backward's reduce-scatter, by kind, and Quantile Balancing's gathers of the rank's 2 x 20 tokens are the plan's
+    to the byte on both ranks (the recompute's gathers, 2 micro-batches and the document ids included); each rank's
+    saved tensors are the formula's for its slice within 1%, the last rank's keys the whole row."""
+    precision, mode, documents, accumulation = CP_CASES[case]
+    spec = spec_of(
+        *CP_SMALL, f"precision={precision}", f"train.activation_checkpointing={mode}",
+        f"train.gradient_accumulation_steps={accumulation}", f"data.document_masking={documents}",
+    )  # fmt: skip
+    want = {k: v for k, v in planned(spec, Mesh(2, 1, 1, 2)).items() if k.startswith("CP") or k == "balancing"}
+    kinds = ("KDA state", "conv tails", "MLA latent")
+    assert set(want) == {f"CP {k} {op}" for k in kinds for op in ("all-gather", "reduce-scatter")} | {"balancing"}
+    c, act = spec.model, spec.act_bytes
+    for rank, counts in enumerate(context_parallel_counts):
+        assert counts[case]["comm"] == pytest.approx(want, rel=1e-12), f"rank {rank}"
+        ratios = formula_ratios(c, counts[case]["saved"], 2, 20, mode, act, ContextSlice(2, rank), documents)
+        assert ratios == pytest.approx([1.0] * c.n_layers, abs=0.01), f"rank {rank}"
+
+
+def test_context_parallel_comm_by_hand() -> None:
+    """k3_tiny at seq 4096 over cp 4, bf16, document masking: each kind's all-gather moves the whole row's share of
+    every rank, its reduce-scatter the same without the ids; a recompute gathers again."""
+    for mode, forwards in (("none", 1), ("block", 2)):
+        spec = spec_of(
+            *TINY, "precision=bf16", "train.batch_size=2", "train.seq_len=4096", "data.document_masking=true",
+            f"train.activation_checkpointing={mode}",
+        )  # fmt: skip
+        c = spec.model
+        kda, mla = c.layer_pattern.count("kda"), c.layer_pattern.count("mla")
+        W, K, n, T = c.kda_n_heads * c.kda_head_dim, c.kda_head_dim, c.kda_conv_size - 1, 1024
+        got = {x.kind: x for x in plan_comm(spec, Mesh(1, 8, 1, 4))}
+        want = {
+            "CP KDA state": (kda, 4 * 2 * W * 2 * K * 4, 4 * 2 * 2 * 8),
+            "CP conv tails": (kda, 4 * 2 * n * 3 * W * 2, 4 * 2 * n * 8),
+            "CP MLA latent": (mla, 4 * 2 * T * (c.kv_lora_rank + c.qk_rope_head_dim) * 2, 4 * 2 * T * 8),
+        }
+        for kind, (layers, values, ids) in want.items():
+            assert got[f"{kind} all-gather"].payload == layers * forwards * (values + ids)
+            assert got[f"{kind} reduce-scatter"].payload == layers * values
+            assert got[f"{kind} all-gather"].wire == got[f"{kind} all-gather"].payload * 3 / 4
+            assert got[f"{kind} all-gather"].ranks == 4 and not got[f"{kind} all-gather"].overlapped
+
+
+def test_context_parallel_divides_the_tokens_and_adds_what_the_split_costs() -> None:
+    """cp 4 on 8 ranks: a quarter of the tokens per rank, half the global batch of cp 1 on 8 ranks, the same
+    parameter bytes; the step's FLOPs add KDA's identity pass (the main pass's chunked work at value width K) and
+    MLA's keys before the slice; the last rank keeps MLA's keys and values for the whole row."""
+    spec = spec_of(*TINY, "precision=bf16", "train.seq_len=4096", "train.batch_size=1")
+    hw = lookup("h200")
+    one, split = (estimate(spec, Mesh(1, 8, 1, cp), hw) for cp in (1, 4))
+    assert split.tokens_per_step * 4 == one.tokens_per_step == 8 * 4096
+    assert split.memory.params == one.memory.params and split.memory.activations < one.memory.activations
+    c = spec.model
+    H, K, C = c.kda_n_heads, c.kda_head_dim, c.kda_chunk_size
+    kda = H * chunk_state_macs(K, K, C, 1024) / 1024 + H * K * K + 3 * H * K**3 / 1024
+    mla = 3 * c.kv_lora_rank * c.mla_n_heads * (c.qk_nope_head_dim + c.v_head_dim)
+    want = 2 * (c.layer_pattern.count("kda") * kda + c.layer_pattern.count("mla") * mla)
+    assert context_flops_per_token(spec, 4) == pytest.approx(want)
+    assert split.compute_s == pytest.approx(one.compute_s / 4 * (1 + 3 * want / spec.flops_per_token["training"]))
+    # the last rank's MLA layer: whole-row keys, its quarter of the queries
+    mla_layer = c.layer_pattern.index("mla")
+    last, first = (
+        layer_activations(c, mla_layer, 1024, 1024, "none", 2, "cuda", 8, ContextSlice(4, r)) for r in (3, 0)
+    )
+    whole = layer_activations(c, mla_layer, 4096, 4096, "none", 2, "cuda", 8)
+    assert first.saved < last.saved and last.saved > whole.saved / 4
+
+
 # ---- the CLI ------------------------------------------------------------------------------------------------------
 @pytest.mark.slow  # seconds: a subprocess, transformers' import or a whole run built
 def test_the_cli_plans_k3_on_1024_h200s_in_seconds(capsys: pytest.CaptureFixture) -> None:
@@ -392,6 +628,37 @@ def test_a_given_mesh_is_planned_as_given(capsys: pytest.CaptureFixture) -> None
     assert "mesh 1x4x2" in out and "EP all-to-all" in out and "FSDP all-gather (routed experts)" in out
 
 
+def test_context_parallel_is_planned_only_when_asked(capsys: pytest.CaptureFixture) -> None:
+    """parallel.cp, --cp or a mesh's fourth field split the rows; without them no candidate does."""
+    recipe = [*TINY, "train.seq_len=64", "--gpus", "4", "--gpu", "h100"]
+    assert main(recipe) == 0
+    out = capsys.readouterr().out
+    assert "mesh 4x1x1 = dp_replicate 4 x dp_shard 1 (ep 1), 4 device(s)" in out
+    assert "context parallel" not in out and "CP " not in out
+    for asked in (["parallel.cp=2"], ["--cp", "2"], ["--mesh", "4x1x1x2"], ["--mesh", "4x1x1", "parallel.cp=2"]):
+        assert main([*asked, *recipe]) == 0, asked
+        out = capsys.readouterr().out
+        assert "mesh 4x1x1x2 = dp_replicate 4 x dp_shard 1 (ep 1, cp 2)" in out, asked
+        assert "each row's 64 positions split over 2 ranks, 32 a rank" in out and "a global batch of 16 rows" in out
+        assert "CP KDA state all-gather" in out and "CP MLA latent reduce-scatter" in out
+    assert main(["--cp", "2", "--json", *recipe]) == 0
+    assert '"cp": 2' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--cp", "3", "--gpus", "4"],  # cp does not divide the devices
+        ["--cp", "3", "--gpus", "3"],  # nor the sequence (64)
+        ["--mesh", "1x4x1x2", "--cp", "4", "--gpus", "4"],  # two cps
+        ["model.kda_implementation=recurrent", "--cp", "2", "--gpus", "2"],  # cp runs KDA's chunked kernel only
+    ],
+)
+def test_a_split_that_cannot_run_exits_2(capsys: pytest.CaptureFixture, args: list[str]) -> None:
+    assert main([*TINY, "train.seq_len=64", *args]) == 2
+    assert "error" in capsys.readouterr().err
+
+
 # ---- the pieces ---------------------------------------------------------------------------------------------------
 def test_the_hardware_table_is_mfu_py_s_peaks() -> None:
     for hw in GPUS.values():
@@ -404,8 +671,12 @@ def test_the_hardware_table_is_mfu_py_s_peaks() -> None:
 
 def test_meshes() -> None:
     assert Mesh.parse("1x1024x64") == Mesh(1, 1024, 64) and Mesh.parse("8x1") == Mesh(8, 1, 1)
+    assert Mesh.parse("1x1024x64x8") == Mesh(1, 1024, 64, 8) == Mesh.parse("1x1024x64", cp=8)
+    assert str(Mesh(1, 1024, 64, 8)) == "1x1024x64x8" and str(Mesh(1, 1024, 64)) == "1x1024x64"
+    assert Mesh(1, 1024, 64, 8).dp_size == 128 and "cp 8" in Mesh(1, 1024, 64, 8).describe()
     assert Mesh(1, 1024, 64).expert_shard == 16 and Mesh(8, 1, 4).expert_replicas == 2
-    for bad in ("1x1024x3", "1x6x4", "abc", "0x4x1"):
+    for bad in ("1x1024x3", "1x6x4", "abc", "0x4x1", "1x4x1x3", "1x4x1x1x1"):
         with pytest.raises(ValueError):
             Mesh.parse(bad)
     assert [str(m) for m in candidates(4, 8)] == ["4x1x1", "4x1x2", "4x1x4", "1x4x1", "1x4x2", "1x4x4"]
+    assert [str(m) for m in candidates(4, 8, cp=2)][:2] == ["4x1x1x2", "4x1x2x2"]

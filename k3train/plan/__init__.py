@@ -4,11 +4,11 @@ From the composed config and the model built on the meta device, per device: mem
 optimizer state, activations, transients), communication per step by kind, step time and throughput, and the
 mesh to ask for. One module per job:
   spec.py         the composed config as a RunSpec: the meta model's parameters, their optimizer, the recipe
-  mesh.py         dp_replicate x dp_shard x ep, and the meshes a proposal tries
+  mesh.py         dp_replicate x dp_shard x ep (x cp), and the meshes a proposal tries
   hardware.py     the devices: vendor figures with their sources; the CPU measured
   activations.py  what a KimiK3 forward keeps for its backward, per layer, from the shapes
   memory.py       stored bytes, transients and each phase's peak per device
-  comm.py         collectives per step: FSDP, DDP, EP, Newton-Schulz, Quantile Balancing
+  comm.py         collectives per step: FSDP, DDP, EP, CP, Newton-Schulz, Quantile Balancing
   estimate.py     step time, throughput, the proposal
   report.py       the table and the JSON
 How to use it and what it leaves out: docs/plan.md.

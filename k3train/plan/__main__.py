@@ -3,8 +3,9 @@
 The overrides are `python -m k3train`'s: the config is composed by Hydra's compose API from the same conf/ and
 schema (what `python -m k3train OVERRIDES --cfg job` shows), the model is built on the meta device (no weight is
 allocated; model=k3 takes seconds). Prints memory per device, communication per step, step time and throughput for
-a mesh, the one given (--mesh) or the one proposed for N devices; exit 2 when nothing fits (or the given mesh does
-not), with what is too large. --json prints the same as JSON.
+a mesh, the one given (--mesh) or the one proposed for N devices (splitting each row over --cp ranks, or the
+config's parallel.cp, when asked); exit 2 when nothing fits (or the given mesh does not), with what is too large.
+--json prints the same as JSON.
 """
 
 from k3train.runtime.bootstrap import bootstrap
@@ -23,7 +24,7 @@ from k3train.plan.estimate import estimate, propose  # noqa: E402
 from k3train.plan.hardware import CHOICES, lookup  # noqa: E402
 from k3train.plan.mesh import Mesh  # noqa: E402
 from k3train.plan.report import as_json, render  # noqa: E402
-from k3train.plan.spec import build_spec  # noqa: E402
+from k3train.plan.spec import build_spec, check_split  # noqa: E402
 
 
 def compose_config(overrides: list[str]):
@@ -39,13 +40,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--gpus", type=int, default=1, help="devices (processes) of the run")
     ap.add_argument("--gpu", choices=CHOICES, default="h200", help="the device (cpu: this machine, measured)")
     ap.add_argument("--mfu", type=float, default=0.4, help="fraction of the peak FLOP/s the matmuls reach")
-    ap.add_argument("--mesh", help="dp_replicate x dp_shard x ep (e.g. 1x1024x64) instead of the proposal")
+    ap.add_argument(
+        "--mesh", help="dp_replicate x dp_shard x ep [x cp] (e.g. 1x1024x64, 1x1024x64x8) instead of the proposal"
+    )
+    ap.add_argument("--cp", type=int, help="split each row's sequence over this many ranks (default: parallel.cp)")
     ap.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free")
     ap.add_argument("--vocab-size", type=int, help="for a model whose vocab_size is null (the data's)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
     if args.gpus < 1:
         ap.error("--gpus must be >= 1")
+    if args.cp is not None and args.cp < 1:
+        ap.error("--cp must be >= 1")
     if not 0 < args.mfu <= 1:
         ap.error("--mfu must be in (0, 1]")
     if not 0 <= args.headroom < 1:
@@ -67,7 +73,9 @@ def notes_for(mesh: Mesh, spec) -> list[str]:
         want = f"parallel={'ddp' if mesh.dp_shard == 1 else 'fsdp'}" + (
             f" parallel.ep={mesh.ep}" if mesh.ep > 1 else ""
         )
+        want += f" parallel.cp={mesh.cp}" if mesh.cp > 1 else ""
         have = f"parallel={spec.strategy}" + (f" parallel.ep={spec.ep}" if spec.ep > 1 else "")
+        have += f" parallel.cp={spec.cp}" if spec.cp > 1 else ""
         if want != have:
             notes.append(f"run it with {want} (the config says {have})")
     if mesh.strategy == "hsdp":
@@ -82,7 +90,16 @@ def main(argv: list[str] | None = None) -> int:
         device_type = "cpu" if args.gpu == "cpu" else "cuda"
         spec = build_spec(cfg, device_type, vocab_for(cfg, args.vocab_size))
         hw = lookup(args.gpu)
-        mesh = Mesh.parse(args.mesh) if args.mesh else None
+        cp = spec.cp if args.cp is None else args.cp
+        mesh = Mesh.parse(args.mesh, cp=cp) if args.mesh else None
+        if mesh is not None and args.cp is not None and mesh.cp != args.cp:
+            raise ValueError(f"--mesh {mesh} splits rows over cp={mesh.cp} ranks, --cp {args.cp}")
+        cp = mesh.cp if mesh is not None else cp
+        check_split(spec.seq_len, cp)
+        if args.gpus % cp:
+            raise ValueError(f"cp={cp} must divide the {args.gpus} devices: each row is split over cp ranks")
+        if cp > 1 and "kda" in spec.model.layer_pattern and spec.model.kda_implementation != "chunk":
+            raise ValueError("parallel.cp splits KDA with the chunked kernel: set model.kda_implementation=chunk")
     except Exception as exc:  # a bad override, model or mesh: say what, as a refusal
         print(f"k3train plan: error: {exc}", file=sys.stderr)
         return 2
@@ -90,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k3train plan: error: --mesh {mesh} has {mesh.world} ranks, --gpus {args.gpus}", file=sys.stderr)
         return 2
     if mesh is None:
-        chosen, tried = propose(spec, args.gpus, hw, args.mfu, args.headroom, device_type)
+        chosen, tried = propose(spec, args.gpus, hw, args.mfu, args.headroom, device_type, cp)
     else:
         tried = [estimate(spec, mesh, hw, args.mfu, args.headroom, device_type)]
         chosen = tried[0] if tried[0].fits else None

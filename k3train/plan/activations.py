@@ -31,6 +31,26 @@ own cast of its input, so an input read by m projections is saved m times in a; 
                else d f) + 1 f + 8 (token ids) + d a (the loss's gradient for the hidden states) and, per model,
                V d a (the LM head's gradient, computed in the forward by k3train/models/loss.py)
 
+Context parallelism (parallel.cp; k3train/models/context_parallel.py): a rank holds T_l = seq_len / cp positions
+of its B rows and its layers keep the above for them, except what the split adds (ContextSlice: slice r of cp, its
+MLA keys S = (r + 1) T_l positions, the last rank's S = seq_len the most):
+  KDA          f: the identity pass's chunk_kda saves, as the main pass's (value width K = V) 7W + H + 3 H C +
+                  H K^2 / C, padded; o becomes a sum of its own (W f), beside the identity pass's Q (fp32: its padded
+                  output, W f padded; autocast: the einsum's cast, W a, the padded output then unsaved); the short
+                  conv's window, the previous rank's conv_size - 1 inputs then the slice's (3W a; and per row
+                  (conv_size - 1) 3W (a + f) more window and pre-activation)
+               per row: the entering state S_in H K V a (cast for the einsum under autocast); past the first rank,
+                  composing r slices' summaries (S = M_j S + F_j from S = 0) keeps, fp32: r states H K V f and, from
+                  r = 2 (the first matmul's S needs no gradient), the gathered summaries cp H K (K + V) f; autocast:
+                  r casts of S and r - 1 of M_j, (2r - 1) H K K a
+  MLA          per key position instead of per query: the kv latent, k, v (and their CPU padding); plus the mask
+               SDPA keeps, [B or 1, T_l, S] in a (its bool mask converted to the query's dtype; B rows with document
+               masking, one shared without)
+
+Document masking (data.document_masking): selective checkpointing keeps the ids as its checkpoint's input (8 a
+token); MLA on a GPU attends with the [B, T, T] block-causal mask, kept as above (on a CPU it attends by tiles of
+documents, whose masks depend on the documents' lengths: not counted).
+
 Checkpointing (train.activation_checkpointing; k3train/models/k3/model.py): "block" keeps a layer's input (d f) and,
 for a MoE, its routing (k i) until the backward recomputes the rest; "selective" keeps the common part, the MoE's
 router, gate weights and shared expert, and the inputs of what it recomputes (the mixer, the routed experts, the
@@ -50,6 +70,24 @@ import math
 from dataclasses import dataclass
 
 F32, I64 = 4, 8
+
+
+@dataclass(frozen=True)
+class ContextSlice:
+    """One rank's part of rows split over `size` ranks (parallel.cp): slice `rank` of each row, whose MLA keys are
+    every position up to its last, (rank + 1) slices."""
+
+    size: int
+    rank: int
+
+    @classmethod
+    def last(cls, size: int) -> ContextSlice:
+        """The last rank of a group: its queries see every position of the row, so it keeps the most."""
+        return cls(size, size - 1)
+
+    @property
+    def key_slices(self) -> int:
+        return self.rank + 1
 
 
 @dataclass(frozen=True)
@@ -73,17 +111,33 @@ def output_sources(c) -> int:
 
 
 def layer_activations(
-    c, layer: int, tokens: int, seq_len: int, mode: str, act: int, device_type: str, local_experts: int
+    c,
+    layer: int,
+    tokens: int,
+    seq_len: int,
+    mode: str,
+    act: int,
+    device_type: str,
+    local_experts: int,
+    context: ContextSlice | None = None,
+    documents: bool = False,
 ) -> LayerActivations:
     """The bytes layer `layer` keeps for `tokens` tokens (batch x seq_len) under checkpointing `mode`, activation
-    bytes `act` (2 or 4), on `device_type` ("cpu" pads MLA's narrower heads), holding `local_experts` experts."""
+    bytes `act` (2 or 4), on `device_type` ("cpu" pads MLA's narrower heads), holding `local_experts` experts.
+    With `context`, the rows are split over ranks and seq_len is this rank's slice of them; `documents`: document
+    masking on."""
     autocast = act < F32
     moe = c.is_moe_layer(layer)
-    full = tokens * (
+    if _kind(c, layer) == "mla":
+        mixer = _mla_keys(c, tokens, seq_len, act, device_type, context, documents)
+    elif context is None:
+        mixer = tokens * _kda(c, seq_len, act)
+    else:
+        mixer = _kda_split(c, tokens, seq_len, act, context)
+    full = mixer + tokens * (
         _common(c, layer)
         + _mixer_inputs(c, layer, act, autocast, "none")
         + _ffn_inputs(c, layer, act, autocast, "none")
-        + (_kda(c, seq_len, act) if _kind(c, layer) == "kda" else _mla(c, act, device_type))
         + (_moe(c, act) if moe else _glu(c, c.dense_ffn_dim, act))
     )
     if mode == "none":
@@ -97,6 +151,7 @@ def layer_activations(
             + _mixer_inputs(c, layer, act, autocast, mode)
             + _ffn_inputs(c, layer, act, autocast, mode)
             + ffn
+            + (I64 if documents else 0)  # the mixer's checkpoint keeps the ids it is called with
         )
     else:
         raise ValueError(f"activation checkpointing {mode!r} must be none, block or selective")
@@ -157,8 +212,7 @@ def _kda(c, seq_len: int, act: int) -> float:
     per_token = (projection + H + 2 * W) * act
     per_token += (3 * W + 2 * W + 2 * H + 2 * W + H + W) * F32
     if c.kda_implementation == "chunk":  # its output o is a view of the padded chunks
-        padded = math.ceil(seq_len / C) * C / seq_len
-        per_token += (7 * W + H + 3 * H * C + H * K * K / C + W) * F32 * padded
+        per_token += (_chunk_saved(c) + W) * F32 * _padded(c, seq_len)
     elif c.kda_implementation == "fla":
         per_token += (3 * W + W + H + 2 * H * C + W) * F32
     else:  # the per-step reference: autograd keeps every step's state
@@ -166,24 +220,83 @@ def _kda(c, seq_len: int, act: int) -> float:
     return per_token
 
 
-def _mla(c, act: int, device_type: str) -> float:
+def _chunk_saved(c) -> float:
+    """Per position, in fp32 elements: what one chunk_kda pass saves (q, k, v, G, w, u, v_new; beta; A_qk, P, M;
+    the chunk-start states), padded positions included; its output not."""
+    H, K, C = c.kda_n_heads, c.kda_head_dim, c.kda_chunk_size
+    return 7 * H * K + H + 3 * H * C + H * K * K / C
+
+
+def _padded(c, seq_len: int) -> float:
+    C = c.kda_chunk_size
+    return math.ceil(seq_len / C) * C / seq_len
+
+
+def _kda_split(c, tokens: int, seq_len: int, act: int, context: ContextSlice) -> float:
+    """KDA's bytes on a rank holding `seq_len` positions of tokens / seq_len rows split over ranks
+    (k3train/models/kda/context_parallel.py; the module docstring's list)."""
+    if c.kda_implementation != "chunk":
+        raise ValueError(
+            f"parallel.cp splits KDA with the chunked kernel: model.kda_implementation={c.kda_implementation!r} "
+            "does not run under cp (set model.kda_implementation=chunk)"
+        )
+    H, K, n = c.kda_n_heads, c.kda_head_dim, c.kda_conv_size - 1
+    W, rows, padded = H * K, tokens / seq_len, _padded(c, seq_len)
+    autocast = act < F32
+    base = _kda(c, seq_len, act) - W * F32 * padded  # without o, a view of the padded output here
+    per_token = base + _chunk_saved(c) * F32 * padded  # the identity pass
+    per_token += W * F32 + (W * act if autocast else W * F32 * padded)  # o; Q (its cast, or the padded output)
+    per_token += 3 * W * act  # the short conv's window
+    per_row = n * 3 * W * (act + F32)  # the window's and the pre-activation's tail rows
+    per_row += H * K * K * act  # S_in (V = K)
+    r = context.rank
+    if r:  # composing the slices before this one: S = M_j S + F_j from S = 0, r matmuls
+        if autocast:  # their casts of S, and of M_j where S needs a gradient (j > 0)
+            per_row += (2 * r - 1) * H * K * K * act
+        else:  # the states S, and the gathered summaries once S needs a gradient (from j = 1)
+            per_row += (r + (2 * context.size if r > 1 else 0)) * H * K * K * F32
+    return tokens * per_token + rows * per_row
+
+
+def _mla_parts(c, act: int, device_type: str) -> tuple[float, float]:
+    """MLA's bytes per query and per key position (one rank's own positions are both)."""
     h, q, v = c.mla_n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
     r = c.kv_lora_rank
     autocast = act < F32
-    latent = (2 * r + 1) * F32 + r * act if autocast else (r + c.qk_rope_head_dim + 1 + r) * F32
+    per_key = (2 * r + 1) * F32 + r * act if autocast else (r + c.qk_rope_head_dim + 1 + r) * F32
+    per_query = 0.0
     if c.q_lora_rank is not None:
         rq = c.q_lora_rank
-        latent += (2 * rq + 1) * F32 + rq * act if autocast else (2 * rq + 1) * F32
+        per_query += (2 * rq + 1) * F32 + rq * act if autocast else (2 * rq + 1) * F32
     kv_b = h * (c.qk_nope_head_dim + v)
     if device_type == "cpu" and q > v:  # v padded to q's width (k3/mla.py's causal_attention)
-        attention = (3 * h * q + h * q) * act
+        per_query += 2 * h * q * act  # q, the padded output
+        per_key += 2 * h * q * act  # k, the padded v
     elif device_type == "cpu" and v > q:  # q and k padded to v's width, v a view of kv_b's output
-        attention = (2 * h * v + kv_b + h * v) * act
+        per_query += 2 * h * v * act
+        per_key += (h * v + kv_b) * act
     else:
-        attention = (2 * h * q + kv_b + h * v) * act
-    attention += h * F32  # logsumexp
-    output = (3 if c.mla_output_gate else 1) * h * v * act
-    return latent + attention + output
+        per_query += (h * q + h * v) * act
+        per_key += (h * q + kv_b) * act
+    per_query += h * F32  # logsumexp
+    per_query += (3 if c.mla_output_gate else 1) * h * v * act
+    return per_query, per_key
+
+
+def _mla_keys(
+    c, tokens: int, seq_len: int, act: int, device_type: str, context: ContextSlice | None, documents: bool
+) -> float:
+    """MLA's bytes for `seq_len` queries of each of tokens / seq_len rows: keys and values per key position (under
+    cp every position up to the slice's last: k3train/models/k3/mla.py), and the mask SDPA keeps when it gets one
+    (converted to the query's dtype): under cp always, [B or 1, T, S]; else with documents on a GPU, [B, T, T]."""
+    per_query, per_key = _mla_parts(c, act, device_type)
+    rows = tokens / seq_len
+    keys = seq_len if context is None else context.key_slices * seq_len
+    if context is not None:
+        mask_rows = rows if documents else 1
+    else:
+        mask_rows = rows if documents and device_type != "cpu" else 0
+    return tokens * per_query + rows * keys * per_key + mask_rows * seq_len * keys * act
 
 
 def _glu(c, width: int, act: int) -> float:
@@ -218,12 +331,14 @@ def _weight_copies(c, layer: int, act: int, mode: str, local_experts: int) -> tu
     leaf = 0.0  # nn.Linear weights: autocast casts them through its cache
     own = 0.0  # copies only the op that makes them keeps: KDA's concatenated weights, the routed experts' cast
     own_f32 = 0.0  # the concatenations in fp32 (kept without autocast too)
+    conv = 0.0  # KDA's concatenated conv weights: fp32 under autocast too (the conv is elementwise, never cast)
     if _kind(c, layer) == "kda":
         H, K = c.kda_n_heads, c.kda_head_dim
         W = H * K
         projection = 3 * W + K + (W if c.kda_output_gate == "full_rank" else K) + H
         own += d * projection
-        own_f32 += d * projection + 3 * W * c.kda_conv_size
+        conv = 3 * W * c.kda_conv_size
+        own_f32 += d * projection + conv
         leaf += K * W + W * d + (K * W if c.kda_output_gate == "low_rank" else 0)  # f_b, o_proj, g_b
         mixer_own = True
     else:
@@ -247,7 +362,7 @@ def _weight_copies(c, layer: int, act: int, mode: str, local_experts: int) -> tu
         return (own_f32 * F32 if mode == "none" and mixer_own else 0.0), 0.0
     all_leaf = (leaf + ffn_leaf + shared_leaf) * act
     if mode == "none":
-        return all_leaf + (own + own_experts) * act, 0.0
+        return all_leaf + (own + own_experts) * act + conv * F32, 0.0
     if mode == "selective":
         return shared_leaf * act, (leaf + ffn_leaf) * act
     return 0.0, all_leaf  # block: everything recomputed, the leaf casts cached until the forward ends

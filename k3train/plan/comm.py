@@ -26,6 +26,13 @@ tokens that leave it.
 - Quantile Balancing (the MoE's router over several ranks, k3train/models/k3/moe.py): per MoE layer and training
   forward, the loads (n + 1 fp64 per rank) and each rank's m + 1 smallest required biases per expert (fp32; all its
   tokens once m + 1 exceeds them, m = global tokens x k / n). The other routers gather only the loads.
+- Context parallelism (k3train/models/context_parallel.py), per layer and micro-batch over the cp ranks that split
+  a row, each an all-gather (again in a recompute when checkpointing recomputes the mixer) whose backward
+  reduce-scatters a tensor of the same size: KDA's slice summaries [M | F], B x heads x K x (K + V) fp32 a rank
+  (k3train/models/kda/context_parallel.py); its short convs' tails, the last conv_size - 1 positions of q, k, v
+  side by side (B x (conv_size - 1) x 3 heads x K in the activation dtype); MLA's latent, B x T_l x (kv_lora_rank +
+  rope) in the activation dtype. With document masking the ids travel too (int64, forward only): each slice's first
+  and last (KDA), the conv tail's and all of MLA's keys'.
 Not counted: scalars (the loss, the gradient norm, QK-Clip's per-head maxima, Muon's weight norms).
 """
 
@@ -96,7 +103,7 @@ def plan_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
             out.append(Collective("expert gradient all-reduce", experts, ring(experts, G, 2), G, 1, False))
     moe_layers = sum(1 for i in range(c.n_layers) if c.is_moe_layer(i))
     if mesh.ep > 1 and moe_layers:
-        slots = spec.tokens * c.experts_per_token
+        slots = spec.rank_tokens(mesh.cp) * c.experts_per_token
         forwards = 2 if spec.checkpointing != "none" else 1  # the recompute exchanges again
         per_layer = (2 * forwards + 2) * slots * (c.expert_latent_dim or c.d_model) * spec.act_bytes
         per_layer += (forwards + 1) * slots * F32 + forwards * c.n_routed_experts * 8  # gate weights, counts
@@ -121,8 +128,10 @@ def plan_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
             if payload and ranks > 1:
                 name = "Newton-Schulz momentum all-gather" + (" (routed experts)" if routed else "")
                 out.append(Collective(name, payload, ring(payload, ranks), ranks, len(muon), False))
+    if mesh.cp > 1:
+        out += context_parallel_comm(spec, mesh)
     if moe_layers and mesh.world > 1:  # every training forward sums the loads over ranks, whatever the router
-        n, W, N = c.n_routed_experts, mesh.world, spec.tokens
+        n, W, N = c.n_routed_experts, mesh.world, spec.rank_tokens(mesh.cp)
         per_layer = W * (n + 1) * 8  # the loads, fp64
         if c.router == "quantile_balancing":
             m = quantile_rank(N * W, c.experts_per_token, n)
@@ -130,6 +139,32 @@ def plan_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
         calls = A * moe_layers * (2 if c.router == "quantile_balancing" else 1)
         payload = A * moe_layers * per_layer
         out.append(Collective(f"{_router_name(c.router)} all-gather", payload, ring(payload, W), W, calls, False))
+    return out
+
+
+def context_parallel_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
+    """The cp exchanges of one step (module docstring): an all-gather and its backward's reduce-scatter per kind."""
+    c, A, G, act = spec.model, spec.accumulation, mesh.cp, spec.act_bytes
+    B, T = spec.batch_size, spec.seq_len // mesh.cp
+    forwards = 2 if spec.checkpointing != "none" else 1  # checkpointing recomputes the mixers, exchanges included
+    ids = 8 if spec.documents else 0  # int64 document ids, gathered beside (no gradient)
+    kda = sum(1 for kind in c.layer_pattern if kind == "kda")
+    mla = len(c.layer_pattern) - kda
+    H, K, n = c.kda_n_heads, c.kda_head_dim, c.kda_conv_size - 1
+    kinds = [  # name, layers, a rank's share per call (the backward returns as much), its ids, gathers a forward
+        ("CP KDA state", kda, H * K * 2 * K * F32 * B, 2 * B * ids, 1 + bool(ids)),
+        ("CP conv tails", kda, n * 3 * H * K * act * B, n * B * ids, 1 + bool(ids)),
+        ("CP MLA latent", mla, T * (c.kv_lora_rank + c.qk_rope_head_dim) * act * B, T * B * ids, 1 + bool(ids)),
+    ]
+    out = []
+    for name, layers, sent, sent_ids, gathers in kinds:
+        if not layers:
+            continue
+        payload = A * layers * G * (forwards * (sent + sent_ids))
+        calls = A * layers * forwards * gathers
+        out.append(Collective(f"{name} all-gather", payload, ring(payload, G), G, calls, False))
+        payload = A * layers * G * sent
+        out.append(Collective(f"{name} reduce-scatter", payload, ring(payload, G), G, A * layers, False))
     return out
 
 

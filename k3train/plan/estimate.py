@@ -6,6 +6,14 @@ forward), at peak x MFU (default 0.4: the fraction of the datasheet peak the ste
 assumption, --mfu to change it). Newton-Schulz: each rank's largest share of the orthogonalisations (5 steps of
 newton_schulz_cost per matrix, k3train/optim/muon_distributed.py) at the same fraction of the peak in its dtype.
 
+Context parallelism (cp > 1): each rank computes for its seq_len / cp positions of its rows; the step waits for
+the last rank of a group, whose queries see every key of the row (the first sees its own slice only), so that rank
+is the one timed. Its MLA attention is what flops.py counts per token at seq_len (every query against all seq_len
+keys, the dense mask computing the masked pairs too); added to the model's FLOPs: KDA's second chunked pass per
+layer (from the identity, value width K: chunk_state_macs at the slice's length, as the main pass), the entering
+state's read (Q S_in) and composition, and MLA's kv_b_proj over the seq_len - T_l keys before the slice. All in the
+step time, none in the model TFLOP/s (the model's FLOPs are flops.py's, as for recompute).
+
 Overlap, assumed: FSDP's all-gathers and reduce-scatters and DDP's all-reduce run beside the forward and backward
 (FSDP2 prefetches the next unit; DDP reduces buckets as the backward fills them), so only what exceeds the compute
 adds to the step. The EP all-to-alls (a MoE waits for its tokens), Quantile Balancing's gathers (its bias decides
@@ -22,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from k3train.models.k3.flops import kda_macs, mla_macs
+from k3train.models.k3.flops import chunk_state_macs, kda_macs, mla_macs
 from k3train.plan.comm import Collective, plan_comm, seconds
 from k3train.plan.hardware import Hardware
 from k3train.plan.memory import Memory, muon_gather, muon_groups, plan_memory
@@ -46,6 +54,7 @@ class Estimate:
     tokens_per_step: int
     fits: bool
     budget: float  # bytes per device the peak must stay under
+    split_flops_per_token: float = 0.0  # training FLOPs per token the cp split adds on the last rank of a group
 
     @property
     def tokens_per_s(self) -> float:
@@ -60,7 +69,28 @@ class Estimate:
         return spec.flops_per_token["training"] * self.tokens_per_step / self.mesh.world / self.step_s
 
 
-def recompute_flops_per_token(spec: RunSpec) -> float:
+def context_flops_per_token(spec: RunSpec, cp: int) -> float:
+    """Forward FLOPs per token that splitting rows over cp ranks adds on the last rank of a group (module
+    docstring); 0 for cp 1."""
+    if cp == 1:
+        return 0.0
+    c = spec.model
+    T, T_l = spec.seq_len, spec.seq_len // cp
+    H, K, C = c.kda_n_heads, c.kda_head_dim, c.kda_chunk_size
+    kda = H * (2 * chunk_state_macs(K, K, C, T_l) / T_l - chunk_state_macs(K, K, C, T) / T)  # both passes, at T_l
+    kda += H * K * K + (cp - 1) * H * K * K * K / T_l  # Q S_in; composing cp - 1 summaries [K, K] x [K, K] a row
+    mla = (cp - 1) * c.kv_lora_rank * c.mla_n_heads * (c.qk_nope_head_dim + c.v_head_dim)  # keys before the slice
+    return 2.0 * sum(kda if kind == "kda" else mla for kind in c.layer_pattern)
+
+
+def recompute_flops_per_token(spec: RunSpec, cp: int = 1) -> float:
+    """Forward FLOPs per token the backward's recompute adds (on the last rank of a cp group)."""
+    if spec.checkpointing != "none":  # the recomputed mixers split their rows again
+        return _recompute_flops(spec) + context_flops_per_token(spec, cp)
+    return 0.0
+
+
+def _recompute_flops(spec: RunSpec) -> float:
     c = spec.model
     if spec.checkpointing == "block":
         return spec.flops_per_token["forward"]
@@ -85,9 +115,10 @@ def estimate(
     memory = plan_memory(spec, mesh, device_type)
     comm = plan_comm(spec, mesh)
     peak = hw.peak_flops(spec.precision) * mfu
-    tokens_rank = spec.tokens * spec.accumulation
-    compute = spec.flops_per_token["training"] * tokens_rank / peak
-    recompute = recompute_flops_per_token(spec) * tokens_rank / peak
+    tokens_rank = spec.rank_tokens(mesh.cp) * spec.accumulation
+    split = 3 * context_flops_per_token(spec, mesh.cp)  # training: forward and backward
+    compute = (spec.flops_per_token["training"] + split) * tokens_rank / peak
+    recompute = recompute_flops_per_token(spec, mesh.cp) * tokens_rank / peak
     ns = 0.0
     if spec.optimizer == "muon_adamw":
         ns_peak = hw.peak_flops("fp32" if spec.ns_dtype == "fp32" else "bf16") * mfu
@@ -100,15 +131,22 @@ def estimate(
     budget = hw.memory_bytes / (1 if hw.devices_per_node else mesh.world) * (1 - headroom)
     return Estimate(
         mesh, memory, comm, times, compute, recompute, ns, exposed, step, tokens_rank * mesh.world,
-        memory.peak <= budget, budget,
+        memory.peak <= budget, budget, split,
     )  # fmt: skip
 
 
 def propose(
-    spec: RunSpec, devices: int, hw: Hardware, mfu: float = 0.4, headroom: float = 0.1, device_type: str = "cuda"
+    spec: RunSpec,
+    devices: int,
+    hw: Hardware,
+    mfu: float = 0.4,
+    headroom: float = 0.1,
+    device_type: str = "cuda",
+    cp: int = 1,
 ) -> tuple[Estimate | None, list[Estimate]]:
-    """(the chosen estimate or None, every candidate in the order tried: the chosen is the first that fits)."""
-    meshes = [Mesh()] if devices == 1 else candidates(devices, spec.model.n_routed_experts)
+    """(the chosen estimate or None, every candidate in the order tried: the chosen is the first that fits); every
+    candidate splits rows over `cp` ranks (1 unless asked: --cp or the config's parallel.cp)."""
+    meshes = [Mesh()] if devices == 1 else candidates(devices, spec.model.n_routed_experts, cp)
     tried = [estimate(spec, mesh, hw, mfu, headroom, device_type) for mesh in meshes]
     return next((e for e in tried if e.fits), None), tried
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from k3train.models.k3.moe import quantile_rank
 from k3train.models.loss import default_chunk_size
 from k3train.optim.muon_distributed import assign_owners, newton_schulz_cost
-from k3train.plan.activations import F32, I64, LayerActivations, layer_activations, root_activations
+from k3train.plan.activations import F32, I64, ContextSlice, LayerActivations, layer_activations, root_activations
 from k3train.plan.mesh import Mesh
 from k3train.plan.spec import Param, RunSpec
 
@@ -107,11 +107,14 @@ def plan_memory(spec: RunSpec, mesh: Mesh, device_type: str) -> Memory:
         ddp_buckets = sum(grad_of[p.name] for p in trainable if not (p.routed and mesh.ep > 1))
 
     local_experts = c.n_routed_experts // mesh.ep
+    tokens, length, context = rank_slice(spec, mesh)
     layers = [
-        layer_activations(c, i, spec.tokens, spec.seq_len, spec.checkpointing, act, device_type, local_experts)
+        layer_activations(
+            c, i, tokens, length, spec.checkpointing, act, device_type, local_experts, context, spec.documents
+        )
         for i in range(c.n_layers)
     ]
-    root = root_activations(c, spec.tokens, act)
+    root = root_activations(c, tokens, act)
     activations = sum(la.saved for la in layers) + root
     copies = sum(la.copies_saved + la.copies_cached for la in layers)
     forward = forward_transients(spec, mesh, device_type)
@@ -137,9 +140,18 @@ def plan_memory(spec: RunSpec, mesh: Mesh, device_type: str) -> Memory:
     return memory
 
 
+def rank_slice(spec: RunSpec, mesh: Mesh) -> tuple[int, int, ContextSlice | None]:
+    """(tokens of a micro-batch on one rank, positions of each row it holds, its slice of the rows or None): under
+    cp the last rank of a group, whose MLA keys are the whole row (the most any rank keeps)."""
+    if mesh.cp == 1:
+        return spec.tokens, spec.seq_len, None
+    return spec.rank_tokens(mesh.cp), spec.seq_len // mesh.cp, ContextSlice.last(mesh.cp)
+
+
 def forward_transients(spec: RunSpec, mesh: Mesh, device_type: str) -> dict[str, float]:
     """The largest short-lived allocations of a forward, by kind (bytes per device)."""
-    c, act, N = spec.model, spec.act_bytes, spec.tokens
+    c, act = spec.model, spec.act_bytes
+    N, length, context = rank_slice(spec, mesh)
     V, d = c.vocab_size, c.d_model
     rows = min(default_chunk_size(V, "cpu" if device_type == "cpu" else "cuda"), N)
     loss = rows * V * F32
@@ -148,10 +160,16 @@ def forward_transients(spec: RunSpec, mesh: Mesh, device_type: str) -> dict[str,
     out = {"LM head logits chunk (loss)": loss}
     if mesh.dp_shard > 1:
         out["FSDP gathered root + two blocks"] = fsdp_gathered(spec, mesh)
-    if spec.qk_clip and "mla" in c.layer_pattern:
-        h, T, q = c.mla_n_heads, spec.seq_len, c.qk_nope_head_dim + c.qk_rope_head_dim
-        casts = 2 * spec.batch_size * h * T * q * F32 if act < F32 else 0
-        out["QK-Clip max-logit [heads, T, T]"] = 2 * h * T * T * F32 + T * T + casts
+    if spec.qk_clip and "mla" in c.layer_pattern:  # under cp a rank's queries against the keys up to its last
+        h, T, S, q = c.mla_n_heads, length, spec.seq_len, c.qk_nope_head_dim + c.qk_rope_head_dim
+        casts = spec.batch_size * h * (T + S) * q * F32 if act < F32 else 0
+        out["QK-Clip max-logit [heads, T, S]" if context else "QK-Clip max-logit [heads, T, T]"] = (
+            2 * h * T * S * F32 + T * S + casts
+        )
+    if context is not None and "mla" in c.layer_pattern:  # the gathered latent and the bool mask of a layer
+        latent = spec.batch_size * spec.seq_len * (c.kv_lora_rank + c.qk_rope_head_dim) * act
+        mask = (spec.batch_size if spec.documents else 1) * length * spec.seq_len  # bool
+        out["CP MLA gathered latent + mask"] = latent + mask
     moe = any(c.is_moe_layer(i) for i in range(c.n_layers))
     if moe and c.router == "quantile_balancing":
         n = c.n_routed_experts
@@ -193,7 +211,7 @@ def backward_peak(
         grads_by_unit["root"] = sum(local_bytes(p, mesh) for p in root_grads)
     loss_backward = 0.0
     if device != "cpu" or spec.accumulation > 1:  # the loss's gradients scaled by 1 / accumulation: copies
-        loss_backward = c.vocab_size * c.d_model * act + spec.tokens * c.d_model * act
+        loss_backward = c.vocab_size * c.d_model * act + rank_slice(spec, mesh)[0] * c.d_model * act
     below = sum(la.saved + la.copies_saved for la in layers)
     done = grads_by_unit.get("root", 0.0)  # the LM head's gradient, made by the loss in the forward
     peak = 0.0
@@ -215,7 +233,7 @@ def backward_peak(
 
 
 def _recompute_copies(spec: RunSpec, layer: int, act: int, device: str, local_experts: int) -> float:
-    """The weight copies a recomputed layer makes again (its none-mode copies)."""
+    """The weight copies a recomputed layer makes again (its none-mode copies; no per-token part, so no slice)."""
     la = layer_activations(spec.model, layer, 1, spec.seq_len, "none", act, device, local_experts)
     return la.copies_saved
 

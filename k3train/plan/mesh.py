@@ -1,9 +1,12 @@
 """A mesh to plan for: how N devices divide the work, dp_replicate x dp_shard, with ep ranks splitting the routed
-experts.
+experts and cp ranks splitting each row's sequence.
 
-    world = dp_replicate x dp_shard          every rank reads its own rows of the global batch
+    world = dp_replicate x dp_shard          every rank holds its own tokens of the global batch
     ep | world                               groups of ep consecutive ranks split the routed experts: E / ep whole
                                              experts per rank, token slots exchanged by all-to-all
+    cp | world                               groups of cp consecutive ranks split the same rows (parallel.cp): each
+                                             holds seq_len / cp positions of them, so world / cp ranks read different
+                                             rows (global batch: batch x world / cp rows)
 Everything else (attention, the router, shared experts, dense FFN, embeddings) is data-parallel over every rank:
 replicated (DDP, dp_shard = 1) or FSDP-sharded over dp_shard and replicated over dp_replicate (FSDP2, HSDP).
 The routed experts: under DDP (k3train's parallel=ddp with parallel.ep, k3train/runtime/parallel_dims.py) each
@@ -12,6 +15,8 @@ rank keeps its E / ep whole and the world / ep ranks holding the same experts av
 rank's experts are FSDP-sharded over the dp_shard / ep ranks that hold the same ones, so ep changes where the
 experts' bytes live and what moves rather than the bytes each rank stores: a layer's experts are gathered over
 dp_shard / ep ranks, E / ep of them, not all E over every rank, and the tokens travel to their experts instead.
+cp changes no parameter's placement (gradients still average over every rank: each rank's tokens are different
+ones, k3train/runtime/parallel_dims.py), only the tokens a rank holds and what its KDA and MLA layers exchange.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ class Mesh:
     dp_replicate: int = 1
     dp_shard: int = 1
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "ep"):
+        for name in ("dp_replicate", "dp_shard", "ep", "cp"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"mesh {name}={getattr(self, name)!r} must be a positive integer")
         if self.world % self.ep:
@@ -36,18 +42,22 @@ class Mesh:
                 f"mesh ep={self.ep} must divide dp_shard={self.dp_shard}: under FSDP the expert-parallel ranks are "
                 "taken from the sharded ones"
             )
+        if self.world % self.cp:
+            raise ValueError(f"mesh cp={self.cp} must divide the {self.world} ranks")
 
     @classmethod
-    def parse(cls, text: str) -> Mesh:
-        """'R x S x E' (or 'RxS', ep 1), e.g. '1x1024x64'."""
+    def parse(cls, text: str, cp: int = 1) -> Mesh:
+        """'R x S x E x C' (or 'RxSxE', cp `cp`; 'RxS', ep 1 too), e.g. '1x1024x64' or '1x1024x64x8'."""
         parts = text.lower().replace(" ", "").split("x")
         try:
             values = [int(p) for p in parts]
         except ValueError:
             values = []
-        if len(values) not in (2, 3):
-            raise ValueError(f"--mesh {text!r}: write dp_replicate x dp_shard x ep, e.g. 1x1024x64")
-        return cls(*values)
+        if len(values) not in (2, 3, 4):
+            raise ValueError(f"--mesh {text!r}: write dp_replicate x dp_shard x ep [x cp], e.g. 1x1024x64, 1x1024x64x8")
+        if len(values) == 2:
+            values.append(1)
+        return cls(*values) if len(values) == 4 else cls(*values, cp=cp)
 
     @property
     def world(self) -> int:
@@ -64,6 +74,11 @@ class Mesh:
         return self.world // (self.ep * self.expert_shard)
 
     @property
+    def dp_size(self) -> int:
+        """Ranks that read different rows: cp consecutive ranks share theirs."""
+        return self.world // self.cp
+
+    @property
     def strategy(self) -> str:
         if self.world == 1:
             return "one process"
@@ -72,18 +87,20 @@ class Mesh:
         return "fsdp" if self.dp_replicate == 1 else "hsdp"
 
     def describe(self) -> str:
-        return f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} (ep {self.ep})"
+        cp = f", cp {self.cp}" if self.cp > 1 else ""
+        return f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} (ep {self.ep}{cp})"
 
     def __str__(self) -> str:
-        return f"{self.dp_replicate}x{self.dp_shard}x{self.ep}"
+        cp = f"x{self.cp}" if self.cp > 1 else ""
+        return f"{self.dp_replicate}x{self.dp_shard}x{self.ep}{cp}"
 
 
-def candidates(devices: int, n_experts: int) -> list[Mesh]:
+def candidates(devices: int, n_experts: int, cp: int = 1) -> list[Mesh]:
     """The meshes a proposal tries, in order, taking the first that fits: DDP (replicated, ep 1), DDP with ep = 2,
     4, ... (parallel=ddp parallel.ep), then FSDP over every device with ep = 1, 2, 4, ...: powers of
-    two dividing the devices and the experts."""
+    two dividing the devices and the experts; every one with the cp asked for (1 unless the user asks)."""
     eps = [ep for ep in _powers_of_two(devices) if devices % ep == 0 and n_experts % ep == 0]
-    return [Mesh(devices, 1, ep) for ep in eps] + [Mesh(1, devices, ep) for ep in eps]
+    return [Mesh(devices, 1, ep, cp) for ep in eps] + [Mesh(1, devices, ep, cp) for ep in eps]
 
 
 def _powers_of_two(limit: int) -> list[int]:

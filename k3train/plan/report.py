@@ -20,7 +20,7 @@ def _si(x: float) -> str:
     return f"{x:,.0f}"
 
 
-def header(spec: RunSpec, hw: Hardware, devices: int, overrides: list[str]) -> list[str]:
+def header(spec: RunSpec, hw: Hardware, devices: int, overrides: list[str], cp: int = 1) -> list[str]:
     c = spec.model
     total = sum(p.numel for p in spec.params)
     routed = sum(p.numel for p in spec.params if p.routed)
@@ -34,8 +34,9 @@ def header(spec: RunSpec, hw: Hardware, devices: int, overrides: list[str]) -> l
         f"  model: {_si(total)} parameters ({_si(active)} active), {c.n_layers} layers, d {c.d_model}, "
         f"{c.n_routed_experts} experts top-{c.experts_per_token}; {spec.flops_per_token['training']:.3e} training "
         f"FLOPs per token at seq {spec.seq_len}",
-        f"  recipe: batch {spec.batch_size} x seq {spec.seq_len} x accumulation {spec.accumulation} per device, "
-        f"{spec.precision}, checkpointing {spec.checkpointing}, {spec.optimizer}"
+        f"  recipe: batch {spec.batch_size} x seq {spec.seq_len} x accumulation {spec.accumulation} "
+        + ("per device, " if cp == 1 else f"per cp group ({spec.seq_len // cp:,} positions a row per device), ")
+        + f"{spec.precision}, checkpointing {spec.checkpointing}, {spec.optimizer}"
         + (f" (Newton-Schulz in {spec.ns_dtype})" if spec.ns_dtype else "")
         + f", configured parallel={spec.strategy}",
     ]
@@ -43,7 +44,15 @@ def header(spec: RunSpec, hw: Hardware, devices: int, overrides: list[str]) -> l
 
 def table(e: Estimate, spec: RunSpec, mfu: float, hw: Hardware) -> list[str]:
     m = e.memory
-    lines = [f"mesh {e.mesh} = {e.mesh.describe()}, {e.mesh.world} device(s)", "", "memory per device (GB)"]
+    lines = [f"mesh {e.mesh} = {e.mesh.describe()}, {e.mesh.world} device(s)"]
+    if e.mesh.cp > 1:
+        T = spec.seq_len
+        lines.append(
+            f"  context parallel: each row's {T:,} positions split over {e.mesh.cp} ranks, {T // e.mesh.cp:,} a rank "
+            f"(the last rank's MLA keys: all {T:,}); {e.mesh.dp_size} ranks read different rows: a global batch of "
+            f"{spec.batch_size * e.mesh.dp_size * spec.accumulation:,} rows"
+        )
+    lines += ["", "memory per device (GB)"]
     rows = [("parameters (fp32, as stored)", m.params), ("gradients (fp32)", m.grads)]
     rows += [(f"{name} (fp32)", value) for name, value in m.optimizer.items()]
     if m.ddp_buckets:
@@ -71,8 +80,9 @@ def table(e: Estimate, spec: RunSpec, mfu: float, hw: Hardware) -> list[str]:
     lines += [
         "",
         f"step time (MFU {mfu:.2f} of {_si(peak)}FLOP/s)",
-        f"  compute      {e.compute_s:10.3f} s  ({spec.flops_per_token['training']:.3e} FLOP/token x "
-        f"{e.tokens_per_step // e.mesh.world:,} tokens)",
+        f"  compute      {e.compute_s:10.3f} s  ({spec.flops_per_token['training']:.3e} FLOP/token"
+        + (f" + {e.split_flops_per_token:.3e} for the cp split" if e.split_flops_per_token else "")
+        + f" x {e.tokens_per_step // e.mesh.world:,} tokens)",
     ]
     if e.recompute_s:
         lines.append(f"  recompute    {e.recompute_s:10.3f} s  (checkpointing {spec.checkpointing})")
@@ -101,7 +111,7 @@ def alternatives(tried: list[Estimate]) -> list[str]:
 
 def render(spec, hw, devices, overrides, chosen, tried, mfu, proposed: bool, notes: list[str]) -> str:
     shown = chosen or min(tried, key=lambda e: e.memory.peak)
-    lines = header(spec, hw, devices, overrides) + [""]
+    lines = header(spec, hw, devices, overrides, shown.mesh.cp) + [""]
     lines += [("proposed " if proposed else "") + "mesh, and why:"] + [f"  {line}" for line in why(chosen, tried, spec)]
     lines += [f"  note: {n}" for n in notes]
     lines += [""] + table(shown, spec, mfu, hw) + alternatives(tried)
@@ -112,7 +122,7 @@ def as_json(spec: RunSpec, hw: Hardware, chosen: Estimate | None, tried: list[Es
     def one(e: Estimate) -> dict:
         m = e.memory
         return {
-            "mesh": {"dp_replicate": e.mesh.dp_replicate, "dp_shard": e.mesh.dp_shard, "ep": e.mesh.ep},
+            "mesh": {name: getattr(e.mesh, name) for name in ("dp_replicate", "dp_shard", "ep", "cp")},
             "fits": e.fits,
             "usable_bytes": e.budget,
             "memory_bytes": {
@@ -146,6 +156,7 @@ def as_json(spec: RunSpec, hw: Hardware, chosen: Estimate | None, tried: list[Es
                 "exposed_communication": e.exposed_s,
                 "step": e.step_s,
             },  # fmt: skip
+            "split_flops_per_token": e.split_flops_per_token,
             "tokens_per_step": e.tokens_per_step,
             "tokens_per_s": e.tokens_per_s,
             "tokens_per_day": e.tokens_per_day,

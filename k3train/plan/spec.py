@@ -44,13 +44,15 @@ class RunSpec:
     precision: str  # fp32 | bf16 | fp16
     strategy: str  # the configured parallel strategy: ddp | fsdp
     ep: int  # the configured parallel.ep (1 where the config has none)
+    cp: int  # the configured parallel.cp (1 where the config has none)
     reshard_after_forward: bool
     batch_size: int  # sequences per micro-batch, per process
-    seq_len: int
+    seq_len: int  # a whole row's; split over cp ranks, each holds seq_len / cp of it
     accumulation: int
     checkpointing: str  # none | block | selective
     qk_clip: bool  # the QK-Clip callback tracks MLA's max logits (a T x T matmul per head)
     flops_per_token: dict  # k3train/models/k3/flops.py at seq_len
+    documents: bool = False  # data.document_masking: packed documents masked from each other
 
     @property
     def act_bytes(self) -> int:
@@ -58,12 +60,24 @@ class RunSpec:
 
     @property
     def tokens(self) -> int:
-        """Tokens of one micro-batch on one rank."""
+        """Tokens of one micro-batch's rows (on one rank without context parallelism)."""
         return self.batch_size * self.seq_len
+
+    def rank_tokens(self, cp: int = 1) -> int:
+        """Tokens of one micro-batch on one rank when each row is split over cp ranks."""
+        check_split(self.seq_len, cp)
+        return self.batch_size * self.seq_len // cp
 
     @property
     def units(self) -> list[str]:
         return ["root", *(f"layers.{i}" for i in range(self.model.n_layers))]
+
+
+def check_split(seq_len: int, cp: int) -> None:
+    if cp < 1 or seq_len % cp:
+        raise ValueError(
+            f"train.seq_len={seq_len} does not split over cp={cp} ranks: choose a sequence length divisible by {cp}"
+        )
 
 
 def build_spec(cfg: DictConfig, device_type: str, vocab_size: int | None = None) -> RunSpec:
@@ -93,6 +107,7 @@ def build_spec(cfg: DictConfig, device_type: str, vocab_size: int | None = None)
         precision=str(cfg.precision.dtype),
         strategy="fsdp" if parallel_target.endswith("FSDP") else "ddp",
         ep=int(cfg.parallel.get("ep", 1) or 1),
+        cp=int(cfg.parallel.get("cp", 1) or 1),
         reshard_after_forward=bool(cfg.parallel.get("reshard_after_forward", True)),
         batch_size=train.batch_size,
         seq_len=train.seq_len,
@@ -100,6 +115,7 @@ def build_spec(cfg: DictConfig, device_type: str, vocab_size: int | None = None)
         checkpointing=train.activation_checkpointing,
         qk_clip="qk_clip" in (cfg.get("callbacks") or {}),
         flops_per_token=model.flops_per_token(train.seq_len),
+        documents=bool(cfg.get("data", {}).get("document_masking", False)),
     )
 
 
