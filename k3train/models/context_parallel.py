@@ -9,7 +9,7 @@ Only the layers that mix positions need the other ranks, and each moves the chea
   position, far smaller than the keys and values it expands to) and attends causally by global position.
 - Everything else (norms, projections, the MoE, the loss) is per position.
 
-Every exchange is an all-gather with autograd (torch.distributed._functional_collectives.all_gather_tensor_autograd):
+Every exchange is an all-gather with autograd (torch.distributed._functional_collectives.all_gather_single_autograd):
 its backward reduce-scatters each rank's gradient of what it received back to the rank that sent it, summed, so a
 loss on one rank reaches the activations of the ranks before it. FLA's `fla/ops/cp` and NeMo Automodel's kimi_k3
 context parallelism split KDA and MLA the same way:
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed._functional_collectives import all_gather_tensor_autograd
+from torch.distributed._functional_collectives import all_gather_single_autograd
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class ContextParallel:
 
     def gather(self, t: Tensor) -> list[Tensor]:
         """t from every rank of the group, in rank order; gradients flow back to the rank that sent each."""
-        gathered = all_gather_tensor_autograd(t.contiguous(), gather_dim=0, group=self.group)
+        gathered = all_gather_single_autograd(t.contiguous(), gather_dim=0, group=self.group)
         return list(gathered.chunk(self.size, dim=0))
 
     def previous_tail(self, x: Tensor, n: int) -> Tensor:
