@@ -40,7 +40,6 @@ import argparse
 import gc
 import json
 import os
-import resource
 import statistics
 import sys
 import tempfile
@@ -54,6 +53,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from process_memory import peak_mib, reset_peak, rss_mib  # noqa: E402  benchmarks/, beside this script
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -299,25 +299,6 @@ def _layer_rank_main(rank: int, world: int, args, init_file: str, out_dir: str) 
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(layer_runs(args, rank, world)))
     finally:
         dist.destroy_process_group()
-
-
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MiB
-
-
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def reset_peak() -> bool:
-    """The kernel's high-water mark of this process's resident memory back to what is resident now (Linux >= 4.0)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def _memory_rank_main(rank: int, world: int, args, init_file: str, out_dir: str) -> None:

@@ -38,13 +38,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from process_memory import peak_mib, reset_peak, rss_mib  # benchmarks/, beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results" / "plan.json"
 REPO = Path(__file__).resolve().parents[1]
@@ -81,26 +82,6 @@ def overrides(mode: str, optim: str, batch: int, seq: int, parallel: str | None 
         f"train.activation_checkpointing={mode}",
     ]
     return out + ([f"parallel={parallel}", f"parallel.ep={ep}"] if parallel else [])
-
-
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / MiB
-
-
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def reset_peak() -> bool:
-    """Reset the kernel's high-water mark of this process's resident memory (ru_maxrss follows) to what is resident
-    now (Linux >= 4.0); False where that is not allowed."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def probe(mode: str, optim: str, allocator: str, batch: int, seq: int) -> dict:
