@@ -235,3 +235,21 @@ def test_cp_composes_with_fsdp_and_expert_parallelism(k3_cache, tmp_path) -> Non
     assert proc.returncode == 0, proc.stderr
     for step, loss in steps(one).items():
         assert steps(all_three)[step] == pytest.approx(loss, rel=1e-5), step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mixers", ["1:0", "0:1"], ids=["kda_only", "mla_only"])
+def test_kda_only_and_mla_only_runs_with_cp_2_train_as_one_process(k3_cache, tmp_path, mixers: str) -> None:
+    """The k3_tiny run above with every mixer KDA, or every mixer MLA: 4 updates, the losses of one process (1e-5)."""
+    from helpers.distributed_runs import K3, launch, steps
+
+    args = [*K3, f"model.kda_mla_ratio={mixers}", "train.max_steps=4", "train.batch_size=4"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    proc = launch(k3_cache, *args, f"hydra.run.dir={one}", ranks=None)
+    assert proc.returncode == 0, proc.stderr
+    proc = launch(k3_cache, *args, "parallel.cp=2", f"hydra.run.dir={two}")
+    assert proc.returncode == 0, proc.stderr
+    a, b = steps(one), steps(two)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5), step
