@@ -672,12 +672,10 @@ def main(argv: list[str] | None = None) -> dict:
     }
     print_tables(result)
     print(f"\nload average {load}; {machine['cpu_model']}, {machine['torch_cpu_capability']}; {result['seconds']} s")
-    out = args.out if args.out is not None else (None if args.quick else RESULTS)
-    if out is not None:
-        sys.path.insert(0, str(HERE))
-        from results_file import write_results
+    sys.path.insert(0, str(HERE))
+    from results_file import write_unless_quick
 
-        write_results(out, result)
+    write_unless_quick(args.out, args.quick, RESULTS, result)
     return result
 
 

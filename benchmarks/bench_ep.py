@@ -905,12 +905,10 @@ def main(argv: list[str] | None = None) -> dict:
         f"load average before {result['load_average_before']}, after {result['load_average_after']}; "
         f"{result['machine']['cpu_model']}, {result['machine']['torch_cpu_capability']}; {result['seconds']} s"
     )
-    out = args.out if args.out is not None else (None if args.quick else RESULTS)
-    if out is not None:
-        sys.path.insert(0, str(HERE))
-        from results_file import write_results
+    sys.path.insert(0, str(HERE))
+    from results_file import write_unless_quick
 
-        write_results(out, result)
+    write_unless_quick(args.out, args.quick, RESULTS, result)
     return result
 
 

@@ -14,3 +14,10 @@ def write_results(path: Path, result: dict, echo: bool = False) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     print(f"wrote {path}")
+
+
+def write_unless_quick(out: Path | None, quick: bool, default: Path, result: dict) -> None:
+    """A benchmark's `--out`, or nothing for a `--quick` smoke run, or else its default file under results/."""
+    path = out if out is not None else (None if quick else default)
+    if path is not None:
+        write_results(path, result)
