@@ -94,6 +94,15 @@ class Recorder:
         if self.active:
             dist.barrier(group=group)
 
+    def timed(self, group, call):
+        """(seconds, Work or None) of one collective, `call()`, waited on, after the untimed wait for peers."""
+        self.wait_for_peers(group)
+        t0 = time.perf_counter()
+        work = call()
+        if work is not None:  # async_op: this measures the exchange itself, not what overlaps it
+            work.wait()
+        return time.perf_counter() - t0, work
+
     def add(self, **event) -> None:
         if self.active:
             self.events.append(event)
@@ -185,16 +194,12 @@ def timed_all_to_all_single(real):
             return real(output, input, *args, **kwargs)
         REC.a2a_seq = 0  # a new dispatch_across_ranks call
         group = kwargs.get("group")
-        REC.wait_for_peers(group)
-        t0 = time.perf_counter()
-        work = real(output, input, *args, **kwargs)
-        if work is not None:
-            work.wait()
+        seconds, work = REC.timed(group, lambda: real(output, input, *args, **kwargs))
         ranks = dist.get_world_size(group)
         REC.add(
             kind="EP all-to-all: slot counts",
             phase="forward",
-            s=time.perf_counter() - t0,
+            s=seconds,
             payload=_nbytes(input),
             from_splits=_nbytes(input),
             received=_nbytes(output),
@@ -219,17 +224,13 @@ def timed_fsdp(real, name: str, payload_arg: str):
         bound.apply_defaults()
         group = bound.arguments.get("group")
         tensor = bound.arguments[payload_arg]
-        REC.wait_for_peers(group)
-        t0 = time.perf_counter()
-        work = real(*args, **kwargs)
-        if work is not None:  # async_op: this measures the exchange itself, not what overlaps it
-            work.wait()
+        seconds, work = REC.timed(group, lambda: real(*args, **kwargs))
         unit = "experts" if tensor.numel() == REC.expert_unit_numel else "other units"
         ranks = dist.get_world_size(group)
         REC.add(
             kind=f"FSDP {name}: {unit}",
             phase=REC.phase,
-            s=time.perf_counter() - t0,
+            s=seconds,
             payload=_nbytes(tensor),
             leaving=_nbytes(tensor) * (ranks - 1) // ranks,  # a ring's share (gloo's algorithm is its own)
         )
@@ -244,16 +245,12 @@ def timed_qb_gather(real):
     def gather(out, local, group=None, async_op=False):
         if not REC.active:
             return real(out, local, group=group, async_op=async_op)
-        REC.wait_for_peers(group)
-        t0 = time.perf_counter()
-        work = real(out, local, group=group, async_op=async_op)
-        if work is not None:
-            work.wait()
+        seconds, work = REC.timed(group, lambda: real(out, local, group=group, async_op=async_op))
         ranks = dist.get_world_size(group)
         REC.add(
             kind="Quantile Balancing all-gather",
             phase="forward",
-            s=time.perf_counter() - t0,
+            s=seconds,
             payload=_nbytes(out),
             leaving=_nbytes(out) * (ranks - 1) // ranks,  # a ring's share
         )
