@@ -1,5 +1,8 @@
 """Which process of which run this is, from a launcher's environment (k3train/runtime/distributed.py)."""
 
+import functools
+from pathlib import Path
+
 import pytest
 
 from k3train.runtime import distributed
@@ -65,3 +68,52 @@ def test_a_failing_rank_names_itself_and_one_that_lost_its_peer_says_so():
     line = failure_line(ValueError("bad value\nmore"), World(rank=1, size=2))
     assert line == "k3train: rank 1 of 2 failed: ValueError: bad value"
     assert failure_line(ValueError("bad"), World()) is None  # one process: its error says it all
+
+
+def _resume_decided_while_rank_zero_starts(run_dir: str, rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    from k3train.run.build import resolve_resume
+
+    fresh, taken = Path(run_dir) / "fresh", Path(run_dir) / "taken"
+    (taken / "metrics.jsonl").parent.mkdir(parents=True, exist_ok=True)
+    (taken / "metrics.jsonl").touch()
+
+    def check_then_start():  # rank 0 writes run.json as soon as it has decided (a run with no collective in between)
+        path = resolve_resume(None, fresh)
+        (fresh / "run.json").parent.mkdir(parents=True, exist_ok=True)
+        (fresh / "run.json").write_text("{}")
+        return path
+
+    answer = distributed.rank_zero_decides(check_then_start)
+    dist.barrier()
+    try:
+        resolve_resume(None, fresh)
+        own = "fresh"
+    except ValueError:
+        own = "refused"
+    try:
+        distributed.rank_zero_decides(lambda: resolve_resume(None, taken))
+        error = ""
+    except ValueError as exc:
+        error = str(exc)
+    return {"answer": str(answer), "own": own, "error": error}
+
+
+def test_every_rank_takes_rank_zeros_decision_about_the_run_directory(tmp_path):
+    """A rank that checked the run directory itself could find run.json that rank 0 had just written and refuse a
+    fresh run rank 0 began (CI saw it on a 2-rank FSDP run): every rank takes rank 0's answer, its error included."""
+    from helpers.spawn import spawn_ranks
+
+    ranks = spawn_ranks(functools.partial(_resume_decided_while_rank_zero_starts, str(tmp_path / "runs")), tmp_path)
+    for rank in ranks:
+        assert rank["answer"] == "None"  # a fresh run on both ranks...
+        assert rank["own"] == "refused"  # ...which each would have refused, checking after rank 0 began
+        assert "already holds a run (metrics.jsonl)" in rank["error"]
+    assert ranks[0]["error"] == ranks[1]["error"]
+
+
+def test_one_process_decides_for_itself():
+    assert distributed.rank_zero_decides(lambda: 7) == 7
+    with pytest.raises(KeyError):
+        distributed.rank_zero_decides(lambda: {}["x"])

@@ -28,7 +28,7 @@ from k3train.observe.metrics import MetricsLogger, MetricsSink
 from k3train.observe.run_manifest import RUN_JSON
 from k3train.runtime.cpu import apply_threads, choose_threads, prepare_cpu_training
 from k3train.runtime.devices import device_for_rank
-from k3train.runtime.distributed import World, current_world
+from k3train.runtime.distributed import World, current_world, rank_zero_decides
 from k3train.runtime.parallel_dims import ParallelDims
 from k3train.train.callbacks import Callback
 from k3train.train.cpu_threads import CpuThreads
@@ -128,7 +128,7 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
     device = device_for_rank(train_cfg.device, world)
     precision = instantiate(cfg.precision)
     precision.check_device(device)
-    resume_path = resolve_resume(cfg.resume, run_dir)
+    resume_path = rank_zero_decides(lambda: resolve_resume(cfg.resume, run_dir))  # one answer, before anyone writes
     hydra_cfg = HydraConfig.get()
     threads = choose_threads(train_cfg.cpu_threads, hydra_cfg.launcher if hydra_cfg.mode == RunMode.MULTIRUN else None)
     apply_threads(threads)

@@ -17,8 +17,9 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -165,6 +166,33 @@ def any_across_ranks(flag: bool, device: torch.device, group: dist.ProcessGroup 
     t = torch.tensor([int(flag)], dtype=torch.int32, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return bool(t.item())
+
+
+T = TypeVar("T")
+
+
+def rank_zero_decides(decide: Callable[[], T]) -> T:
+    """decide() on rank 0; its result, or the exception it raised, on every rank.
+
+    For decisions read from files that rank 0 is about to write: a rank that looked at the run directory itself could
+    find run.json already there (rank 0, with no collective in between, may have started the run) and refuse a fresh
+    run that rank 0 accepted. The exception is pickled to the other ranks, so it must be one that pickles (ValueError
+    and CheckpointError do)."""
+    if not several_ranks():
+        return decide()
+    outcome: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = (True, decide())
+        except Exception as exc:
+            outcome[0] = (False, exc)
+            dist.broadcast_object_list(outcome, src=0)
+            raise
+    dist.broadcast_object_list(outcome, src=0)
+    succeeded, value = outcome[0]
+    if succeeded:
+        return value
+    raise value
 
 
 def close(wait_for_others: bool) -> None:
