@@ -8,9 +8,10 @@ k3_small (conf/model/k3_small.yaml, vocab 32768) at batch 2 x seq 1024, fp32, th
 - side by side, alternating, median of `reps`: each choice the model makes against the plain form it replaced:
   MLA's zero-padded values (torch's fused CPU attention) against SDPA's math fallback for dk != dv; the short
   convolution with its written-out backward (CausalConvSiLU) against autograd through the shifted multiply-adds
-  and against nn.Conv1d; the routed experts' GroupedSwiGLU against autograd
-  through `unbind` and a loop; gathering the expert inputs with index_select against indexing; RMSNorm with its
-  written-out backward against nn.RMSNorm;
+  and against nn.Conv1d; the routed experts' GroupedSwiGLU (its per-expert loop, the CPU's choice) against autograd
+  through `unbind` and a loop and against its grouped-GEMM form (F.grouped_mm, the choice for bf16 on CUDA);
+  gathering the expert inputs with index_select against indexing; RMSNorm with its written-out backward against
+  nn.RMSNorm;
 - Kimi K3's components, each on against off at k3_small's shapes (the same layer built without it, side by side):
   the KDA full-rank output gate against the low-rank one, MLA's output gate, SiTU-GLU against SwiGLU in the MoE and
   the dense FFN, the latent MoE against experts at d_model, and the attention-residual mixes (each mix point at the
@@ -202,6 +203,7 @@ def main() -> None:
     routed = side_by_side(
         {
             "grouped_swiglu": lambda: GroupedSwiGLU.apply(xs, *weights, counts),
+            "grouped_swiglu_grouped_mm": lambda: GroupedSwiGLU.apply(xs, *weights, torch.tensor(counts)),
             "autograd_loop": lambda: loop_experts(xs, *(w.unbind(0) for w in weights), counts),
         },
         [xs, *weights],

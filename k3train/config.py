@@ -104,7 +104,7 @@ RESUME_MUST_MATCH = ("seq_len", "gradient_accumulation_steps", "overfit_batch") 
 
 # Model config fields that choose an implementation, not the function or the parameters: a run may continue
 # on other hardware with another one (chunk on a CPU, fla on a GPU).
-RESUME_MAY_CHANGE_MODEL = ("kda_implementation",)
+RESUME_MAY_CHANGE_MODEL = ("kda_implementation", "expert_implementation")
 
 
 @dataclass

@@ -201,6 +201,60 @@ def test_grouped_swiglu_equals_the_autograd_loop(autocast):
         torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("situ", [None, (4.0, 25.0)])
+@pytest.mark.parametrize("autocast", [False, True])
+def test_grouped_mm_runs_the_same_experts_as_the_loop(situ, autocast):
+    """GroupedSwiGLU given the counts as a tensor (F.grouped_mm over device-side offsets, the CUDA path) against the
+    same counts as a host list (one torch.mm per expert), experts with no rows included, the row scale on: the output
+    and every gradient, fp32 and bf16 autocast. On a CPU torch's grouped_mm falls back to one mm per group, so in fp32
+    they agree to the bit; tests/test_moe_gpu.py compares them on a GPU."""
+    from k3train.models.k3.moe import GroupedSwiGLU
+
+    results = []
+    for as_tensor in (False, True):
+        tensors, counts = expert_inputs(torch.float32, d=8, ffn=16, seed=4)  # grouped_mm: rows of 16 bytes
+        scale = (torch.rand(tensors[0].shape[0], generator=torch.Generator().manual_seed(3)) + 0.5).requires_grad_()
+        rows = torch.tensor(counts) if as_tensor else counts
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = GroupedSwiGLU.apply(*tensors, rows, scale, situ)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype))
+        results.append([out.detach().float(), *(t.grad for t in tensors), scale.grad])
+    for name, got, want in zip(("out", "x", "w_gate", "w_up", "w_down", "scale"), results[1], results[0]):
+        # x's gradient sums two products: the loop rounds each to bf16 (addmm), grouped_mm only their sum
+        tol = dict(rtol=2e-2, atol=1e-2 * want.abs().max().item()) if autocast else dict(rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"{n}: {m}")
+    assert results[1][2][1].abs().sum() == 0 and results[1][2][5].abs().sum() == 0  # experts 1 and 5 had no rows
+
+
+@pytest.mark.parametrize("implementation, grouped_calls", [("auto", 0), ("loop", 0), ("grouped_mm", 8)])
+def test_expert_implementation_chooses_the_matmuls_and_trains_the_same(implementation, grouped_calls):
+    """model.expert_implementation: "grouped_mm" runs every expert matmul through F.grouped_mm (3 forward, 5 backward
+    calls), "loop" and "auto" on a CPU none; a training step gives the same output and gradients either way."""
+    results = {}
+    for impl in ("loop", implementation):
+        torch.manual_seed(0)
+        moe = MoE(D, N_EXP, K, 16, activation="situ", latent_dim=8, expert_implementation=impl).train()
+        x = torch.randn(2, 9, D, generator=torch.Generator().manual_seed(5), requires_grad=True)
+        with mock.patch("torch.nn.functional.grouped_mm", wraps=F.grouped_mm) as grouped_mm:
+            moe(x).backward(torch.randn(2, 9, D, generator=torch.Generator().manual_seed(6)))
+        results[impl] = {"x": x.grad, **{n: p.grad for n, p in moe.named_parameters()}}
+        calls = grouped_mm.call_count
+    assert calls == grouped_calls
+    for name, want in results["loop"].items():
+        torch.testing.assert_close(results[implementation][name], want, rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="expert_implementation='cutlass' must be one of"):
+        MoE(D, N_EXP, K, expert_ffn_dim=8, expert_implementation="cutlass")
+    with pytest.raises(ValueError, match="multiples of 8 .* these are 16 and 12: use loop or auto"):
+        MoE(D, N_EXP, K, expert_ffn_dim=12, expert_implementation="grouped_mm")
+
+
+def test_expert_counts_equal_bincount():
+    from k3train.models.k3.moe import expert_counts
+
+    experts = torch.randint(0, 11, (500,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(expert_counts(experts, 13), torch.bincount(experts, minlength=13))
+
+
 # --- SiTU-GLU in the experts, the latent MoE, the fp32 router (Kimi K3) ------------------------------------------
 
 

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from k3train.models.k3.moe import BALANCING as ROUTERS
+from k3train.models.k3.moe import EXPERT_IMPLEMENTATIONS
 from k3train.models.k3.situ import ACTIVATIONS as FFN_ACTIVATIONS
 from k3train.models.kda.layer import GATES as KDA_GATES
 from k3train.models.kda.layer import IMPLEMENTATIONS as KDA_IMPLEMENTATIONS
@@ -17,7 +18,15 @@ from k3train.models.kda.layer import OUTPUT_GATES as KDA_OUTPUT_GATES
 
 LAYER_TYPES = ("kda", "mla")
 # Fields that change how a model trains or runs, not what its weights mean.
-TRAINING_ONLY = ("kda_implementation", "kda_chunk_size", "router", "aux_free_bias_rate", "init_std", "max_seq_len")
+TRAINING_ONLY = (
+    "kda_implementation",
+    "kda_chunk_size",
+    "expert_implementation",
+    "router",
+    "aux_free_bias_rate",
+    "init_std",
+    "max_seq_len",
+)
 
 
 @dataclass
@@ -68,6 +77,8 @@ class KimiK3Config:
     router: str = "quantile_balancing"
     routed_scaling_factor: float = 1.0
     aux_free_bias_rate: float = 1e-3
+    # how the routed experts' matmuls run (moe.py RoutedExperts): "auto" (grouped_mm for bf16 on CUDA, else loop)
+    expert_implementation: str = "auto"
 
     # Kimi K3's components; each at its default is the Kimi Linear form.
     attn_res_block_size: int | None = None  # attention residuals over blocks of this many layers; None: x + f(x)
@@ -138,6 +149,7 @@ class KimiK3Config:
         _choice(self, "kda_implementation", KDA_IMPLEMENTATIONS)
         _choice(self, "kda_gate", KDA_GATES)
         _choice(self, "router", ROUTERS)
+        _choice(self, "expert_implementation", EXPERT_IMPLEMENTATIONS)
         if self.experts_per_token >= self.n_routed_experts:
             raise ValueError(
                 f"experts_per_token={self.experts_per_token} must be < n_routed_experts="

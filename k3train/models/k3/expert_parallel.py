@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-from k3train.models.k3.moe import MoE
+from k3train.models.k3.moe import MoE, expert_counts
 
 
 def shard_experts(moe: MoE, group: dist.ProcessGroup) -> None:
@@ -60,7 +60,7 @@ def dispatch_across_ranks(moe: MoE, x: torch.Tensor, weights: torch.Tensor, expe
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)  # slots by expert, hence by the rank that holds it
     token_of_slot = order // k
-    counts = torch.bincount(flat, minlength=moe.n_experts)  # [E] slots this rank sends each expert
+    counts = expert_counts(flat, moe.n_experts)  # [E] slots this rank sends each expert
     received = torch.empty_like(counts)  # [ep * per_rank]: for each source rank, its slots for each local expert
     dist.all_to_all_single(received, counts, group=group)
     send_splits = counts.view(ep, per_rank).sum(1).tolist()
@@ -71,7 +71,7 @@ def dispatch_across_ranks(moe: MoE, x: torch.Tensor, weights: torch.Tensor, expe
     # the received slots come source by source, each source's by expert: group them by local expert
     local_expert = torch.arange(per_rank, device=x.device).repeat(ep).repeat_interleave(received)
     grouped = torch.argsort(local_expert, stable=True)
-    local_counts = received.view(ep, per_rank).sum(0).tolist()
+    local_counts = received.view(ep, per_rank).sum(0)
     # through the module, so FSDP2 (which may shard these experts again over expert_dp) gathers them first
     y = moe.experts(x_in.index_select(0, grouped), local_counts, scale_in[grouped])
     y_back = all_to_all_single_autograd(y.index_select(0, torch.argsort(grouped)), send_splits, recv_splits, group)

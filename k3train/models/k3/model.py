@@ -115,6 +115,7 @@ class Block(nn.Module):
                 aux_free_bias_rate=c.aux_free_bias_rate,
                 latent_dim=c.expert_latent_dim,
                 norm_eps=c.norm_eps,
+                expert_implementation=c.expert_implementation,
                 **activation,
             )
         else:

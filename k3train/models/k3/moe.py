@@ -88,6 +88,7 @@ from k3train.models.k3.situ import (
 from k3train.models.norm import RMSNorm
 
 BALANCING = ("quantile_balancing", "aux_free_bias", "none")
+EXPERT_IMPLEMENTATIONS = ("auto", "loop", "grouped_mm")
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); k3train supports torch >= 2.9.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -131,7 +132,12 @@ class SwiGLU(nn.Module):
 class RoutedExperts(nn.Module):
     """E gated experts (SwiGLU or SiTU-GLU, as SwiGLU's `activation`) as stacked weights [E, out, in] (Muon treats
     each expert as its own matrix). d_model is the experts' input and output width: the latent width r in a latent
-    MoE."""
+    MoE.
+
+    implementation: how each expert's matmuls run (GroupedSwiGLU): "loop", one torch.mm per expert over host-side row
+    counts (the CPU's fastest: docs/decisions/moe-experts.md); "grouped_mm", torch's grouped GEMM over device-side
+    offsets, with no host sync (F.grouped_mm: bf16 on CUDA is its fast path; widths multiples of 8); "auto",
+    grouped_mm when the matmuls run in bf16 on CUDA and the widths allow it, loop otherwise."""
 
     def __init__(
         self,
@@ -141,26 +147,48 @@ class RoutedExperts(nn.Module):
         activation: str = "swiglu",
         situ_beta: float = 4.0,
         situ_linear_beta: float = 25.0,
+        implementation: str = "auto",
     ) -> None:
         super().__init__()
         check_activation(activation, situ_beta, situ_linear_beta)
+        if implementation not in EXPERT_IMPLEMENTATIONS:
+            raise ValueError(f"expert_implementation={implementation!r} must be one of {EXPERT_IMPLEMENTATIONS}")
+        # grouped_mm wants every row 16-byte aligned: 8 bf16 values (4 fp32)
+        self.grouped_mm_fits = d_model % 8 == 0 and ffn_dim % 8 == 0
+        if implementation == "grouped_mm" and not self.grouped_mm_fits:
+            raise ValueError(
+                f"expert_implementation=grouped_mm needs the experts' widths to be multiples of 8 (torch's grouped "
+                f"GEMM aligns rows to 16 bytes); these are {d_model} and {ffn_dim}: use loop or auto"
+            )
         self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
+        self.implementation = implementation
         self.w_gate = nn.Parameter(torch.empty(n_experts, ffn_dim, d_model))
         self.w_up = nn.Parameter(torch.empty(n_experts, ffn_dim, d_model))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, ffn_dim))
         for w in (self.w_gate, self.w_up, self.w_down):
             nn.init.normal_(w, std=0.02)  # the model re-initialises with its init_std
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int], row_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """x_sorted [S, d]: token slots grouped by expert, counts[e] rows for expert e -> [S, d], each row times
-        row_scale [S] when given (the slots' gate weights)."""
+    def forward(
+        self, x_sorted: torch.Tensor, counts: torch.Tensor, row_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x_sorted [S, d]: token slots grouped by expert, counts[e] rows for expert e (an integer tensor [E]) ->
+        [S, d], each row times row_scale [S] when given (the slots' gate weights)."""
         situ = _situ_betas(self.activation, self.situ_beta, self.situ_linear_beta)
-        return GroupedSwiGLU.apply(x_sorted, self.w_gate, self.w_up, self.w_down, counts, row_scale, situ)
+        rows = counts if self.uses_grouped_mm(x_sorted) else counts.tolist()  # tolist: the loop's one host sync
+        return GroupedSwiGLU.apply(x_sorted, self.w_gate, self.w_up, self.w_down, rows, row_scale, situ)
 
-    def extra_repr(self) -> str:  # SwiGLU's repr as before; SiTU-GLU says so
-        if self.activation == "swiglu":
-            return ""
-        return f"activation=situ, situ_beta={self.situ_beta}, situ_linear_beta={self.situ_linear_beta}"
+    def uses_grouped_mm(self, x: torch.Tensor) -> bool:
+        if self.implementation != "auto":
+            return self.implementation == "grouped_mm"
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        return device == "cuda" and dtype == torch.bfloat16 and self.grouped_mm_fits
+
+    def extra_repr(self) -> str:  # SwiGLU's repr as before; SiTU-GLU and a chosen implementation say so
+        parts = [] if self.implementation == "auto" else [f"implementation={self.implementation}"]
+        if self.activation != "swiglu":
+            parts.append(f"activation=situ, situ_beta={self.situ_beta}, situ_linear_beta={self.situ_linear_beta}")
+        return ", ".join(parts)
 
 
 class GroupedSwiGLU(torch.autograd.Function):
@@ -172,37 +200,35 @@ class GroupedSwiGLU(torch.autograd.Function):
     the hidden for both; K3's own code applies it to the expert's output after w_down, the same product in exact
     arithmetic, rounded in a different place under bf16.
 
-    x [S, d] grouped by expert, counts[e] rows for expert e (summing to S), w_gate / w_up [E, ffn, d], w_down
-    [E, d, ffn] -> [S, d]. The same matmuls autograd would run through `w.unbind(0)` and a loop, with a hand-written
-    backward that writes each expert's weight gradient into its slice of one [E, out, in] tensor and each output into
-    its rows of one [S, d] tensor, where autograd would stack E separate gradients (a second full copy of every
-    expert weight) and concatenate the outputs (why: docs/decisions/moe-experts.md). Under autocast the matmuls run
-    in the autocast dtype, as nn.Linear's would, and the scale is cast to it; gradients return in the inputs' dtypes.
+    x [S, d] grouped by expert, w_gate / w_up [E, ffn, d], w_down [E, d, ffn] -> [S, d]. `rows` says which rows are
+    whose: a list of E host-side counts runs the FFN expert by expert (OneExpert: torch.mm on its rows, written into
+    slices of whole outputs, so the elementwise work and its temporaries stay one expert's rows at a time); an
+    integer tensor [E] of counts runs it once over all rows with F.grouped_mm (AllExperts), with no host sync. The
+    same matmuls autograd would run through `w.unbind(0)` and a loop, with a hand-written backward that writes each
+    expert's weight gradient into its slice of one [E, out, in] tensor, where autograd would stack E separate
+    gradients (a second full copy of every expert weight) and concatenate the outputs (why:
+    docs/decisions/moe-experts.md). Under autocast the matmuls run in the autocast dtype, as nn.Linear's would, and
+    the scale is cast to it; gradients return in the inputs' dtypes.
     """
 
     @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, counts: list[int], row_scale=None, situ=None):
-        if sum(counts) != x.shape[0]:
-            raise ValueError(f"expert row counts sum to {sum(counts)}, but x has {x.shape[0]} rows")
+    def forward(ctx, x, w_gate, w_up, w_down, rows, row_scale=None, situ=None):
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         with torch.autocast(device, enabled=False):
             xs, wg, wu, wd = (t.to(dtype) for t in (x, w_gate, w_up, w_down))
             scale = None if row_scale is None else row_scale.to(dtype)[:, None]
-            gate, up = xs.new_empty(xs.shape[0], wg.shape[1]), xs.new_empty(xs.shape[0], wu.shape[1])
-            out = xs.new_empty(xs.shape[0], wd.shape[1])
-            for e, rows in _expert_rows(counts):
-                torch.mm(xs[rows], wg[e].T, out=gate[rows])
-                torch.mm(xs[rows], wu[e].T, out=up[rows])
-                if situ is None:
-                    hidden = F.silu(gate[rows]) * up[rows]
-                else:
-                    hidden = situ_glu_forward(gate[rows], up[rows], *situ)
-                if scale is not None:
-                    hidden *= scale[rows]
-                torch.mm(hidden, wd[e].T, out=out[rows])
+            if isinstance(rows, torch.Tensor):
+                gate, up, out = _ffn_forward(xs, wg, wu, wd, scale, situ, AllExperts(rows))
+            else:
+                _check_counts(rows, xs.shape[0])
+                gate, up = xs.new_empty(xs.shape[0], wg.shape[1]), xs.new_empty(xs.shape[0], wu.shape[1])
+                out = xs.new_empty(xs.shape[0], wd.shape[1])
+                for e, r in _expert_rows(rows):
+                    block_scale = None if scale is None else scale[r]
+                    gate[r], up[r], out[r] = _ffn_forward(xs[r], wg, wu, wd, block_scale, situ, OneExpert(e))
         ctx.save_for_backward(xs, wg, wu, wd, gate, up, scale)
-        ctx.counts, ctx.situ = counts, situ
+        ctx.rows, ctx.situ = rows, situ
         ctx.dtypes = (x.dtype, w_gate.dtype, w_up.dtype, w_down.dtype, None if row_scale is None else row_scale.dtype)
         return out
 
@@ -211,37 +237,104 @@ class GroupedSwiGLU(torch.autograd.Function):
         xs, wg, wu, wd, gate, up, scale = ctx.saved_tensors
         with torch.autocast(xs.device.type, enabled=False):
             grad_out = grad_out.to(xs.dtype)
-            grad_x = torch.empty_like(xs)  # every row belongs to one expert: all are written
-            # empty, not zeros: every expert with rows is written whole below, the others are zeroed here
-            grad_wg, grad_wu, grad_wd = torch.empty_like(wg), torch.empty_like(wu), torch.empty_like(wd)
-            grad_scale = None if scale is None else torch.empty_like(scale)
-            for e in (e for e, n in enumerate(ctx.counts) if n == 0):
-                grad_wg[e], grad_wu[e], grad_wd[e] = 0, 0, 0
-            for e, rows in _expert_rows(ctx.counts):
-                g, a, b = grad_out[rows], gate[rows], up[rows]
-                if ctx.situ is None:
-                    act = F.silu(a)
-                    hidden = act * b
-                else:
-                    parts = situ_glu_parts(a, b, *ctx.situ)  # recomputed: the forward saved only gate and up
-                    hidden = situ_glu_value(parts, *ctx.situ, a.dtype)
-                grad_h = g @ wd[e]  # d/d(hidden * scale)
-                if scale is not None:
-                    torch.sum(grad_h * hidden, dim=-1, keepdim=True, out=grad_scale[rows])
-                    hidden *= scale[rows]
-                    grad_h *= scale[rows]
-                torch.mm(g.T, hidden, out=grad_wd[e])
-                if ctx.situ is None:
-                    grad_a = torch.ops.aten.silu_backward(grad_h * b, a)  # the kernel autograd's silu would use
-                    grad_b = grad_h * act
-                else:
-                    grad_a, grad_b = situ_glu_grads_from_parts(grad_h, parts, *ctx.situ, a.dtype)  # fp32 inside
-                torch.mm(grad_a.T, xs[rows], out=grad_wg[e])
-                torch.mm(grad_b.T, xs[rows], out=grad_wu[e])
-                torch.addmm(grad_a @ wg[e], grad_b, wu[e], out=grad_x[rows])
+            saved = (xs, wg, wu, wd, gate, up, scale)
+            if isinstance(ctx.rows, torch.Tensor):
+                grad_x, grad_wg, grad_wu, grad_wd, grad_scale = _ffn_backward(
+                    grad_out, *saved, ctx.situ, AllExperts(ctx.rows)
+                )
+            else:
+                grad_x = torch.empty_like(xs)  # every row belongs to one expert: all are written
+                # empty, not zeros: every expert with rows is written whole below, the others are zeroed here
+                grad_wg, grad_wu, grad_wd = torch.empty_like(wg), torch.empty_like(wu), torch.empty_like(wd)
+                grad_scale = None if scale is None else torch.empty_like(scale)
+                for e in (e for e, n in enumerate(ctx.rows) if n == 0):
+                    grad_wg[e], grad_wu[e], grad_wd[e] = 0, 0, 0
+                for e, r in _expert_rows(ctx.rows):
+                    block = (xs[r], wg, wu, wd, gate[r], up[r], None if scale is None else scale[r])
+                    grad_x[r], grad_wg[e], grad_wu[e], grad_wd[e], block_scale = _ffn_backward(
+                        grad_out[r], *block, ctx.situ, OneExpert(e)
+                    )
+                    if grad_scale is not None:
+                        grad_scale[r] = block_scale
         x_dtype, *w_dtypes, scale_dtype = ctx.dtypes
         grads = (grad_x.to(x_dtype), *(g.to(dt) for g, dt in zip((grad_wg, grad_wu, grad_wd), w_dtypes)))
         return (*grads, None, None if grad_scale is None else grad_scale[:, 0].to(scale_dtype), None)
+
+
+class OneExpert:
+    """GroupedSwiGLU's matmuls on expert e's rows: torch.mm with its matrices."""
+
+    def __init__(self, e: int) -> None:
+        self.e = e
+
+    def rows_by_weights(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [S_e, i], w [E, i, o] -> x w[e]  [S_e, o]."""
+        return x @ w[self.e]
+
+    def weight_grad(self, grad: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        """grad [S_e, o], inp [S_e, i] -> grad^T inp  [o, i]: expert e's weight gradient."""
+        return grad.T @ inp
+
+    def input_grad(self, grad_a, wa, grad_b, wb) -> torch.Tensor:
+        """grad_a, grad_b [S_e, o], wa, wb [E, o, i] -> grad_a wa[e] + grad_b wb[e]  [S_e, i]."""
+        return torch.addmm(grad_a @ wa[self.e], grad_b, wb[self.e])
+
+
+class AllExperts:
+    """GroupedSwiGLU's matmuls on all rows at once: F.grouped_mm over the counts' cumulative int32 offsets, which
+    stay on the device (no host sync)."""
+
+    def __init__(self, counts: torch.Tensor) -> None:
+        self.offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+
+    def rows_by_weights(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.grouped_mm(x, w, offs=self.offsets)
+
+    def weight_grad(self, grad: torch.Tensor, inp: torch.Tensor) -> torch.Tensor:
+        """-> [E, o, i], zero for an expert with no rows."""
+        return F.grouped_mm(grad.T, inp, offs=self.offsets)
+
+    def input_grad(self, grad_a, wa, grad_b, wb) -> torch.Tensor:
+        # one GEMM over both halves: one rounding of the sum in bf16, and twice the depth for the kernel
+        return F.grouped_mm(torch.cat([grad_a, grad_b], 1), torch.cat([wa, wb], 1), offs=self.offsets)
+
+
+def _ffn_forward(xs, wg, wu, wd, scale, situ, experts: OneExpert | AllExperts):
+    """Rows of x -> (gate, up, out) for those rows: what GroupedSwiGLU's forward computes and keeps."""
+    gate, up = experts.rows_by_weights(xs, wg.mT), experts.rows_by_weights(xs, wu.mT)
+    hidden = F.silu(gate) * up if situ is None else situ_glu_forward(gate, up, *situ)
+    if scale is not None:
+        hidden *= scale
+    return gate, up, experts.rows_by_weights(hidden, wd.mT)
+
+
+def _ffn_backward(grad_out, xs, wg, wu, wd, gate, up, scale, situ, experts: OneExpert | AllExperts):
+    """The gradients of _ffn_forward's out for those rows: (x, w_gate, w_up, w_down, scale [rows, 1] or None)."""
+    if situ is None:
+        act = F.silu(gate)
+        hidden = act * up
+    else:
+        parts = situ_glu_parts(gate, up, *situ)  # recomputed: the forward saved only gate and up
+        hidden = situ_glu_value(parts, *situ, gate.dtype)
+    grad_h = experts.rows_by_weights(grad_out, wd)  # d/d(hidden * scale)
+    grad_scale = None
+    if scale is not None:
+        grad_scale = torch.sum(grad_h * hidden, dim=-1, keepdim=True)
+        hidden *= scale
+        grad_h *= scale
+    grad_wd = experts.weight_grad(grad_out, hidden)
+    if situ is None:
+        grad_a = torch.ops.aten.silu_backward(grad_h * up, gate)  # the kernel autograd's silu would use
+        grad_b = grad_h * act
+    else:
+        grad_a, grad_b = situ_glu_grads_from_parts(grad_h, parts, *situ, gate.dtype)  # fp32 inside
+    grad_wg, grad_wu = experts.weight_grad(grad_a, xs), experts.weight_grad(grad_b, xs)
+    return experts.input_grad(grad_a, wg, grad_b, wu), grad_wg, grad_wu, grad_wd, grad_scale
+
+
+def _check_counts(counts: list[int], n_rows: int) -> None:
+    if sum(counts) != n_rows:
+        raise ValueError(f"expert row counts sum to {sum(counts)}, but x has {n_rows} rows")
 
 
 @contextlib.contextmanager
@@ -273,6 +366,7 @@ class MoE(nn.Module):
     activation / situ_beta / situ_linear_beta: every expert's FFN, shared and routed (SwiGLU's arguments).
     latent_dim: None, the routed experts at width d (Kimi Linear); r, a latent MoE (module docstring), with
     `latent_down` (Linear d -> r), `latent_norm` (RMSNorm over r, eps norm_eps) and `latent_up` (Linear r -> d).
+    expert_implementation: RoutedExperts' `implementation` ("auto", "loop", "grouped_mm").
     """
 
     def __init__(
@@ -290,6 +384,7 @@ class MoE(nn.Module):
         situ_linear_beta: float = 25.0,
         latent_dim: int | None = None,
         norm_eps: float = 1e-6,
+        expert_implementation: str = "auto",
     ) -> None:
         super().__init__()
         check_activation(activation, situ_beta, situ_linear_beta)
@@ -307,7 +402,9 @@ class MoE(nn.Module):
         self.latent_dim = latent_dim
         self.router = nn.Linear(d_model, n_routed_experts, bias=False)  # weight [n, d]
         expert_dim = d_model if latent_dim is None else latent_dim
-        self.experts = RoutedExperts(n_routed_experts, expert_dim, expert_ffn_dim, **act)
+        self.experts = RoutedExperts(
+            n_routed_experts, expert_dim, expert_ffn_dim, **act, implementation=expert_implementation
+        )
         self.shared = SwiGLU(d_model, n_shared_experts * expert_ffn_dim, **act) if n_shared_experts > 0 else None
         # Built after the router, experts and shared experts, so that without them the RNG draws are today's.
         self.latent_down = nn.Linear(d_model, latent_dim, bias=False) if latent_dim is not None else None
@@ -390,7 +487,7 @@ class MoE(nn.Module):
         flat_experts = experts.reshape(-1)  # [N*k]
         order = torch.argsort(flat_experts, stable=True)
         token_of_slot = order // self.k  # [N*k]: which token each sorted slot belongs to
-        counts = torch.bincount(flat_experts, minlength=self.n_experts).tolist()
+        counts = expert_counts(flat_experts, self.n_experts)
         # index_select, not x[token_of_slot]: its backward is an index_add rather than indexing's accumulating
         # index_put (why: docs/decisions/moe-experts.md). y is in the matmuls' dtype (bf16 under autocast), each
         # slot already weighted by its gate weight.
@@ -400,7 +497,7 @@ class MoE(nn.Module):
     @torch.no_grad()
     def _after_training_route(self, scores: torch.Tensor, experts: torch.Tensor) -> None:
         group = self._balancing_group()
-        load = torch.bincount(experts.reshape(-1), minlength=self.n_experts).float()
+        load = expert_counts(experts.reshape(-1), self.n_experts).float()
         if group is not None:
             load, tokens_per_rank = global_load(load, scores.shape[0], group)
         self.last_load = load
@@ -474,6 +571,14 @@ def _reference_ffn(x, w_gate, w_up, w_down, ffn: SwiGLU | RoutedExperts) -> torc
     g, u = x @ w_gate.T, x @ w_up.T
     hidden = F.silu(g) * u if ffn.activation == "swiglu" else situ_glu(g, u, ffn.situ_beta, ffn.situ_linear_beta)
     return hidden @ w_down.T
+
+
+def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """experts [S] (indices) -> how many slots chose each expert [n_experts] (int64). A scatter-add, not bincount: on
+    CUDA bincount reads its input's maximum back to the host to size its output, a sync every MoE layer."""
+    return torch.zeros(n_experts, dtype=torch.int64, device=experts.device).index_add_(
+        0, experts, torch.ones_like(experts, dtype=torch.int64)
+    )
 
 
 def required_bias(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
