@@ -54,11 +54,13 @@ def composed(*overrides: str) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides))
 
 
-def build_trainer(cfg: DictConfig, run_dir: Path, data: TokenData) -> Trainer:
-    """The Trainer build.py builds from cfg, without Hydra's runtime (no run directory claim, no sinks)."""
+def build_trainer(cfg: DictConfig, run_dir: Path, data: TokenData, device: torch.device | None = None) -> Trainer:
+    """The Trainer build.py builds from cfg, without Hydra's runtime (no run directory claim, no sinks), on `device`
+    (the CPU unless given). `data`: anything with TokenData's vocab_size, identity() and loaders()."""
+    device = device or torch.device("cpu")
     train_cfg = OmegaConf.to_object(cfg.train)
     torch.manual_seed(train_cfg.seed)
-    model = instantiate(cfg.model, vocab_size=data.vocab_size)
+    model = instantiate(cfg.model, vocab_size=data.vocab_size).to(device)  # before the optimizer, as build.py
     optimizer = instantiate(cfg.optim)(model)
     precision = instantiate(cfg.precision)
     train_loader, val_loader = data.loaders(train_cfg.batch_size, train_cfg.seq_len)
@@ -72,7 +74,7 @@ def build_trainer(cfg: DictConfig, run_dir: Path, data: TokenData) -> Trainer:
         train_loader=train_loader,
         val_loader=val_loader,
         config=train_cfg,
-        device=torch.device("cpu"),
+        device=device,
         metrics=MetricsLogger(run_dir / "metrics.jsonl"),
         checkpointer=Checkpointer(run_dir, meta, train_cfg.keep_last_k),
         callbacks=_build_named(cfg.callbacks, Callback, "callbacks"),

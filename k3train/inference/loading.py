@@ -32,6 +32,7 @@ EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_TOKENIZER = "config.json", "model.safetens
 MODEL_TARGETS = {
     "kimi_k3": "k3train.models.k3.KimiK3.from_fields",
     "smoke_test_lm": "k3train.models.smoke.SmokeTestLM.from_fields",
+    "dense_transformer": "k3train.models.dense.DenseTransformer.from_fields",
 }
 
 
