@@ -1,5 +1,6 @@
 """k3_small's layers on one GPU: forward + backward of one KDA, one MLA and one MoE layer, and of a dense SwiGLU FFN
-doing the MoE's active FLOPs, at k3_small's shapes (batch 8 x 2048 tokens, d_model 512) under bf16 autocast.
+doing the MoE's active FLOPs, at k3_small's shapes (batch 8 x 2048 tokens, d_model 512) under bf16 autocast; then
+the LM head and its loss at vocab 32768, chunked (k3train), fused (FLA) and through whole logits.
 
 The layers are k3_small's own (conf/model/k3_small.yaml built by Hydra, its first KDA mixer, first MLA mixer and
 first MoE), KDA through FLA's Triton kernel when flash-linear-attention is installed, else the pure-PyTorch chunk
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from gpu_kda_speed import guarded, timed  # benchmarks/ is on sys.path when a script there runs
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -41,10 +43,12 @@ from k3train.models.k3.flops import kda_macs, mla_macs, moe_macs
 from k3train.models.k3.mla import MultiHeadLatentAttention
 from k3train.models.k3.moe import MoE, SwiGLU
 from k3train.models.kda.layer import KimiDeltaAttention
+from k3train.models.loss import linear_cross_entropy
 from k3train.observe.mfu import resolve_peak
 
 ROOT = Path(__file__).resolve().parents[1]
 MOE_TARGET = 0.6  # issue 27: MoE FLOP/s >= 60% of the dense SwiGLU's at equal active FLOPs
+HEAD_VOCAB = 32768  # k3_small_gpu's tokenizer size
 DRY_RUN_NOTE = "CPU dry run: k3_tiny's layers at tiny shapes in fp32; these numbers say nothing about a GPU"
 
 
@@ -94,6 +98,32 @@ def fwd_bwd(layer: torch.nn.Module, B: int, T: int, d: int, device: torch.device
         out.backward(grad_out.to(out.dtype))
 
     return step
+
+
+def head_and_loss_steps(config, B: int, T: int, device: torch.device, dtype: torch.dtype) -> dict[str, Callable]:
+    """The LM head and its cross-entropy at k3_small's head (N = B x T rows, d_model, vocab 32768), forward +
+    backward, three ways: k3train's chunked linear_cross_entropy, FLA's fused one (what `auto` takes on CUDA when
+    flash-linear-attention is installed), and the whole logits through F.cross_entropy."""
+    generator = torch.Generator(device="cpu").manual_seed(3)
+    N, V = B * T, HEAD_VOCAB
+    hidden = torch.randn(N, config.d_model, generator=generator).to(device).requires_grad_()
+    weight = (0.02 * torch.randn(V, config.d_model, generator=generator)).to(device).requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=generator).to(device)
+
+    def step(loss_fn: Callable) -> Callable:
+        def run() -> None:
+            hidden.grad = weight.grad = None
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                loss = loss_fn()
+            loss.backward()
+
+        return run
+
+    return {
+        "head_loss_chunked": step(lambda: linear_cross_entropy(hidden, weight, targets, implementation="chunked")),
+        "head_loss_fla": step(lambda: linear_cross_entropy(hidden, weight, targets, implementation="fla")),
+        "head_loss_whole_logits": step(lambda: F.cross_entropy(F.linear(hidden, weight).float(), targets)),
+    }
 
 
 def measure(step: Callable, training_flops: float, device: torch.device, reps: int, peak: float | None) -> dict:
@@ -181,6 +211,14 @@ def main() -> None:
             continue
         step = fwd_bwd(layer, B, T, config.d_model, device, dtype)
         training_flops = 6.0 * macs_per_token[name] * B * T  # 2 FLOPs per multiply-add, forward + backward = 3x
+        guarded(report["layers"], name, lambda s=step, f=training_flops: measure(s, f, device, reps, peak))
+    for name, step in head_and_loss_steps(config, B, T, device, dtype).items():
+        if time.perf_counter() - start > args.budget_s:
+            report["layers"][name] = {"skipped": f"past the {args.budget_s:.0f} s budget"}
+            continue
+        if name == "head_loss_fla" and device.type != "cuda":
+            continue  # FLA's Triton kernels need CUDA
+        training_flops = 6.0 * config.d_model * HEAD_VOCAB * B * T  # logits, and the two gradient products
         guarded(report["layers"], name, lambda s=step, f=training_flops: measure(s, f, device, reps, peak))
     moe, dense = report["layers"]["moe"], report["layers"].get("dense_swiglu", {})
     if "achieved_tflops_per_s" in moe and "achieved_tflops_per_s" in dense:

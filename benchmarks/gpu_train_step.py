@@ -13,7 +13,9 @@ parameters. The peer attends over the whole sequence in every layer, so it does 
 k3_small's 351 M at seq_len 2048); the MFU ratio compares each model's use of the GPU. k3_small runs with KDA
 through FLA's Triton kernel (`fla`, needs k3train[gpu]) and through the pure-PyTorch `chunk` path.
 
-Cases run in order of importance and none starts past --budget-s: k3_small/fla and dense_peer at 8 x 2048 first.
+Cases run in order of importance and none starts past --budget-s: k3_small/fla and dense_peer at 8 x 2048 first,
+then both with train.compile=true (torch.compile on the forward; the warm-up's seconds, compilation included, are
+reported as warmup_s). The results file is rewritten after every case.
 
     python benchmarks/gpu_train_step.py                 # needs CUDA (and k3train[gpu] for the fla cases)
     python benchmarks/gpu_train_step.py --dry-run-cpu   # k3_tiny and a tiny dense_peer at tiny shapes on CPU in
@@ -42,17 +44,18 @@ PEER = "dense_peer"
 DRY_RUN_NOTE = (
     "CPU dry run: k3_tiny and a tiny dense_peer at tiny shapes in fp32; these numbers say nothing about a GPU"
 )
-# (model, KDA implementation or None, B, T), most important first: a spent budget drops the last
+# (model, KDA implementation or None, B, T, train.compile), most important first: a spent budget drops the last
 GPU_CASES = [
-    ("k3_small", "fla", 8, 2048),
-    (PEER, None, 8, 2048),
-    ("k3_small", "chunk", 8, 2048),
-    ("k3_small", "fla", 16, 2048),
-    (PEER, None, 16, 2048),
-    ("k3_small", "chunk", 16, 2048),
+    ("k3_small", "fla", 8, 2048, False),
+    (PEER, None, 8, 2048, False),
+    ("k3_small", "fla", 8, 2048, True),  # torch.compile on the whole forward (the Trainer's train.compile=true)
+    (PEER, None, 8, 2048, True),
+    ("k3_small", "chunk", 8, 2048, False),
+    ("k3_small", "fla", 16, 2048, False),
+    (PEER, None, 16, 2048, False),
 ]
 GPU_VOCAB = 32768  # k3_small_gpu's tokenizer size: the LM head as a real run has it
-DRY_RUN_CASES = [("k3_tiny", "chunk", 2, 64), (PEER, None, 2, 64)]
+DRY_RUN_CASES = [("k3_tiny", "chunk", 2, 64, False), (PEER, None, 2, 64, False)]
 DRY_RUN_VOCAB = 257
 # the dry run's peer, shrunk to k3_tiny's width and depth so that the CPU pass stays short
 DRY_RUN_PEER = ["model.d_model=128", "model.n_layers=4", "model.n_heads=4", "model.ffn_dim=256"]
@@ -108,6 +111,7 @@ def run_case(
     precision: str,
     steps: int,
     overrides: list[str],
+    compiled: bool = False,
 ) -> dict:
     cfg = composed(
         f"model={model_name}",
@@ -117,6 +121,7 @@ def run_case(
         "train.max_steps=1000000",  # a plan the timed steps never reach
         "optim.orthogonality_check_interval=1000000000",  # Muon's diagnostics off: time the update alone
         *([f"model.kda_implementation={implementation}"] if implementation else []),
+        *(["train.compile=true"] if compiled else []),
         *overrides,
     )
     with tempfile.TemporaryDirectory() as run_dir:  # the Trainer's checkpointer and metrics: never written here
@@ -127,8 +132,10 @@ def run_case(
             if device.type == "cuda":
                 torch.cuda.synchronize()  # the optimizer step and QK-Clip run after train_step's last host read
 
-        for _ in range(3):  # warm-up: FLA's autotuning, the allocator's pools, Muon's buffers
+        warmup_start = time.perf_counter()
+        for _ in range(3):  # warm-up: FLA's autotuning, torch.compile's compilation, the allocator's pools, Muon's
             step()
+        warmup_s = time.perf_counter() - warmup_start
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = []
@@ -142,6 +149,8 @@ def run_case(
         result = {
             "model": model_name,
             "kda_implementation": implementation,
+            "compiled": compiled,
+            "warmup_s": warmup_s,
             "B": B,
             "T": T,
             "precision": precision,
@@ -167,15 +176,16 @@ def run_case(
 
 def case_label(result: dict) -> str:
     implementation = result["kda_implementation"]
-    return f"{result['model']}/{implementation}" if implementation else result["model"]
+    label = f"{result['model']}/{implementation}" if implementation else result["model"]
+    return label + ("+compile" if result.get("compiled") else "")
 
 
 def ratios_to_peer(results: list[dict]) -> list[dict]:
     """For each K3-shaped case, its figures over the dense peer's at the same batch shape."""
-    peers = {(r["B"], r["T"]): r for r in results if r["model"] == PEER}
+    peers = {(r["B"], r["T"], r.get("compiled")): r for r in results if r["model"] == PEER}
     out = []
     for r in results:
-        peer = peers.get((r["B"], r["T"]))
+        peer = peers.get((r["B"], r["T"], r.get("compiled")))
         if r["model"] == PEER or peer is None:
             continue
         ratio = {"model": case_label(r), "over": PEER, "B": r["B"], "T": r["T"]}
@@ -183,11 +193,6 @@ def ratios_to_peer(results: list[dict]) -> list[dict]:
             if r.get(key) is not None and peer.get(key):
                 ratio[key] = r[key] / peer[key]
         out.append(ratio)
-        print(
-            f"{ratio['model']} / {PEER} at B={r['B']} T={r['T']}: "
-            + ", ".join(f"{key} {value:.2f}x" for key, value in ratio.items() if isinstance(value, float)),
-            flush=True,
-        )
     return out
 
 
@@ -212,30 +217,40 @@ def main() -> None:
     data = RandomTokens(vocab, device)
 
     start, results, errors = time.time(), [], {}
-    for model_name, implementation, B, T in cases:
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    for model_name, implementation, B, T, compiled in cases:
         key = f"{model_name}/{implementation}/B{B}/T{T}" if implementation else f"{model_name}/B{B}/T{T}"
+        key += "/compile" if compiled else ""
         if time.time() - start > args.budget_s:
             errors[key] = "skipped: time budget spent"
             continue
         overrides = DRY_RUN_PEER if args.dry_run_cpu and model_name == PEER else []
         try:
-            results.append(run_case(model_name, implementation, B, T, data, device, precision, steps, overrides))
+            results.append(
+                run_case(model_name, implementation, B, T, data, device, precision, steps, overrides, compiled)
+            )
         except Exception as exc:  # noqa: BLE001 - record and go on: one failure must not hide the others
             errors[key] = f"{type(exc).__name__}: {exc}"
             print(f"{key}: {errors[key]}", flush=True)
         gc.collect()  # the Trainer's cycles, so that the next case starts from an empty GPU
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
-    report = {
-        "dry_run_cpu": args.dry_run_cpu,
-        **({"note": DRY_RUN_NOTE} if args.dry_run_cpu else {}),
-        "environment": env,
-        "results": results,
-        "ratios_to_dense_peer": ratios_to_peer(results),
-        "errors": errors,
-    }
-    write_results(out, report)
+        # after every case: a part killed at gpu_all's time limit keeps the cases it finished
+        report = {
+            "dry_run_cpu": args.dry_run_cpu,
+            **({"note": DRY_RUN_NOTE} if args.dry_run_cpu else {}),
+            "environment": env,
+            "results": results,
+            "ratios_to_dense_peer": ratios_to_peer(results),
+            "errors": errors,
+        }
+        write_results(out, report)
+    for ratio in report["ratios_to_dense_peer"]:
+        print(
+            f"{ratio['model']} / {PEER} at B={ratio['B']} T={ratio['T']}: "
+            + ", ".join(f"{key} {value:.2f}x" for key, value in ratio.items() if isinstance(value, float)),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -42,3 +42,25 @@ def test_bf16_autocast_on_cuda_matches_the_reference_under_the_same_autocast(v):
         torch.testing.assert_close(
             a, b, rtol=2e-2, atol=2e-2 * b.abs().max().item(), msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_auto_takes_flas_fused_loss_on_cuda_and_equals_the_reference(autocast, monkeypatch):
+    """Without a chunk_size, `auto` runs flash-linear-attention's fused linear cross-entropy on CUDA tensors."""
+    pytest.importorskip("fla", reason="needs flash-linear-attention: pip install 'k3train[gpu]'")
+    from unittest import mock
+
+    import fla.modules.fused_linear_cross_entropy as fla_lce
+
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    hidden, weight, targets = on_cuda(*problem(4096, 512, 32768, ignored=0.05))
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        want = loss_and_grads(reference, hidden, weight, targets, grad_scale=0.7)
+        with mock.patch.object(
+            fla_lce, "fused_linear_cross_entropy_loss", wraps=fla_lce.fused_linear_cross_entropy_loss
+        ) as fused:
+            got = loss_and_grads(linear_cross_entropy, hidden, weight, targets, grad_scale=0.7)
+    assert fused.call_count == 1
+    for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), got, want):
+        tol = dict(rtol=2e-2, atol=2e-2 * b.abs().max().item()) if autocast else dict(rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(a.float(), b.float(), **tol, msg=lambda m, name=name: f"{name}: {m}")

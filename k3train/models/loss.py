@@ -16,13 +16,24 @@ every target is ignored the loss is NaN (0 / 0) and the gradients are zero, as F
 
 Under torch.autocast the matmuls run in the autocast dtype, as the nn.Linear they replace would; the softmax and
 the loss are fp32, and the gradients reach hidden and weight in their own dtypes (through autograd's casts).
+
+implementation: "chunked", the above in torch ops; "fla", flash-linear-attention's fused_linear_cross_entropy_loss
+(the same chunked algorithm, with the softmax, the loss and the logits' gradient in Triton kernels, in place: fewer
+passes over each [chunk, V] block on a GPU); "auto", fla for a CUDA tensor when flash-linear-attention is installed
+and no chunk_size was given, chunked otherwise. Without a gradient wanted it is always chunked (FLA's always computes
+the gradients). FLA's kernel:
+(fla-core 0.6.0) https://github.com/fla-org/flash-linear-attention/blob/b256266820c476c752acdb6b0e2eb9471eb72641/fla/modules/fused_linear_cross_entropy/ops.py
 """
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import torch
 
 IGNORE_INDEX = -100
+IMPLEMENTATIONS = ("auto", "chunked", "fla")
 # The default chunk: as many rows as fill a logits block of this many fp32 values, so the block is the same size
 # whatever the vocabulary. On CPU 64 MiB (512 rows at V=32768; at k3_tiny's V=257 one block holds a whole batch,
 # as each chunk's ~10 small ops cost more than its rows there); on a GPU 1.25 GiB (2048 rows at V=163840), which
@@ -38,15 +49,23 @@ def default_chunk_size(vocab_size: int, device_type: str = "cpu") -> int:
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int | None = None,
+    implementation: str = "auto",
 ) -> torch.Tensor:
     """hidden [N, d], weight [V, d], targets [N] int64 -> the mean cross-entropy over the targets that are not
-    IGNORE_INDEX, a fp32 scalar. chunk_size: rows per chunk; None: default_chunk_size(V, device)."""
+    IGNORE_INDEX, a fp32 scalar. chunk_size: rows per chunk; None: default_chunk_size(V, device).
+    implementation: "auto" | "chunked" | "fla" (module docstring)."""
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"linear_cross_entropy implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != hidden.shape[:1]:
         raise ValueError(
             f"linear_cross_entropy wants hidden [N, d], weight [V, d], targets [N]; got hidden "
             f"{list(hidden.shape)}, weight {list(weight.shape)}, targets {list(targets.shape)}"
         )
+    chunk_size_given = chunk_size
     if chunk_size is None:
         chunk_size = default_chunk_size(weight.shape[0], hidden.device.type)
     if chunk_size < 1:
@@ -56,9 +75,35 @@ def linear_cross_entropy(
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        if implementation == "fla" or (implementation == "auto" and chunk_size_given is None and _fla_fits(hidden)):
+            with torch.autocast(device_type, enabled=False):
+                return _fla_linear_cross_entropy(hidden, weight, targets)
         return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size)
     with torch.autocast(device_type, enabled=False):
         return _chunked(hidden, weight, targets, chunk_size, with_grads=False)[0]
+
+
+def _fla_fits(hidden: torch.Tensor) -> bool:
+    return hidden.is_cuda and importlib.util.find_spec("fla") is not None
+
+
+def _fla_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """FLA's fused linear cross-entropy, its mean over the kept targets; NaN when every target is ignored, as the
+    chunked path and F.cross_entropy give (FLA's divides by at least 1: 0)."""
+    try:
+        from fla.modules.fused_linear_cross_entropy import fused_linear_cross_entropy_loss
+    except ImportError as err:
+        raise ImportError(
+            "linear_cross_entropy implementation='fla' needs flash-linear-attention (and triton) on a CUDA machine: "
+            "pip install 'k3train[gpu]'; or use implementation='chunked'"
+        ) from err
+    if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter: tests/fla's CPU checks
+        raise RuntimeError(
+            f"linear_cross_entropy implementation='fla' runs Triton kernels and needs CUDA tensors; got device "
+            f"{hidden.device}. Use implementation='chunked' on a CPU."
+        )
+    loss = fused_linear_cross_entropy_loss(hidden, targets, weight, ignore_index=IGNORE_INDEX)
+    return torch.where((targets != IGNORE_INDEX).any(), loss, torch.nan)  # a tensor test: no host sync
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
