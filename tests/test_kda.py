@@ -415,8 +415,10 @@ def test_forward_cached_continues_forward_float64(implementation, kwargs):
 
 
 def test_fla_path_receives_the_normalised_q_and_k(monkeypatch):
-    """implementation="fla" hands FLA's kernels q, k already normalised with qk_norm_eps (their in-kernel l2norm off)
-    and the same gate; CPU stand-ins for the kernels record what they get (no FLA needed)."""
+    """implementation="fla" on tensors FLA's kernels cannot take (a CPU without Triton's interpreter) keeps k3train's
+    steps around fla_chunk_kda: it hands the kernel q, k already normalised with qk_norm_eps and the same gate; CPU
+    stand-ins for the kernels record what they get (no FLA needed). The fused route (in-kernel gate and l2norm) is
+    tests/fla's, under the interpreter, and tests/test_kda_gpu.py's."""
     import k3train.models.kda.layer as layer_module
 
     seen = []

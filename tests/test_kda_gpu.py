@@ -14,7 +14,7 @@ import torch
 
 from k3train.models.kda import KimiDeltaAttention, chunk_kda, fla_chunk_kda, naive_recurrent_kda
 
-from helpers.kda_problems import NAMES, assert_close, make_inputs, run
+from helpers.kda_problems import NAMES, assert_close, document_ids_of, make_inputs, run
 from helpers.tiny_k3 import batch, tiny_model
 
 # slow too: on a GPU machine Triton's autotuning alone takes minutes, too long for the fast tier.
@@ -99,19 +99,34 @@ def test_fla_matches_chunk(shape, dtype):
     assert not too_far, f"error ratios over tolerance: {too_far} (all: {errors})"
 
 
+# The layer's forms for the layer check: FLA's own (softplus gate, low-rank output gate) on whole rows, and Kimi K3's
+# (sigmoid gate with lower bound -5, hence chunk_kda's safe_gate; full-rank output gate) on rows packing documents
+# (FLA's varlen conv and chunk_kda), one start at the chunk edge 512.
+LAYER_FORMS = {
+    "softplus_low_rank": ({}, None),
+    "k3_sigmoid_full_rank_documents": ({"gate": "sigmoid", "output_gate": "full_rank"}, [[300, 724], [512, 200, 312]]),
+}
+
+
 @pytest.mark.usefixtures("fla")
+@pytest.mark.parametrize("form", LAYER_FORMS.values(), ids=LAYER_FORMS.keys())
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16_autocast"])
-def test_fla_layer_matches_chunk_layer(autocast):
+def test_fla_layer_matches_chunk_layer(autocast, form):
+    """The layer's forward on FLA's fused kernels (short conv, in-kernel gate, beta sigmoid and q/k L2 norm, gated
+    RMSNorm: layer.py's _forward_fla) against chunk's. Under bf16 autocast FLA's conv writes q, k, v in bf16 where
+    chunk's product with the fp32 conv weight promotes them to fp32: bf16's factor on the tolerances."""
+    kwargs, lengths = form
     d_model, T = 512, 1024
     torch.manual_seed(0)
-    reference = KimiDeltaAttention(d_model, n_heads=4, head_dim=d_model // 4).cuda()
-    layer = KimiDeltaAttention(d_model, n_heads=4, head_dim=d_model // 4, implementation="fla").cuda()
+    reference = KimiDeltaAttention(d_model, n_heads=4, head_dim=d_model // 4, **kwargs).cuda()
+    layer = KimiDeltaAttention(d_model, n_heads=4, head_dim=d_model // 4, implementation="fla", **kwargs).cuda()
     layer.load_state_dict(reference.state_dict())
     x = torch.randn(2, T, d_model, device="cuda")
+    document_ids = None if lengths is None else document_ids_of(lengths).cuda()
     outputs, grads = [], []
     for module in (layer, reference):
         with torch.autocast("cuda", dtype=autocast) if autocast else contextlib.nullcontext():
-            y = module(x)
+            y = module(x, document_ids=document_ids)
         y.float().square().mean().backward()
         outputs.append(y.detach())
         grads.append(torch.cat([p.grad.flatten() for p in module.parameters()]))

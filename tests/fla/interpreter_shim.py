@@ -23,12 +23,18 @@ import dataclasses
 import os
 import sys
 
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def gather(src, index, axis: tl.constexpr):  # 3. (module level: the interpreter looks for tl in its globals)
+    return tl.gather(src, index, axis)
+
 
 def install() -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("the FLA interpreter checks need TRITON_INTERPRET=1 set before Python starts")
-    import triton
-    import triton.language as tl
     from triton.runtime import interpreter
     from triton.runtime.autotuner import Autotuner
 
@@ -43,10 +49,6 @@ def install() -> None:
         return node
 
     interpreter.ASTTransformer.visit_For = visit_for
-
-    @triton.jit
-    def gather(src, index, axis: tl.constexpr):  # 3.
-        return tl.gather(src, index, axis)
 
     import fla  # noqa: F401  (imports fla.ops.*, which binds the aliases)
 

@@ -1,5 +1,5 @@
-"""KDA problems: random q, k, v, g, beta and initial state, one forward with the final state and backward, and the
-comparison of two runs' outputs and gradients (test_kda.py, test_kda_gpu.py)."""
+"""KDA problems: random q, k, v, g, beta and initial state, one forward with the final state and backward, the
+comparison of two runs' outputs and gradients (test_kda.py, test_kda_gpu.py), and rows of packed documents."""
 
 from __future__ import annotations
 
@@ -40,3 +40,8 @@ def assert_close(result, reference, tol):
         diff = (result[name].double().cpu() - reference[name].double().cpu()).abs().max()
         err = (diff / reference[name].double().abs().max().clamp(min=1e-30)).item()
         assert err < tol, f"{name}: max |chunk - reference| / max |reference| = {err:.2e} >= {tol:.0e}"
+
+
+def document_ids_of(lengths_per_row: list[list[int]]) -> torch.Tensor:
+    """document_ids [B, T] (k3train/models/documents.py) of rows packing documents of these lengths, in order."""
+    return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths_per_row])

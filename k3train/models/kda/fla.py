@@ -1,8 +1,8 @@
 """flash-linear-attention's Triton `chunk_kda`: the GPU fast path, an optional dependency imported on first use.
 
 Same layout and conventions as naive.py / chunk.py (FLA defined them): q, k [B, T, H, K]; v [B, T, HV, V];
-g [B, T, HV, K] log decay; beta [B, T, HV]; state [B, HV, K, V] fp32. q and k are passed already normalised
-and g already computed, so FLA's in-kernel l2norm and gate options stay off. The kernels:
+g [B, T, HV, K] log decay; beta [B, T, HV]; state [B, HV, K, V] fp32. fla_chunk_kda and fla_fused_recurrent_kda
+take q and k already normalised and g and beta already computed (their in-kernel options off). The kernels:
 https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/ops/kda/chunk.py
 https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/ops/kda/fused_recurrent.py
 
@@ -10,17 +10,35 @@ Documents packed into rows (document_ids) go through FLA's varlen form: the batc
 steps and `cu_seqlens`, every document its own sequence whose state starts from zero, as chunk_kda's docstring
 gives it (batch 1, cu_seqlens int64 [N + 1], one initial/final state per sequence):
 https://github.com/fla-org/flash-linear-attention/blob/0395eef12dd31ec73cd853230f555609b620d4c5/fla/ops/kda/chunk.py
-That path is untested here: FLA needs CUDA, and this machine has none (tests/test_kda_gpu.py's checks run on one).
+FLA's kernels need CUDA, or Triton's interpreter on a CPU (TRITON_INTERPRET=1, slow): tests/fla runs them there
+against k3train's chunk_kda, the varlen path included; tests/test_kda_gpu.py compares them on a GPU.
+
+The KDA layer's forward under implementation="fla" also runs its elementwise steps in FLA's kernels (layer.py says
+which and why; docs/decisions/kda-layer.md): the short convolution (fla_short_conv_silu), chunk_kda's in-kernel
+forget gate, beta sigmoid and q/k L2 norm (fla_chunk_kda_from_projections) and the gated output RMSNorm
+(fla_rms_norm_sigmoid_gated). Those options of chunk_kda (use_gate_in_kernel, lower_bound, safe_gate,
+use_beta_sigmoid_in_kernel, use_qk_l2norm_in_kernel) and the gate and norm they compute:
+https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/ops/kda/chunk.py
+https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/ops/kda/gate.py
+https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/modules/l2norm.py
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from torch import Tensor
 
 from k3train.models.documents import cu_seqlens, document_starts
 from k3train.models.kda.naive import check_kda_inputs
+
+# The eps of chunk_kda's in-kernel q/k L2 norm (use_qk_l2norm_in_kernel): l2norm_fwd's default, which chunk_kda gives
+# no way to change.
+FLA_QK_L2NORM_EPS = 1e-6
+# The lowest lower_bound chunk_kda accepts with safe_gate=True and its in-kernel gate: safe_gate's intra-chunk kernel
+# rescales q and k by exponentials of the gates' sums over a 16-step block, which must stay within fp32's range.
+FLA_SAFE_GATE_LOWEST_BOUND = -5.0
 
 
 def require_fla() -> Callable:
@@ -33,6 +51,20 @@ def require_fla() -> Callable:
             "pip install 'k3train[gpu]'. On CPU use implementation='chunk'."
         ) from err
     return chunk_kda
+
+
+def fla_runs_on(x: Tensor) -> bool:
+    """Whether FLA's Triton kernels can take x: a CUDA tensor, or any tensor under Triton's interpreter
+    (TRITON_INTERPRET=1, which tests/fla runs them in on CPU tensors)."""
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _require_fla_device(x: Tensor) -> None:
+    if not fla_runs_on(x):
+        raise RuntimeError(
+            f"KDA implementation='fla' runs Triton kernels and needs CUDA tensors; got device {x.device}. "
+            "Use implementation='chunk' on CPU."
+        )
 
 
 def fla_chunk_kda(
@@ -50,11 +82,7 @@ def fla_chunk_kda(
     [B, T] restart the state at each document start (module docstring; no initial_state with them)."""
     check_kda_inputs(q, k, v, g, beta, initial_state)
     chunk_kda = require_fla()
-    if not q.is_cuda:
-        raise RuntimeError(
-            f"KDA implementation='fla' runs Triton kernels and needs CUDA tensors; got device {q.device}. "
-            "Use implementation='chunk' on CPU."
-        )
+    _require_fla_device(q)
     if document_ids is not None:
         return _fla_chunk_kda_documents(
             chunk_kda, q, k, v, g, beta, scale, initial_state, output_final_state, document_ids
@@ -109,3 +137,70 @@ def fla_fused_recurrent_kda(
     return fused_recurrent_kda(
         q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state
     )
+
+
+def fla_chunk_kda_from_projections(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    f: Tensor,
+    beta_logits: Tensor,
+    A_log: Tensor,
+    dt_bias: Tensor,
+    lower_bound: float | None,
+    normalize_qk: bool,
+    cu_seqlens: Tensor | None = None,
+) -> Tensor:
+    """FLA's chunk_kda from the layer's projections, its elementwise steps inside FLA's kernels: o [B, T, HV, V].
+
+    The forget gate from f [B, T, HV, K] (f_b_proj's output) in the cumsum kernel: -exp(A_log) softplus(f + dt_bias),
+    or with lower_bound lower_bound * sigmoid(exp(A_log) (f + dt_bias)); beta = sigmoid(beta_logits [B, T, HV]) in
+    fp32; with normalize_qk q and k each x / sqrt(sum x^2 + FLA_QK_L2NORM_EPS) per head (else they come normalised).
+    A lower_bound within [FLA_SAFE_GATE_LOWEST_BOUND, 0) also turns on safe_gate: the same products through an
+    intra-chunk kernel that relies on every log decay lying in [lower_bound, 0), which the bounded sigmoid gate
+    guarantees. cu_seqlens: B = 1 and every sequence's state starts from zero; no initial or final state (training).
+    """
+    check_kda_inputs(q, k, v, f, beta_logits, None)
+    chunk_kda = require_fla()
+    _require_fla_device(q)
+    o, _ = chunk_kda(
+        q=q,
+        k=k,
+        v=v,
+        g=f,
+        beta=beta_logits,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        use_gate_in_kernel=True,
+        lower_bound=lower_bound,
+        safe_gate=lower_bound is not None and lower_bound >= FLA_SAFE_GATE_LOWEST_BOUND,
+        use_beta_sigmoid_in_kernel=True,
+        use_qk_l2norm_in_kernel=normalize_qk,
+        cu_seqlens=cu_seqlens,
+    )
+    return o
+
+
+def fla_short_conv_silu(x: Tensor, weight: Tensor, cu_seqlens: Tensor | None = None) -> Tensor:
+    """SiLU(causal depthwise conv of x, zero-padded in front) in FLA's causal_conv1d Triton kernel, the functional
+    form of its ShortConvolution: x [B, T, D], weight [D, 1, W] as nn.Conv1d holds it -> [B, T, D] in x's dtype
+    (the kernel sums in fp32). cu_seqlens: x is one row (B = 1) of sequences, each padded as if it ran alone.
+    https://github.com/fla-org/flash-linear-attention/blob/0a1659faa00b3a710e75562bb940a28ec1e453c4/fla/modules/causal_conv1d/ops.py
+    """
+    _require_fla_device(x)
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    y, _ = causal_conv1d(x, weight=weight.squeeze(1), activation="silu", backend="triton", cu_seqlens=cu_seqlens)
+    return y
+
+
+def fla_rms_norm_sigmoid_gated(x: Tensor, gate_logits: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight * sigmoid(gate_logits) over the last dimension in one Triton kernel, in
+    fp32 whatever the inputs' dtype, the result in x's: FLA's FusedRMSNormGated(activation="sigmoid") as a function
+    of a weight the caller owns.
+    https://github.com/fla-org/flash-linear-attention/blob/1f81376ff68590d58d89188f4939770474e72234/fla/modules/norm/fused_norm_gate.py
+    """
+    _require_fla_device(x)
+    from fla.modules.norm.fused_norm_gate import rms_norm_gated
+
+    return rms_norm_gated(x, gate_logits, weight, None, activation="sigmoid", eps=eps)

@@ -17,10 +17,19 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from k3train.models.context_parallel import ContextParallel
-from k3train.models.documents import same_document
+from k3train.models.documents import cu_seqlens, same_document
 from k3train.models.kda.chunk import chunk_kda
 from k3train.models.kda.context_parallel import context_parallel_chunk_kda
-from k3train.models.kda.fla import fla_chunk_kda, fla_fused_recurrent_kda, require_fla
+from k3train.models.kda.fla import (
+    FLA_QK_L2NORM_EPS,
+    fla_chunk_kda,
+    fla_chunk_kda_from_projections,
+    fla_fused_recurrent_kda,
+    fla_rms_norm_sigmoid_gated,
+    fla_runs_on,
+    fla_short_conv_silu,
+    require_fla,
+)
 from k3train.models.kda.naive import compute_dtype, naive_recurrent_kda
 from k3train.models.kda.state import KDAState
 from k3train.models.norm import RMSNorm, l2_normalize_eps
@@ -42,12 +51,23 @@ class KimiDeltaAttention(nn.Module):
     low-rank projection: -exp(A_log) softplus(f + dt_bias), or with gate="sigmoid" gate_lower_bound *
     sigmoid(exp(A_log) (f + dt_bias)) in (gate_lower_bound, 0); beta = sigmoid(b_proj x). The recurrence runs in
     `implementation` ("chunk": pure PyTorch, the CPU default; "recurrent": the per-step reference; "fla": FLA's
-    Triton kernel, given the same normalised q, k and the same g). Output: per-head RMSNorm times sigmoid(gate
-    logits), then o_proj; the logits from output_gate="low_rank" (Kimi Linear: g_b_proj(g_a_proj x), rank
-    head_dim; g_b_proj has a bias unless output_gate_bias=False: FLA's layer has one, Kimi Linear as released and
-    transformers' kimi_linear have none) or "full_rank" (Kimi K3: g_proj x, [d_model -> HV K], no bias, split per
-    value head for Muon as v_proj is). n_value_heads > n_heads gives grouped value attention (each q/k head
-    serves n_value_heads // n_heads value heads); V = K = head_dim.
+    Triton kernel, the steps around it fused as below). Output: per-head RMSNorm times sigmoid(gate logits), then
+    o_proj; the logits from output_gate="low_rank" (Kimi Linear: g_b_proj(g_a_proj x), rank head_dim; g_b_proj has
+    a bias unless output_gate_bias=False: FLA's layer has one, Kimi Linear as released and transformers'
+    kimi_linear have none) or "full_rank" (Kimi K3: g_proj x, [d_model -> HV K], no bias, split per value head for
+    Muon as v_proj is). n_value_heads > n_heads gives grouped value attention (each q/k head serves
+    n_value_heads // n_heads value heads); V = K = head_dim.
+
+    implementation="fla" on CUDA (or under Triton's interpreter) computes the same function with forward's
+    elementwise steps in FLA's kernels (_forward_fla; measured differences: docs/decisions/kda-layer.md): the conv +
+    SiLU in FLA's causal_conv1d on the same Conv1d weights (documents as cu_seqlens); the forget gate, beta's
+    sigmoid and the q/k L2 norm inside chunk_kda (its in-kernel gate with A_log, dt_bias and gate_lower_bound, plus
+    safe_gate for a sigmoid gate bounded within [-5, 0); its l2norm only when qk_norm_eps is its fixed 1e-6); the
+    RMSNorm times sigmoid(logits) in FLA's fused gated RMSNorm on o_norm's weight. Left to k3train, and why: the
+    projections (matmuls, nothing to fuse them with); the q/k norm under another qk_norm_eps (FLA's eps cannot be
+    set); forward_cached's conv, norm and gate (decoding's state keeps k3train's conv tail; only the output norm
+    is fused there); context parallelism (chunk only). Under autocast FLA's conv writes q, k, v in the autocast
+    dtype, as FLA's layer has them, where k3train's conv promotes them to fp32 with its fp32 weight.
     """
 
     def __init__(
@@ -138,6 +158,8 @@ class KimiDeltaAttention(nn.Module):
     def forward(self, x: Tensor, document_ids: Tensor | None = None) -> Tensor:
         """x [B, T, d_model] -> [B, T, d_model]; causal. document_ids [B, T] (k3train/models/documents.py): the
         short convs and the recurrent state start afresh at each document start, as if each document ran alone."""
+        if self._fla_kernels_take(x):
+            return self._forward_fla(x, document_ids)
         B, T, _ = x.shape
         H, HV, K = self.n_heads, self.n_value_heads, self.head_dim
         qkv, f_a, g_in, b = self._input_projections(x)
@@ -148,6 +170,41 @@ class KimiDeltaAttention(nn.Module):
         g, beta = self._forget_gate(f_a), b.sigmoid()
         o = self._recurrence(q, k, v.view(B, T, HV, K), g, beta, document_ids)  # in v's dtype
         return self._gated_output(g_in, o)
+
+    def _fla_kernels_take(self, x: Tensor) -> bool:
+        """Whether this forward runs on FLA's fused kernels: implementation="fla" and tensors FLA's Triton kernels
+        run on (CUDA, or Triton's interpreter). Elsewhere "fla" keeps k3train's steps around fla_chunk_kda, which
+        then refuses the CPU tensors."""
+        return self.implementation == "fla" and fla_runs_on(x)
+
+    def _forward_fla(self, x: Tensor, document_ids: Tensor | None) -> Tensor:
+        """forward() with its elementwise steps in FLA's kernels (the class docstring says which, and what changes).
+        Documents go through FLA's varlen form: the rows flattened into one of B*T steps, one sequence per document
+        (cu_seqlens), for the short conv as for chunk_kda."""
+        B, T, _ = x.shape
+        HV, K = self.n_value_heads, self.head_dim
+        qkv, f_a, g_in, b = self._input_projections(x)
+        rows, steps = (B, T) if document_ids is None else (1, B * T)
+        sequences = None if document_ids is None else cu_seqlens(document_ids)
+        conv_weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])
+        qkv = fla_short_conv_silu(qkv.reshape(rows, steps, -1), conv_weight, sequences)
+        q, k, v = (t.view(rows, steps, -1, K) for t in qkv.split(self._qkv_widths(), dim=-1))
+        normalize_in_kernel = self.qk_norm_eps == FLA_QK_L2NORM_EPS  # the kernel's eps is fixed
+        if not normalize_in_kernel:
+            q, k = self._qk_normalize(q), self._qk_normalize(k)
+        o = fla_chunk_kda_from_projections(
+            q,
+            k,
+            v,
+            self.f_b_proj(f_a).view(rows, steps, HV, K),
+            b.reshape(rows, steps, HV),
+            self.A_log,
+            self.dt_bias,
+            lower_bound=self.gate_lower_bound if self.gate == "sigmoid" else None,
+            normalize_qk=normalize_in_kernel,
+            cu_seqlens=sequences,
+        )
+        return self._gated_output(g_in, o.view(B, T, HV, K))
 
     @property
     def context_parallel(self) -> ContextParallel | None:
@@ -192,9 +249,9 @@ class KimiDeltaAttention(nn.Module):
         return F.linear(x, weight).split([sum(self._qkv_widths()), *(p.out_features for p in projections[3:])], -1)
 
     def _qk_normalize(self, x: Tensor) -> Tensor:
-        """q or k [B, T, H, K] -> x / sqrt(sum x^2 + qk_norm_eps) per head: FLA's in-kernel l2norm, done here for
-        every implementation. FLA's kernel receives q and k already normalised (its use_qk_l2norm_in_kernel, whose
-        eps is fixed at 1e-6, stays off), so any qk_norm_eps holds on every path."""
+        """q or k [B, T, H, K] -> x / sqrt(sum x^2 + qk_norm_eps) per head: FLA's in-kernel l2norm's formula. Only
+        _forward_fla leaves it to chunk_kda (use_qk_l2norm_in_kernel), and only when qk_norm_eps is the kernel's
+        fixed 1e-6, so any qk_norm_eps holds on every path."""
         return l2_normalize_eps(x, self.qk_norm_eps)
 
     def _qkv_widths(self) -> list[int]:
@@ -239,9 +296,12 @@ class KimiDeltaAttention(nn.Module):
         """o [B, T, HV, K] -> per-head RMSNorm times sigmoid(the output gate's logits), then o_proj. g_in: as
         _input_projections gives it (g_a_proj x, whose logits are g_b_proj(g_in); or the logits g_proj x)."""
         B, T, HV, K = o.shape
-        logits = self.g_b_proj(g_in) if self.output_gate == "low_rank" else g_in
-        out_gate = logits.view(B, T, HV, K).sigmoid()
-        o = self.o_norm(o.to(self.o_norm.weight.dtype)) * out_gate  # RMSNorm in the weight's precision
+        logits = (self.g_b_proj(g_in) if self.output_gate == "low_rank" else g_in).view(B, T, HV, K)
+        if self._fla_kernels_take(o):  # in fp32 inside the kernel, written in o's dtype, which o_proj reads
+            eps = torch.finfo(o.dtype).eps if self.o_norm.eps is None else self.o_norm.eps  # nn.RMSNorm's default
+            o = fla_rms_norm_sigmoid_gated(o, logits, self.o_norm.weight, eps)
+        else:
+            o = self.o_norm(o.to(self.o_norm.weight.dtype)) * logits.sigmoid()  # RMSNorm in the weight's precision
         return self.o_proj(o.reshape(B, T, HV * K))
 
     def _short_conv_continued(self, conv: nn.Conv1d, x: Tensor, tail: Tensor) -> tuple[Tensor, Tensor]:
