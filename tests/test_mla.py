@@ -2,14 +2,24 @@
 gradients checked in float64 against finite differences and against the reference's. Kimi K3's output gate and
 latent-norm epsilon: against a reference built by hand, through cached decoding and QK-Clip, and off = as before."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from k3train.models.k3 import mla
 from k3train.models.k3.config import KimiK3Config
 from k3train.models.k3.flops import mla_macs
-from k3train.models.k3.mla import MultiHeadLatentAttention, RotaryEmbedding, causal_attention
+from k3train.models.k3.mla import (
+    MultiHeadLatentAttention,
+    RotaryEmbedding,
+    causal_attention,
+    causal_max_logit,
+    visible_keys,
+)
 from k3train.optim.param_groups import partition_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -125,6 +135,158 @@ def test_max_logit_equals_brute_force(q_lora_rank, rope):
     torch.testing.assert_close(m.max_logit, expected, rtol=1e-5, atol=1e-5)
     m(x[:1] * 2)
     assert (m.max_logit > expected).any()
+
+
+# ---- QK-Clip's max logit in tiles ------------------------------------------------------------------------------
+
+
+def dense_max_logit(q, k, scale, visible):
+    """The former causal_max_logit, kept here as the reference: one [H, T, S] fp32 matmul a row, masked whole by
+    visible [B or 1, T, S]."""
+    best = torch.full((q.shape[1],), float("-inf"))
+    for b in range(q.shape[0]):
+        logits = (q[b].float() @ k[b].float().transpose(-1, -2)) * scale
+        pairs = visible[b if visible.shape[0] > 1 else 0]
+        best = torch.maximum(best, logits.masked_fill(~pairs, float("-inf")).amax(dim=(-1, -2)))
+    return best
+
+
+def document_ids_of(lengths: list[list[int]]) -> torch.Tensor:
+    return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+
+
+TRAP = 20.0  # a trap pair's logit is TRAP ** 2 (400) before scaling; every other pair stays under about 4 * TRAP
+
+
+def trapped(B: int, T: int, S: int, seed: int = 0):
+    """q [B, T * S, T, 8], k [B, T * S, S, 8] random, with one head for every query-key pair (i, j), in row
+    (i + j) % B, whose query i and key j are both TRAP along the first axis: that head's max is the trap's exactly
+    when the pair is counted, so a pair wrongly counted or wrongly skipped changes its head's max by hundreds."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, T * S, T, 8, generator=gen), torch.randn(B, T * S, S, 8, generator=gen)
+    for h, (i, j) in enumerate(trap_pairs(T, S)):
+        q[(i + j) % B, h, i], k[(i + j) % B, h, j] = 0.0, 0.0
+        q[(i + j) % B, h, i, 0], k[(i + j) % B, h, j, 0] = TRAP, TRAP
+    return q, k
+
+
+def trap_pairs(T: int, S: int) -> list[tuple[int, int]]:
+    return [(i, j) for i in range(T) for j in range(S)]
+
+
+# (B, T queries, start: the position of the first, the rows' document lengths over all start + T positions or None)
+MAX_LOGIT_CASES = {
+    "causal": (1, 40, 0, None),
+    "causal, 3 rows": (3, 40, 0, None),
+    # boundaries at 8 and 16 (tile edges for sides 4, 8 and 16), 21 (inside a tile), 39 (the last query alone)
+    "documents": (2, 40, 0, [[8, 8, 5, 18, 1], [16, 1, 23]]),
+    "cp": (2, 24, 40, None),  # a rank's 24 queries at positions 40..63 against keys 0..63
+    # a document across the slice's start (36..47), boundaries at 48 (tile edges) and 53 (inside), and row 1 one
+    # document from position 1 on, so that its first key is another document
+    "cp, documents": (2, 24, 40, [[12, 24, 12, 5, 11], [1, 63]]),
+}
+SIDES = [1, 5, 8, 16, 64, None]  # 8 divides both T (40, 24), 5 only 40, 16 neither; 64 and None: one tile
+
+
+@pytest.mark.parametrize("case", MAX_LOGIT_CASES)
+def test_tiled_max_logit_equals_the_dense_one(case):
+    """Every tile side, against the dense reference: the same value within fp32 rounding (the tiles' smaller
+    matmuls may sum a product's terms in another order) and, through the traps, the same pairs exactly, each of
+    the T x S pairs checked by a head of its own."""
+    B, T, start, lengths = MAX_LOGIT_CASES[case]
+    S = start + T
+    ids = None if lengths is None else document_ids_of(lengths)
+    query_ids = None if ids is None else ids[:, start:]
+    q, k = trapped(B, T, S)
+    visible = visible_keys(T, start, query_ids, ids, torch.device("cpu"))
+    expected = dense_max_logit(q, k, 0.3, visible)
+    counted = torch.tensor([bool(visible[(i + j) % B if len(visible) > 1 else 0, i, j]) for i, j in trap_pairs(T, S)])
+    assert torch.equal(expected > 0.3 * TRAP**2 / 2, counted)  # each trap decides its head's max
+    for side in SIDES:
+        got = causal_max_logit(q, k, 0.3, query_ids, ids if start else None, tile=side)
+        assert got.dtype == torch.float32 and got.shape == (T * S,)
+        torch.testing.assert_close(got, expected, rtol=1.3e-6, atol=0, msg=f"tile {side}")
+
+
+class LargestOutputs(TorchDispatchMode):
+    """Records every op's output size, and the shape of every matmul's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest, self.matmuls = 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        if func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
+            self.matmuls.append(tuple(out.shape))
+        return out
+
+
+def test_a_tiny_block_runs_many_tiles_over_the_causal_pairs(monkeypatch):
+    """The block, not a row count, sets the tiles: at 3 x 2 x 2 values a tile is 2 x 2 for 3 heads, 20 queries make
+    10 tiles, and their matmuls cover the causal pairs plus the diagonal tiles' upper halves (max_logit_pairs), not
+    the T x T square."""
+    monkeypatch.setattr(mla, "MAX_LOGIT_BLOCK_VALUES", 3 * 2 * 2)
+    H, T = 3, 20
+    q, k = torch.randn(2, H, T, 8), torch.randn(2, H, T, 8)
+    with LargestOutputs() as seen:
+        got = causal_max_logit(q, k, 0.5)
+    torch.testing.assert_close(got, dense_max_logit(q, k, 0.5, visible_keys(T, 0, None, None, q.device)))
+    assert mla.max_logit_tile(H, "cpu") == 2
+    assert len(seen.matmuls) == 2 * sum(range(1, 11))  # per row, tile n sees n key spans
+    assert {s for s in seen.matmuls} == {(H, 2, 2)}
+    assert sum(math.prod(s) for s in seen.matmuls) == 2 * H * mla.max_logit_pairs(T, T, 2) == 2 * H * 220
+    with LargestOutputs() as seen:  # a cp rank's: the last 11 queries against all 20 keys, its last tile of 1 row
+        causal_max_logit(q[:, :, 9:], k, 0.5)
+    assert sum(math.prod(s) for s in seen.matmuls) == 2 * H * mla.max_logit_pairs(11, T, 2) == 2 * H * 170
+
+
+def test_a_long_sequence_never_holds_its_dense_logits():
+    """16,384 positions and 2 heads: the dense [H, T, T] logits would be 2 GiB; no op of the tiled measurement
+    outputs more than the CPU block (64 MiB), and its matmuls skip about half of the square."""
+    H, T = 2, 16384
+    q, k = torch.randn(1, H, T, 2), torch.randn(1, H, T, 2)
+    with LargestOutputs() as seen:
+        got = causal_max_logit(q, k, 1.0)
+    assert got.shape == (H,) and torch.isfinite(got).all()
+    side = mla.max_logit_tile(H, "cpu")
+    assert seen.largest <= mla.MAX_LOGIT_BLOCK_VALUES == H * T * T // 32  # a 32nd of the dense logits
+    computed = sum(math.prod(s) for s in seen.matmuls)
+    assert computed == H * mla.max_logit_pairs(T, T, side) and computed < 0.6 * H * T * T
+
+
+class SecondHalf:
+    """Stands for ContextParallel on rank 1 of 2: gather hands back the first half's tensor, given, and this one."""
+
+    rank = 1
+
+    def __init__(self, latent: torch.Tensor, ids: torch.Tensor) -> None:
+        self.latent, self.ids = latent, ids
+
+    def offset(self, local_length: int) -> int:
+        return local_length
+
+    def gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [self.ids if t.dtype == torch.long else self.latent, t]
+
+
+@pytest.mark.parametrize("documents", [False, True])
+def test_a_layer_on_the_second_half_of_a_row_measures_its_queries_against_every_key_before(documents):
+    """The layer's own wiring under cp: the queries' start, the gathered keys and their document ids."""
+    m = make_mla(rope=True, seed=2)
+    m.train()
+    m.track_max_logit = True
+    x = torch.randn(2, 2 * T, D) * 3
+    ids = document_ids_of([[5, 14, 5], [13, 11]]) if documents else None  # row 0's second document spans both halves
+    with torch.no_grad():
+        m.context_parallel = SecondHalf(m.kv_a_proj(x[:, :T]), None if ids is None else ids[:, :T])
+        m(x[:, T:], None if ids is None else ids[:, T:])
+    q, k, _ = naive_qkv(m, x)
+    visible = visible_keys(T, T, None if ids is None else ids[:, T:], ids, x.device)
+    torch.testing.assert_close(m.max_logit, dense_max_logit(q[:, :, T:], k, m.scale, visible), rtol=1e-5, atol=1e-5)
 
 
 def test_head_split_annotations():

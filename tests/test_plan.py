@@ -24,14 +24,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
+from torch.utils.flop_counter import FlopCounterMode
 
 from k3train.models.context_parallel import ContextParallel, set_context_parallel
+from k3train.models.k3 import mla
 from k3train.models.k3.flops import chunk_state_macs
 from k3train.observe.mfu import gpu_peak
+from k3train.optim.qk_clip import set_max_logit_tracking
 from k3train.plan.__main__ import main
 from k3train.plan.activations import F32, I64, ContextSlice, layer_activations, root_activations
 from k3train.plan.comm import plan_comm
-from k3train.plan.estimate import context_flops_per_token, estimate
+from k3train.plan.estimate import context_flops_per_token, estimate, qk_clip_flops
 from k3train.plan.hardware import GPUS, lookup
 from k3train.plan.memory import plan_memory
 from k3train.plan.mesh import Mesh, candidates
@@ -586,6 +589,42 @@ def test_context_parallel_divides_the_tokens_and_adds_what_the_split_costs() -> 
     )
     whole = layer_activations(c, mla_layer, 4096, 4096, "none", 2, "cuda", 8)
     assert first.saved < last.saved and last.saved > whole.saved / 4
+
+
+# ---- QK-Clip ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("checkpointing", ["none", "block", "selective"])
+def test_qk_clip_flops_are_what_its_matmuls_do(monkeypatch: pytest.MonkeyPatch, checkpointing: str) -> None:
+    """k3_tiny run forward and backward with the max logit measured and not: the FLOPs the measurement adds
+    (torch's FLOP counter) are the plan's, at a block small enough for 4 tiles a row (the causal pairs and the
+    diagonal tiles, not the square), once under checkpointing too: the recompute leaves the measurement out."""
+    monkeypatch.setattr(mla, "MAX_LOGIT_BLOCK_VALUES", 4 * 16 * 16)  # k3_tiny's 4 heads: tiles of 16 x 16
+    cfg = composed(*TINY, "train.seq_len=64", "train.batch_size=2", f"train.activation_checkpointing={checkpointing}")
+    spec = build_spec(cfg, "cpu")
+    x = torch.randint(0, 257, (2, 64))
+    added = {}
+    for tracked in (False, True):
+        torch.manual_seed(0)
+        model = instantiate(cfg.model).train()
+        model.set_activation_checkpointing(checkpointing)
+        set_max_logit_tracking(model, tracked)
+        with FlopCounterMode(display=False) as counter:
+            _, loss = model(x, targets=x)
+            loss.backward()
+        added[tracked] = counter.get_total_flops()
+    assert spec.qk_clip and mla.max_logit_tile(spec.model.mla_n_heads, "cpu") == 16
+    assert added[True] - added[False] == qk_clip_flops(spec, 1, "cpu") > 0
+
+
+def test_k3_at_131072_positions_fits_with_qk_clip_on() -> None:
+    """docs/plan.md's long-context recipe with QK-Clip on (the default callbacks): at cp 32 its transient is one tile
+    (836 x 836 at 96 heads on a GPU) instead of the dense [96, 4,096, 131,072] fp32 logits (206 GB, and as much
+    again masked), so the plan fits on 1,024 H200s, its fp32 matmuls in the step time."""
+    recipe = ["precision=bf16", "train.batch_size=1", "train.seq_len=131072", "train.activation_checkpointing=block"]
+    spec = spec_of("model=k3", *recipe, "optim=adamw", "model.router=aux_free_bias", device="cuda")
+    plan = estimate(spec, Mesh(1, 1024, 32, 32), lookup("h200"))
+    assert spec.qk_clip and mla.max_logit_tile(96, "cuda") == 836
+    assert 96 * 836 * 836 * F32 < plan.memory.transients["QK-Clip max-logit tile [heads, tile, tile]"] < 0.4e9
+    assert plan.fits and plan.qk_clip_s > 0 and plan.step_s >= plan.compute_s + plan.recompute_s + plan.qk_clip_s
 
 
 # ---- the CLI ------------------------------------------------------------------------------------------------------

@@ -14,11 +14,19 @@ layer (from the identity, value width K: chunk_state_macs at the slice's length,
 state's read (Q S_in) and composition, and MLA's kv_b_proj over the seq_len - T_l keys before the slice. All in the
 step time, none in the model TFLOP/s (the model's FLOPs are flops.py's, as for recompute).
 
+QK-Clip (when its callback is on and the model has MLA): the max-logit matmuls of k3train/models/k3/mla.py's
+causal_max_logit, every MLA layer's queries against the keys they see, tile by tile (max_logit_pairs: the causal
+pairs and the diagonal tiles' masked halves, on the last rank of a cp group against all seq_len keys), always in fp32
+whatever the run's precision, at the same fraction of the fp32 peak; once under checkpointing too (a recompute
+leaves the measurement out: model.py's measured_once). In the step time, not in the model TFLOP/s (the framework's
+work, not the model's).
+
 Overlap, assumed: FSDP's all-gathers and reduce-scatters and DDP's all-reduce run beside the forward and backward
 (FSDP2 prefetches the next unit; DDP reduces buckets as the backward fills them), so only what exceeds the compute
-adds to the step. The EP all-to-alls (a MoE waits for its tokens), Quantile Balancing's gathers (its bias decides
-the routing), and the optimizer's gathers and Newton-Schulz (after the backward, before the next forward) add in
-full. Elementwise work and kernel launch overheads are in the MFU; latency per collective is not modelled.
+adds to the step (QK-Clip's matmuls, forward work, count as compute there). The EP all-to-alls (a MoE waits for its
+tokens), Quantile Balancing's gathers (its bias decides the routing), and the optimizer's gathers and Newton-Schulz
+(after the backward, before the next forward) add in full. Elementwise work and kernel launch overheads are in the
+MFU; latency per collective is not modelled.
 
 The proposal: one process for one device; otherwise DDP with the smallest ep (1, 2, 4, ...) that fits, else FSDP
 over all devices with the smallest ep that fits (k3train/plan/mesh.py: candidates), saying so when a larger ep
@@ -31,6 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from k3train.models.k3.flops import chunk_state_macs, kda_macs, mla_macs
+from k3train.models.k3.mla import max_logit_pairs, max_logit_tile
 from k3train.plan.comm import Collective, plan_comm, seconds
 from k3train.plan.hardware import Hardware
 from k3train.plan.memory import Memory, muon_gather, muon_groups, plan_memory
@@ -55,6 +64,8 @@ class Estimate:
     fits: bool
     budget: float  # bytes per device the peak must stay under
     split_flops_per_token: float = 0.0  # training FLOPs per token the cp split adds on the last rank of a group
+    qk_clip_s: float = 0.0  # QK-Clip's max-logit matmuls, fp32
+    qk_clip_flops: float = 0.0  # theirs in a step on one rank
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,6 +92,17 @@ def context_flops_per_token(spec: RunSpec, cp: int) -> float:
     kda += H * K * K + (cp - 1) * H * K * K * K / T_l  # Q S_in; composing cp - 1 summaries [K, K] x [K, K] a row
     mla = (cp - 1) * c.kv_lora_rank * c.mla_n_heads * (c.qk_nope_head_dim + c.v_head_dim)  # keys before the slice
     return 2.0 * sum(kda if kind == "kda" else mla for kind in c.layer_pattern)
+
+
+def qk_clip_flops(spec: RunSpec, cp: int, device_type: str) -> float:
+    """FLOPs of QK-Clip's max-logit matmuls in one step on the last rank of a cp group (module docstring)."""
+    c = spec.model
+    if not spec.qk_clip or "mla" not in c.layer_pattern:
+        return 0.0
+    side = max_logit_tile(c.mla_n_heads, "cpu" if device_type == "cpu" else "cuda")
+    pairs = max_logit_pairs(spec.seq_len // cp, spec.seq_len, side)  # a row's, on the last rank
+    per_row = 2.0 * c.mla_n_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim) * pairs
+    return list(c.layer_pattern).count("mla") * per_row * spec.batch_size * spec.accumulation
 
 
 def recompute_flops_per_token(spec: RunSpec, cp: int = 1) -> float:
@@ -123,15 +145,17 @@ def estimate(
     if spec.optimizer == "muon_adamw":
         ns_peak = hw.peak_flops("fp32" if spec.ns_dtype == "fp32" else "bf16") * mfu
         ns = sum(muon_gather(spec, mesh, g).flops_per_rank for g in muon_groups(spec)) / ns_peak
+    max_logit_flops = qk_clip_flops(spec, mesh.cp, device_type)
+    max_logit_s = max_logit_flops / (hw.peak_flops("fp32") * mfu)
     times = {coll.kind: seconds(coll, mesh, hw) for coll in comm}
     overlapped = sum(times[coll.kind] for coll in comm if coll.overlapped)
     waited = sum(times[coll.kind] for coll in comm if not coll.overlapped)
-    exposed = max(0.0, overlapped - compute - recompute) + waited
-    step = compute + recompute + ns + exposed
+    exposed = max(0.0, overlapped - compute - recompute - max_logit_s) + waited
+    step = compute + recompute + ns + max_logit_s + exposed
     budget = hw.memory_bytes / (1 if hw.devices_per_node else mesh.world) * (1 - headroom)
     return Estimate(
         mesh, memory, comm, times, compute, recompute, ns, exposed, step, tokens_rank * mesh.world,
-        memory.peak <= budget, budget, split,
+        memory.peak <= budget, budget, split, max_logit_s, max_logit_flops,
     )  # fmt: skip
 
 

@@ -14,7 +14,8 @@ A step's phases, each the stored bytes plus what is alive then:
 - forward end: every layer's saved activations and weight copies (k3train/plan/activations.py), the root's, and
   the largest forward transient (the LM head's logits chunk in k3train/models/loss.py; FSDP2's gathered root,
   gathered from the embedding to the loss, with two blocks, the current one and the prefetched next; QK-Clip's
-  [heads, T, T] logits; Quantile Balancing's gathered candidates; EP's dispatch buffers);
+  max logit, measured one tile of logits [heads, tile, tile] at a time; Quantile Balancing's gathered candidates;
+  EP's dispatch buffers);
 - backward, layer by layer from the last: the activations of the layers below, the finished layers' gradients,
   and the current layer's working set: gradients as large as what it saved, plus its recompute under checkpointing,
   plus, under FSDP, the gathered root and two blocks, one block's unsharded gradients (the reduce-scatter's input)
@@ -32,6 +33,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from k3train.models.k3.mla import max_logit_tile
 from k3train.models.k3.moe import quantile_rank
 from k3train.models.loss import default_chunk_size
 from k3train.optim.muon_distributed import assign_owners, newton_schulz_cost
@@ -160,12 +162,15 @@ def forward_transients(spec: RunSpec, mesh: Mesh, device_type: str) -> dict[str,
     out = {"LM head logits chunk (loss)": loss}
     if mesh.dp_shard > 1:
         out["FSDP gathered root + two blocks"] = fsdp_gathered(spec, mesh)
-    if spec.qk_clip and "mla" in c.layer_pattern:  # under cp a rank's queries against the keys up to its last
-        h, T, S, q = c.mla_n_heads, length, spec.seq_len, c.qk_nope_head_dim + c.qk_rope_head_dim
-        casts = spec.batch_size * h * (T + S) * q * F32 if act < F32 else 0
-        out["QK-Clip max-logit [heads, T, S]" if context else "QK-Clip max-logit [heads, T, T]"] = (
-            2 * h * T * S * F32 + T * S + casts
-        )
+    if spec.qk_clip and "mla" in c.layer_pattern:  # one tile of causal_max_logit (k3train/models/k3/mla.py)
+        h, q = c.mla_n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
+        side = max_logit_tile(h, "cpu" if device_type == "cpu" else "cuda")
+        rows, keys = min(side, length), min(side, spec.seq_len)  # under cp the keys reach past a rank's queries
+        # bool: the diagonal's causal mask, made once; a tile's mask and its negation, with documents their ids'
+        # equality too
+        masks = rows * rows + (3 * rows * keys if spec.documents else rows * rows)
+        casts = h * (rows + keys) * q * F32 if act < F32 else 0  # the tile's queries and keys in fp32
+        out["QK-Clip max-logit tile [heads, tile, tile]"] = h * rows * keys * F32 + masks + casts
     if context is not None and "mla" in c.layer_pattern:  # the gathered latent and the bool mask of a layer
         latent = spec.batch_size * spec.seq_len * (c.kv_lora_rank + c.qk_rope_head_dim) * act
         mask = (spec.batch_size if spec.documents else 1) * length * spec.seq_len  # bool

@@ -88,6 +88,8 @@ def table(e: Estimate, spec: RunSpec, mfu: float, hw: Hardware) -> list[str]:
         lines.append(f"  recompute    {e.recompute_s:10.3f} s  (checkpointing {spec.checkpointing})")
     if e.newton_schulz_s:
         lines.append(f"  Newton-Schulz{e.newton_schulz_s:10.3f} s  (this rank's share)")
+    if e.qk_clip_s:
+        lines.append(f"  QK-Clip      {e.qk_clip_s:10.3f} s  (max logit: {e.qk_clip_flops:.3e} FLOPs in fp32)")
     lines += [
         f"  exposed comm {e.exposed_s:10.3f} s",
         f"  step         {e.step_s:10.3f} s",
@@ -153,6 +155,7 @@ def as_json(spec: RunSpec, hw: Hardware, chosen: Estimate | None, tried: list[Es
                 "compute": e.compute_s,
                 "recompute": e.recompute_s,
                 "newton_schulz": e.newton_schulz_s,
+                "qk_clip": e.qk_clip_s,
                 "exposed_communication": e.exposed_s,
                 "step": e.step_s,
             },  # fmt: skip

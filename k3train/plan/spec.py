@@ -50,7 +50,7 @@ class RunSpec:
     seq_len: int  # a whole row's; split over cp ranks, each holds seq_len / cp of it
     accumulation: int
     checkpointing: str  # none | block | selective
-    qk_clip: bool  # the QK-Clip callback tracks MLA's max logits (a T x T matmul per head)
+    qk_clip: bool  # the QK-Clip callback tracks MLA's max logits (fp32 matmuls, a tile at a time)
     flops_per_token: dict  # k3train/models/k3/flops.py at seq_len
     documents: bool = False  # data.document_masking: packed documents masked from each other
 

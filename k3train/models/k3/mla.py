@@ -6,8 +6,9 @@ from a compressed latent c_kv and k_rope is ONE key slice shared by all heads. W
 the dr slices are still there, shared and unrotated. Scores use scale (dn + dr) ** -0.5.
 
 QK-Clip support (Kimi K2, arXiv 2507.20534): with `track_max_logit = True` every training-mode forward pass
-also measures the per-head max scaled causal logit and folds it into `max_logit` (a running max, so all
-micro-batches of an accumulated update count) until k3train.optim.qk_clip.qk_clip_ reads and clears it.
+also measures the per-head max scaled causal logit, a tile at a time (causal_max_logit), and folds it into
+`max_logit` (a running max, so all micro-batches of an accumulated update count) until k3train.optim.qk_clip.qk_clip_
+reads and clears it.
 Eval-mode passes never touch it. `scale_qk_heads_` rescales chosen heads' query/key rows.
 
 Kimi K3's two additions, both off by default (then the layer is Kimi Linear's, bitwise): an output gate
@@ -42,6 +43,14 @@ from k3train.models.norm import RMSNorm
 # (a longer document is a tile alone). Smaller tiles skip more of the masked-out square, larger ones make fewer
 # calls, which matters on a busy CPU; measured on k3_small's shapes in docs/decisions/document-masking.md.
 MIN_DOCUMENT_TILE = 256
+# causal_max_logit's square tiles: a tile's fp32 logits for every head hold at most this many values, the same
+# budget whatever the heads and the sequence (the [H, T, S] logits at K3's 96 heads and 131,072 positions would be
+# 6.6 TB). On CPU 64 MiB, the LM head's logits block (k3train/models/loss.py): k3_small's [8, 1024, 1024] is one
+# tile, one matmul a row as before. On a GPU 256 MiB, a fifth of the LM head's GPU block: at K3's 96 heads an
+# 836 x 836 tile, about 40 FLOPs per byte it reads and writes, so the fp32 FLOPs rather than the memory traffic
+# should set its time (not measured on a GPU).
+MAX_LOGIT_BLOCK_VALUES = 2**24
+GPU_MAX_LOGIT_BLOCK_VALUES = 2**26
 
 
 class RotaryEmbedding(nn.Module):
@@ -156,7 +165,7 @@ class MultiHeadLatentAttention(nn.Module):
         if self.track_max_logit and self.training:
             # A running max until QK-Clip reads and resets it: gradient-accumulated micro-batches all count.
             with torch.autocast(q.device.type, enabled=False):  # fp16 would overflow past 65504, bf16 round
-                step_max = causal_max_logit(q.float(), k.float(), self.scale, document_ids, visible)
+                step_max = causal_max_logit(q, k, self.scale, document_ids, key_ids)
             self.max_logit = step_max if self.max_logit is None else torch.maximum(self.max_logit, step_max)
         if visible is not None:
             o = causal_attention(q, k, v, self.scale, visible.unsqueeze(1))
@@ -327,28 +336,69 @@ def causal_max_logit(
     k: torch.Tensor,
     scale: float,
     document_ids: torch.Tensor | None = None,
-    visible: torch.Tensor | None = None,
+    key_document_ids: torch.Tensor | None = None,
+    tile: int | None = None,
 ) -> torch.Tensor:
-    """q, k [B, H, T, D] -> [H] fp32: max over batch and causal pairs (j <= i) of scale * q_i . k_j; with
-    document_ids [B, T], over the pairs within one document only (the logits attention computes); with `visible`
-    [B, T, S] (k [B, H, S, D]: a rank's queries against the keys up to its last position) over those pairs.
+    """q [B, H, T, D], k [B, H, S, D] with S >= T: the T queries are the last T of the S positions (S = T, or under
+    context parallelism a rank's slice against the keys up to its last position) -> [H] fp32: the max over batch
+    and causal pairs (key position <= query position) of scale * q . k, both in fp32; scale > 0. With document_ids
+    [B, T] (the queries') over the pairs within one document only (key_document_ids [B, S]: the keys', when S > T),
+    which are the logits attention computes: the pairs visible_keys marks.
 
-    A separate matmul because the fused attention kernel never exposes its logits. One batch row at a time
-    keeps the extra memory at H * T * S floats.
+    A separate matmul because the fused attention kernel never exposes its logits. Computed a batch row and a
+    square tile at a time (tile: its side, default max_logit_tile), so that the extra memory is one tile's logits
+    for every head, never [H, T, S], and the tiles above the diagonal are skipped. Each mask is made for its tile,
+    from positions and document ids, and only where needed: the diagonal tile's causal mask, documents' everywhere.
+    The loops follow the shapes alone, so nothing waits on the device.
     """
     B, H, T, _ = q.shape
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    S = k.shape[2]
+    side = tile or max_logit_tile(H, q.device.type)
+    key_ids = document_ids if key_document_ids is None else key_document_ids
+    causal = torch.ones(min(side, T), min(side, T), dtype=torch.bool, device=q.device).tril()
     best = torch.full((H,), -math.inf, dtype=torch.float32, device=q.device)
     for b in range(B):
-        if visible is not None:
-            pairs = visible[b if visible.shape[0] > 1 else 0]
-        elif document_ids is not None:
-            pairs = causal & (document_ids[b, :, None] == document_ids[b, None, :])
-        else:
-            pairs = causal
-        logits = (q[b].float() @ k[b].float().transpose(-1, -2)) * scale  # [H, T, S]
-        best = torch.maximum(best, logits.masked_fill(~pairs, -math.inf).amax(dim=(-1, -2)))
-    return best
+        for i0, i1, keys in max_logit_tiles(T, S, side):
+            query = q[b, :, i0:i1].float()
+            for j0, j1 in keys:
+                logits = query @ k[b, :, j0:j1].float().transpose(-1, -2)  # [H, i1 - i0, j1 - j0]
+                pairs = causal[: i1 - i0, : i1 - i0] if j1 == S - T + i1 else None  # the diagonal tile
+                if document_ids is not None:
+                    same = document_ids[b, i0:i1, None] == key_ids[b, None, j0:j1]
+                    pairs = same if pairs is None else pairs & same
+                if pairs is not None:
+                    logits.masked_fill_(~pairs, -math.inf)
+                best = torch.maximum(best, logits.amax(dim=(-1, -2)))
+    # Scaled once at the end: rounding is monotonic, so with scale > 0 the max of the rounded products scale * x
+    # is the rounded product of the max, bit for bit what scaling every logit first would give.
+    return best * scale
+
+
+def max_logit_tile(n_heads: int, device_type: str) -> int:
+    """causal_max_logit's tile side: the most query rows by key columns whose fp32 logits for n_heads heads fit
+    the device's block (MAX_LOGIT_BLOCK_VALUES, GPU_MAX_LOGIT_BLOCK_VALUES)."""
+    block = MAX_LOGIT_BLOCK_VALUES if device_type == "cpu" else GPU_MAX_LOGIT_BLOCK_VALUES
+    return max(1, math.isqrt(block // n_heads))
+
+
+def max_logit_tiles(T: int, S: int, side: int) -> list[tuple[int, int, list[tuple[int, int]]]]:
+    """The tiles causal_max_logit computes for T queries at the last T of S positions: per tile of up to `side`
+    query rows [i0, i1), the key spans [j0, j1) it sees, the diagonal one first (keys at the tile's own positions,
+    S - T + i0 to S - T + i1), then those before it, `side` keys each, back to key 0."""
+    start = S - T
+    tiles = []
+    for i0 in range(0, T, side):
+        i1 = min(i0 + side, T)
+        before = [(max(0, j1 - side), j1) for j1 in range(start + i0, 0, -side)]
+        tiles.append((i0, i1, [(start + i0, start + i1), *before]))
+    return tiles
+
+
+def max_logit_pairs(T: int, S: int, side: int) -> int:
+    """Query-key pairs causal_max_logit multiplies for one batch row and head (its tiles' areas: the causal pairs
+    and the masked ones in the diagonal tiles): what the plan counts as its work."""
+    start = S - T
+    return sum((min(i0 + side, T) - i0) * (start + min(i0 + side, T)) for i0 in range(0, T, side))
 
 
 def visible_keys(

@@ -40,8 +40,9 @@ over the batch's tokens either way: balancing, not attention, so documents do no
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -59,6 +60,22 @@ from k3train.models.loss import linear_cross_entropy
 from k3train.models.norm import RMSNorm
 
 CHECKPOINTING = ("none", "block", "selective")
+
+
+@contextlib.contextmanager
+def measured_once(mixer: nn.Module, passes: list) -> Iterator[None]:
+    """Within a checkpointed function: its first pass runs as it is, and a later one (the backward's recompute of
+    the same inputs) leaves out QK-Clip's max-logit measurement (MLA's track_max_logit), which would measure the
+    same logits again at the cost of a second set of fp32 matmuls."""
+    passes.append(None)
+    if len(passes) == 1 or not getattr(mixer, "track_max_logit", False):
+        yield
+        return
+    mixer.track_max_logit = False
+    try:
+        yield
+    finally:
+        mixer.track_max_logit = True
 
 
 class Block(nn.Module):
@@ -149,14 +166,21 @@ class Block(nn.Module):
 
         if self.checkpointing == "block" and torch.is_grad_enabled():
             routes: dict = {}  # the experts the forward chose, for the recompute to replay (MoE.route)
+            passes: list[None] = []  # one per run: a second is checkpoint's recompute
 
             def run(h: torch.Tensor, *bs: torch.Tensor) -> torch.Tensor:
-                with replayed_routes(self.ffn, routes):
+                with replayed_routes(self.ffn, routes), measured_once(self.mixer, passes):
                     return self._forward(h, bs, mixer)
 
             return checkpoint(run, x, *blocks, use_reentrant=False)
         if self.checkpointing == "selective" and torch.is_grad_enabled():
-            return self._forward(x, blocks, lambda y: checkpoint(self.mixer, y, document_ids, use_reentrant=False))
+            passes = []
+
+            def recomputed_mixer(y: torch.Tensor) -> torch.Tensor:
+                with measured_once(self.mixer, passes):
+                    return self.mixer(y, document_ids)
+
+            return self._forward(x, blocks, lambda y: checkpoint(recomputed_mixer, y, use_reentrant=False))
         return self._forward(x, blocks, mixer)
 
     def forward_cached(
