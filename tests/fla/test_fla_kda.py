@@ -1,6 +1,7 @@
 """FLA's chunk_kda and fused_recurrent_kda (through k3train/models/kda/fla.py, as the layer calls them) against
-k3train's chunk_kda, run by Triton's interpreter on CPU tensors in fp32 (conftest.py). The interpreter's dots are
-exact fp32, so both sides differ by fp32 rounding alone: 1e-4 of each tensor's largest value."""
+k3train's chunk_kda, run by Triton's interpreter on CPU tensors in fp32 (tests/helpers/fla_interpreter.py). The
+interpreter's dots are exact fp32, so both sides differ by fp32 rounding alone: 1e-4 of each tensor's largest
+value."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import torch
 from k3train.models.kda import chunk_kda, fla_chunk_kda
 from k3train.models.kda.fla import fla_fused_recurrent_kda
 
+from helpers.fla_interpreter import NEEDS_INTERPRETER  # under TRITON_INTERPRET=1: patches the interpreter
 from helpers.kda_problems import assert_close, document_ids_of, make_inputs, run
+
+pytestmark = NEEDS_INTERPRETER
 
 TOLERANCE = 1e-4
 

@@ -1,8 +1,8 @@
 """The whole KimiDeltaAttention layer with implementation="fla" (FLA's short conv, in-kernel gate, beta sigmoid and
 q/k L2 norm, fused gated RMSNorm: layer.py's _forward_fla) against implementation="chunk" with the same weights,
-run by Triton's interpreter on CPU tensors in fp32 (conftest.py): the output and the gradients of x and of every
-parameter within 1e-4 of each tensor's largest value (the interpreter's dots are exact fp32, so only fp32 rounding
-separates them; measured: a few 1e-6)."""
+run by Triton's interpreter on CPU tensors in fp32 (tests/helpers/fla_interpreter.py): the output and the
+gradients of x and of every parameter within 1e-4 of each tensor's largest value (the interpreter's dots are exact
+fp32, so only fp32 rounding separates them; measured: a few 1e-6)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,10 @@ import torch
 import k3train.models.kda.layer as layer_module
 from k3train.models.kda import KimiDeltaAttention
 
+from helpers.fla_interpreter import NEEDS_INTERPRETER  # under TRITON_INTERPRET=1: patches the interpreter
 from helpers.kda_problems import document_ids_of
+
+pytestmark = NEEDS_INTERPRETER
 
 TOLERANCE = 1e-4
 D_MODEL = 64

@@ -1,6 +1,6 @@
 """linear_cross_entropy's implementation="fla" (flash-linear-attention's fused linear cross-entropy, what `auto`
 takes on CUDA) against the whole-logits reference and the chunked path, run by Triton's interpreter on CPU tensors
-(conftest.py)."""
+(tests/helpers/fla_interpreter.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,10 @@ import torch
 
 from k3train.models.loss import IGNORE_INDEX, linear_cross_entropy
 
+from helpers.fla_interpreter import NEEDS_INTERPRETER  # under TRITON_INTERPRET=1: patches the interpreter
 from helpers.loss_problems import loss_and_grads, problem, reference
+
+pytestmark = NEEDS_INTERPRETER
 
 
 def test_fla_equals_the_whole_logits_with_ignored_targets_and_a_scaled_backward():

@@ -1,6 +1,12 @@
-"""What FLA's Triton kernels need to run on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1), for the
-checks in this folder. Pinned to triton 3.9.0 and flash-linear-attention / fla-core 0.6.0 (the patches reach into
-Triton's interpreter); imported by conftest.py before anything imports fla.
+"""FLA's own Triton kernels on CPU tensors, through Triton's interpreter, for tests/fla (k3train's FLA paths against
+its pure-PyTorch ones). Each test module there imports this first: with TRITON_INTERPRET=1 set and FLA importable it
+patches the interpreter (install(), below) before anything imports fla; otherwise NEEDS_INTERPRETER skips the
+module's tests, saying how to run them:
+
+    pip install --target .fla-interpreter --no-deps triton==3.9.0 flash-linear-attention==0.6.0 fla-core==0.6.0 einops
+    TRITON_INTERPRET=1 PYTHONPATH=.fla-interpreter python -m pytest -q tests/fla
+
+(.ci/run does this after the main suite.) Pinned to those versions: the patches reach into Triton's interpreter.
 
 1. The autotuner benchmarks every config through the active driver, and a CPU-only machine has none ("0 active
    drivers"): keep only the first config, so nothing is benchmarked.
@@ -20,16 +26,18 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import os
 import sys
 
-import triton
-import triton.language as tl
+import pytest
 
-
-@triton.jit
-def gather(src, index, axis: tl.constexpr):  # 3. (module level: the interpreter looks for tl in its globals)
-    return tl.gather(src, index, axis)
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("fla") is not None
+NEEDS_INTERPRETER = pytest.mark.skipif(
+    not INTERPRETING,
+    reason="runs FLA's Triton kernels in Triton's interpreter: needs TRITON_INTERPRET=1 and flash-linear-attention "
+    "on PYTHONPATH (tests/helpers/fla_interpreter.py says how)",
+)
 
 
 def install() -> None:
@@ -50,6 +58,12 @@ def install() -> None:
 
     interpreter.ASTTransformer.visit_For = visit_for
 
+    import triton
+    import triton.language as tl
+
+    globals()["tl"] = tl  # 3. the interpreter looks tl up in the kernel function's globals: this module's
+    gather = triton.jit(_gather)
+
     import fla  # noqa: F401  (imports fla.ops.*, which binds the aliases)
 
     for name, module in list(sys.modules.items()):
@@ -62,8 +76,17 @@ def install() -> None:
     )
 
 
+def _gather(src, index, axis: tl.constexpr):  # noqa: F821 (tl: set by install(), with triton imported)
+    """FLA's module-level `gather = tl.gather` alias as a kernel function, which the interpreter can run."""
+    return tl.gather(src, index, axis)  # noqa: F821
+
+
 def _is_static_range(call: ast.expr) -> bool:
     func = call.func if isinstance(call, ast.Call) else None
     return (isinstance(func, ast.Attribute) and func.attr == "static_range") or (
         isinstance(func, ast.Name) and func.id == "static_range"
     )
+
+
+if INTERPRETING:  # on import, before a test reaches fla (k3train imports it only when a call needs it)
+    install()
