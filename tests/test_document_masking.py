@@ -138,26 +138,34 @@ def test_the_short_conv_reads_zeros_before_a_document_start() -> None:
     torch.testing.assert_close(grads[1], alone_grad_w, rtol=0, atol=1e-12)
 
 
-def test_the_fla_path_hands_flas_varlen_kernel_one_flattened_row_and_cu_seqlens() -> None:
+@pytest.mark.parametrize("with_state", [False, True], ids=["from_zero", "from_an_initial_state"])
+def test_the_fla_path_hands_flas_varlen_kernel_one_flattened_row_and_cu_seqlens(with_state) -> None:
     """FLA needs CUDA: a stand-in with chunk_kda's varlen contract (batch 1, one sequence per cu_seqlens span, each
-    from a zero state) checks what fla.py hands it and how it reads the answer back."""
+    from its own initial state, zero without one) checks what fla.py hands it and how it reads the answer back; an
+    initial state [B, ...] goes to each row's first document, as the reference has it."""
     ids = ids_of(LENGTHS)
     assert cu_seqlens(ids).tolist() == [0, 16, 21, 22, 42, 63, 64, 65, 96, 128]
     calls = []
 
-    def varlen_chunk_kda(q, k, v, g, beta, scale, output_final_state, cu_seqlens):
-        calls.append((q.shape, cu_seqlens.tolist()))
+    def varlen_chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+        calls.append((q.shape, cu_seqlens.tolist(), None if initial_state is None else initial_state.shape[0]))
         outs, states = [], []
-        for start, stop in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
-            o, s = naive_recurrent_kda(*(x[:, start:stop] for x in (q, k, v, g, beta)), output_final_state=True)
+        for n, (start, stop) in enumerate(zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist())):
+            o, s = naive_recurrent_kda(
+                *(x[:, start:stop] for x in (q, k, v, g, beta)),
+                initial_state=None if initial_state is None else initial_state[n : n + 1],
+                output_final_state=True,
+            )
             outs.append(o)
             states.append(s)
         return torch.cat(outs, dim=1), torch.cat(states)
 
-    q, k, v, g, beta, _ = make_inputs(2, T, 2, 2, 8, 8, with_state=False)
-    o, final = _fla_chunk_kda_documents(varlen_chunk_kda, q, k, v, g, beta, None, None, True, ids)
-    reference, reference_final = naive_recurrent_kda(q, k, v, g, beta, output_final_state=True, document_ids=ids)
-    assert calls == [((1, 2 * T, 2, 8), cu_seqlens(ids).tolist())]
+    q, k, v, g, beta, h0 = make_inputs(2, T, 2, 2, 8, 8, with_state=with_state)
+    o, final = _fla_chunk_kda_documents(varlen_chunk_kda, q, k, v, g, beta, None, h0, True, ids)
+    reference, reference_final = naive_recurrent_kda(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, document_ids=ids
+    )
+    assert calls == [((1, 2 * T, 2, 8), cu_seqlens(ids).tolist(), 9 if with_state else None)]
     torch.testing.assert_close(o, reference, rtol=0, atol=1e-12)
     torch.testing.assert_close(final, reference_final, rtol=0, atol=1e-12)
 

@@ -15,6 +15,7 @@ The measured peak memory of k3_small against the prediction is benchmarks/bench_
 from __future__ import annotations
 
 import collections
+import dataclasses
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -696,6 +697,15 @@ def test_context_parallel_is_planned_only_when_asked(capsys: pytest.CaptureFixtu
 def test_a_split_that_cannot_run_exits_2(capsys: pytest.CaptureFixture, args: list[str]) -> None:
     assert main([*TINY, "train.seq_len=64", *args]) == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_the_fla_kernel_under_cp_is_refused_as_not_sized() -> None:
+    """Training runs KDA's FLA kernel under cp; the plan does not model what it saves there, and says so (the CLI
+    says the same where FLA is installed; without it building the model fails first, on the missing import)."""
+    c = dataclasses.replace(spec_of(*TINY).model, kda_implementation="fla")
+    with pytest.raises(ValueError, match="cannot size KDA under parallel.cp with model.kda_implementation=fla"):
+        for layer in range(c.n_layers):
+            layer_activations(c, layer, 64, 32, "none", F32, "cpu", 8, ContextSlice(2, 1))
 
 
 # ---- the pieces ---------------------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from hydra import compose, initialize_config_module  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 
 from k3train.config import register_configs  # noqa: E402
+from k3train.plan.activations import cp_kda_refusal  # noqa: E402
 from k3train.plan.estimate import estimate, propose  # noqa: E402
 from k3train.plan.hardware import CHOICES, lookup  # noqa: E402
 from k3train.plan.mesh import Mesh  # noqa: E402
@@ -99,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.gpus % cp:
             raise ValueError(f"cp={cp} must divide the {args.gpus} devices: each row is split over cp ranks")
         if cp > 1 and "kda" in spec.model.layer_pattern and spec.model.kda_implementation != "chunk":
-            raise ValueError("parallel.cp splits KDA with the chunked kernel: set model.kda_implementation=chunk")
+            raise ValueError(cp_kda_refusal(spec.model.kda_implementation))
     except Exception as exc:  # a bad override, model or mesh: say what, as a refusal
         print(f"k3train plan: error: {exc}", file=sys.stderr)
         return 2

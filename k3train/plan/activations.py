@@ -232,14 +232,25 @@ def _padded(c, seq_len: int) -> float:
     return math.ceil(seq_len / C) * C / seq_len
 
 
+def cp_kda_refusal(implementation: str) -> str:
+    """Why the plan cannot size KDA under cp with `implementation` (not "chunk")."""
+    if implementation == "fla":
+        return (
+            "the plan cannot size KDA under parallel.cp with model.kda_implementation=fla yet: training runs it "
+            "(FLA's chunk_kda for both passes per slice), but what FLA's kernels save for those two passes under cp "
+            "is not modelled (the plan sizes model.kda_implementation=chunk under cp)"
+        )
+    return (
+        f"parallel.cp splits KDA with a chunked kernel: model.kda_implementation={implementation!r} does not run "
+        "under cp (set model.kda_implementation=chunk, or fla, which the plan cannot size under cp yet)"
+    )
+
+
 def _kda_split(c, tokens: int, seq_len: int, act: int, context: ContextSlice) -> float:
     """KDA's bytes on a rank holding `seq_len` positions of tokens / seq_len rows split over ranks
     (k3train/models/kda/context_parallel.py; the module docstring's list)."""
     if c.kda_implementation != "chunk":
-        raise ValueError(
-            f"parallel.cp splits KDA with the chunked kernel: model.kda_implementation={c.kda_implementation!r} "
-            "does not run under cp (set model.kda_implementation=chunk)"
-        )
+        raise ValueError(cp_kda_refusal(c.kda_implementation))
     H, K, n = c.kda_n_heads, c.kda_head_dim, c.kda_conv_size - 1
     W, rows, padded = H * K, tokens / seq_len, _padded(c, seq_len)
     autocast = act < F32

@@ -49,6 +49,17 @@ def test_fla_documents_through_cu_seqlens_equal_chunk_kda_with_document_ids():
     assert (across - results[0][0]).abs().max() > 1e-2
 
 
+def test_fla_documents_with_an_initial_state_equal_chunk_kda():
+    """Two rows of 96 packing documents of 20 / 50 / 26 and 64 / 32, each row starting from its own initial state:
+    fla.py hands it to the row's first document and a zero state to every other (FLA's varlen form wants one per
+    sequence), as chunk_kda applies it to each row's first document only. Outputs, final states and every gradient,
+    the initial state's included."""
+    ids = document_ids_of([[20, 50, 26], [64, 32]])
+    inputs = make_inputs(2, 96, 2, 2, 32, 32, dtype=torch.float32)
+    reference = run(chunk_kda, inputs, document_ids=ids)
+    assert_close(run(fla_chunk_kda, inputs, document_ids=ids), reference, TOLERANCE)
+
+
 def test_fla_fused_recurrent_kda_equals_chunk_kda_forward():
     """The decoding kernel (forward only) from an initial state over 80 steps: output and final state."""
     q, k, v, g, beta, h0 = (x.detach() for x in make_inputs(1, 80, 2, 2, 32, 32, dtype=torch.float32))

@@ -11,6 +11,10 @@ all-gather (M_r, F_r) and each composes the states before its own, S_in(r) = M_{
 zero state at rank 0, so no rank waits for another's pass. A document that starts at a slice's first position starts
 from zero (S_in = 0); one that starts inside a slice cuts M_r and Q there by itself (chunk_kda restarts the state).
 
+Both passes run in k3train's chunk_kda (implementation="chunk") or in FLA's Triton chunk_kda (implementation="fla",
+fla.py's fla_chunk_kda: it takes the initial state, returns the final one and differentiates through both outputs,
+and with documents gives the initial state to each row's first document only, as chunk_kda does).
+
 Per rank this costs two chunked passes instead of one and moves 2 x heads x K x (K + V) numbers per row; FLA's
 `fla/ops/cp` passes the states the same way (its pre-scan), and NeMo Automodel's kimi_k3 context parallelism
 follows it.
@@ -18,11 +22,16 @@ follows it.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch import Tensor
 
 from k3train.models.context_parallel import ContextParallel
 from k3train.models.kda.chunk import chunk_kda
+from k3train.models.kda.fla import fla_chunk_kda
+
+IMPLEMENTATIONS = ("chunk", "fla")
 
 
 def slice_summary(
@@ -33,24 +42,22 @@ def slice_summary(
     beta: Tensor,
     chunk_size: int,
     document_ids: Tensor | None = None,
+    implementation: str = "chunk",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One slice from a zero state and from the identity: (o(0) [B, T, HV, V], Q [B, T, HV, K], M [B, HV, K, K],
-    F [B, HV, K, V]); shapes as chunk_kda's."""
+    F [B, HV, K, V]); shapes as chunk_kda's. implementation: "chunk" (k3train's chunk_kda, chunk_size) or "fla"
+    (FLA's, whose chunk size is its own)."""
+    if implementation == "chunk":
+        kernel = partial(chunk_kda, chunk_size=chunk_size)
+    elif implementation == "fla":
+        kernel = fla_chunk_kda
+    else:
+        raise ValueError(f"context-parallel KDA runs one of {IMPLEMENTATIONS}; got {implementation!r}")
     B, _, HV, K = g.shape
-    o0, F = chunk_kda(q, k, v, g, beta, output_final_state=True, chunk_size=chunk_size, document_ids=document_ids)
-    identity = torch.eye(K, dtype=torch.float32, device=q.device).expand(B, HV, K, K)
+    o0, F = kernel(q, k, v, g, beta, output_final_state=True, document_ids=document_ids)
+    identity = torch.eye(K, dtype=torch.float32, device=q.device).expand(B, HV, K, K).contiguous()
     no_values = v.new_zeros(*v.shape[:3], K)
-    Q, M = chunk_kda(
-        q,
-        k,
-        no_values,
-        g,
-        beta,
-        initial_state=identity,
-        output_final_state=True,
-        chunk_size=chunk_size,
-        document_ids=document_ids,
-    )
+    Q, M = kernel(q, k, no_values, g, beta, initial_state=identity, output_final_state=True, document_ids=document_ids)
     return o0, Q, M, F
 
 
@@ -73,11 +80,13 @@ def context_parallel_chunk_kda(
     cp: ContextParallel,
     chunk_size: int = 64,
     document_ids: Tensor | None = None,
+    implementation: str = "chunk",
 ) -> Tensor:
     """chunk_kda's output for this rank's slice of rows split over `cp` (every rank calls it: a collective);
     document_ids: this slice of the rows' ids (global numbering, so a slice can tell whether it continues the
-    document the previous slice ended in)."""
-    o0, Q, M, F = slice_summary(q, k, v, g, beta, chunk_size, document_ids)
+    document the previous slice ended in); implementation: the kernel of the two passes, "chunk" or "fla"
+    (slice_summary)."""
+    o0, Q, M, F = slice_summary(q, k, v, g, beta, chunk_size, document_ids, implementation)
     K = M.shape[-1]
     # one exchange of both; every rank's result depends on all of it (the first rank's with weight 0), so every
     # rank takes part in its backward, the collective that returns the gradients

@@ -7,8 +7,9 @@ https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b6
 https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/ops/kda/fused_recurrent.py
 
 Documents packed into rows (document_ids) go through FLA's varlen form: the batch flattened into one row of B*T
-steps and `cu_seqlens`, every document its own sequence whose state starts from zero, as chunk_kda's docstring
-gives it (batch 1, cu_seqlens int64 [N + 1], one initial/final state per sequence):
+steps and `cu_seqlens`, every document its own sequence whose state starts from zero (but a row's first document,
+which continues an initial state where one is given), as chunk_kda's docstring gives it (batch 1, cu_seqlens int64
+[N + 1], one initial/final state per sequence):
 https://github.com/fla-org/flash-linear-attention/blob/0395eef12dd31ec73cd853230f555609b620d4c5/fla/ops/kda/chunk.py
 FLA's kernels need CUDA, or Triton's interpreter on a CPU (TRITON_INTERPRET=1, slow): tests/fla runs them there
 against k3train's chunk_kda, the varlen path included; tests/test_kda_gpu.py compares them on a GPU.
@@ -79,7 +80,8 @@ def fla_chunk_kda(
     document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """FLA's chunk_kda on CUDA tensors: o [B, T, HV, V] and the final state [B, HV, K, V] (or None); document_ids
-    [B, T] restart the state at each document start (module docstring; no initial_state with them)."""
+    [B, T] restart the state at each document start (module docstring), a row's first document continuing
+    initial_state as chunk_kda's does (_fla_chunk_kda_documents)."""
     check_kda_inputs(q, k, v, g, beta, initial_state)
     chunk_kda = require_fla()
     _require_fla_device(q)
@@ -105,17 +107,30 @@ def _fla_chunk_kda_documents(
     document_ids: Tensor,
 ) -> tuple[Tensor, Tensor | None]:
     """chunk_kda over the rows flattened into one varlen row, one sequence per document; o back as [B, T, HV, V],
-    the final state as each row's last document's [B, HV, K, V]."""
-    if initial_state is not None:  # training never continues a state; FLA would want one per document
-        raise ValueError("fla_chunk_kda: document_ids with an initial_state is not supported")
+    the final state as each row's last document's [B, HV, K, V].
+
+    FLA takes one initial state per sequence ([N, HV, K, V] for N documents): initial_state [B, HV, K, V] goes to
+    each row's FIRST document and every other document starts from zero, so a row reads as chunk_kda with
+    document_ids has it (its first document continues initial_state, each later one starts afresh). The gradient
+    reaches initial_state through its rows' first documents alone."""
     B, T = q.shape[:2]
     flat = {name: x.reshape(1, B * T, *x.shape[2:]) for name, x in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
+    documents_per_row = document_starts(document_ids).sum(dim=1) + 1
+    last_documents = documents_per_row.cumsum(0) - 1  # each row's last document among all N, in order
+    if initial_state is not None:
+        first_documents = last_documents - documents_per_row + 1
+        initial_state = initial_state.new_zeros(int(documents_per_row.sum()), *initial_state.shape[1:]).index_copy(
+            0, first_documents, initial_state
+        )
     o, final_state = chunk_kda(
-        **flat, scale=scale, output_final_state=output_final_state, cu_seqlens=cu_seqlens(document_ids)
+        **flat,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens(document_ids),
     )
     if final_state is not None:  # [N, HV, K, V] over all documents in order: each row's last one
-        documents_per_row = document_starts(document_ids).sum(dim=1) + 1
-        final_state = final_state[documents_per_row.cumsum(0) - 1]
+        final_state = final_state[last_documents]
     return o.view(B, T, *o.shape[2:]), final_state
 
 

@@ -19,6 +19,7 @@ from torch.autograd.function import once_differentiable
 from k3train.models.context_parallel import ContextParallel
 from k3train.models.documents import cu_seqlens, same_document
 from k3train.models.kda.chunk import chunk_kda
+from k3train.models.kda.context_parallel import IMPLEMENTATIONS as CONTEXT_PARALLEL_IMPLEMENTATIONS
 from k3train.models.kda.context_parallel import context_parallel_chunk_kda
 from k3train.models.kda.fla import (
     FLA_QK_L2NORM_EPS,
@@ -66,8 +67,9 @@ class KimiDeltaAttention(nn.Module):
     RMSNorm times sigmoid(logits) in FLA's fused gated RMSNorm on o_norm's weight. Left to k3train, and why: the
     projections (matmuls, nothing to fuse them with); the q/k norm under another qk_norm_eps (FLA's eps cannot be
     set); forward_cached's conv, norm and gate (decoding's state keeps k3train's conv tail; only the output norm
-    is fused there); context parallelism (chunk only). Under autocast FLA's conv writes q, k, v in the autocast
-    dtype, as FLA's layer has them, where k3train's conv promotes them to fp32 with its fp32 weight.
+    is fused there); context parallelism, whose conv reads the previous rank's tail (only its recurrence's two
+    passes run in FLA's chunk_kda, k3train/models/kda/context_parallel.py). Under autocast FLA's conv writes q, k, v
+    in the autocast dtype, as FLA's layer has them, where k3train's conv promotes them to fp32 with its fp32 weight.
     """
 
     def __init__(
@@ -172,10 +174,10 @@ class KimiDeltaAttention(nn.Module):
         return self._gated_output(g_in, o)
 
     def _fla_kernels_take(self, x: Tensor) -> bool:
-        """Whether this forward runs on FLA's fused kernels: implementation="fla" and tensors FLA's Triton kernels
-        run on (CUDA, or Triton's interpreter). Elsewhere "fla" keeps k3train's steps around fla_chunk_kda, which
-        then refuses the CPU tensors."""
-        return self.implementation == "fla" and fla_runs_on(x)
+        """Whether this forward runs on FLA's fused kernels: implementation="fla", no context parallelism, and tensors
+        FLA's Triton kernels run on (CUDA, or Triton's interpreter). Elsewhere "fla" keeps k3train's steps around
+        fla_chunk_kda: under cp its two passes per slice; off CUDA it then refuses the CPU tensors."""
+        return self.implementation == "fla" and self.context_parallel is None and fla_runs_on(x)
 
     def _forward_fla(self, x: Tensor, document_ids: Tensor | None) -> Tensor:
         """forward() with its elementwise steps in FLA's kernels (the class docstring says which, and what changes).
@@ -213,10 +215,10 @@ class KimiDeltaAttention(nn.Module):
 
     @context_parallel.setter
     def context_parallel(self, cp: ContextParallel | None) -> None:
-        if cp is not None and self.implementation != "chunk":
+        if cp is not None and self.implementation not in CONTEXT_PARALLEL_IMPLEMENTATIONS:
             raise ValueError(
-                f"parallel.cp splits KDA's sequence with the chunked kernel; this layer runs {self.implementation!r}: "
-                "set model.kda_implementation=chunk"
+                f"parallel.cp splits KDA's sequence with a chunked kernel (k3train's or FLA's); this layer runs "
+                f"{self.implementation!r}: set model.kda_implementation=chunk (or fla)"
             )
         self._context_parallel = cp
 
@@ -336,7 +338,9 @@ class KimiDeltaAttention(nn.Module):
         self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, document_ids: Tensor | None
     ) -> Tensor:
         if self.context_parallel is not None:
-            return context_parallel_chunk_kda(q, k, v, g, beta, self.context_parallel, self.chunk_size, document_ids)
+            return context_parallel_chunk_kda(
+                q, k, v, g, beta, self.context_parallel, self.chunk_size, document_ids, self.implementation
+            )
         if self.implementation == "chunk":
             return chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, document_ids=document_ids)[0]
         if self.implementation == "recurrent":
