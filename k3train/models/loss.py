@@ -28,9 +28,10 @@ the gradients). FLA's kernel:
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
+
+from k3train.models.kda.fla import fla_runs_on
 
 IGNORE_INDEX = -100
 IMPLEMENTATIONS = ("auto", "chunked", "fla")
@@ -100,7 +101,7 @@ def _fla_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target
             "linear_cross_entropy implementation='fla' needs flash-linear-attention (and triton) on a CUDA machine: "
             "pip install 'k3train[gpu]'; or use implementation='chunked'"
         ) from err
-    if not hidden.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":  # the interpreter: tests/fla's CPU checks
+    if not fla_runs_on(hidden):
         raise RuntimeError(
             f"linear_cross_entropy implementation='fla' runs Triton kernels and needs CUDA tensors; got device "
             f"{hidden.device}. Use implementation='chunked' on a CPU."
