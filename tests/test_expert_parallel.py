@@ -204,9 +204,10 @@ def test_fsdp_with_ep_2_trains_as_one_process_writes_each_ranks_experts_and_a_ki
 def test_four_ranks_ep_2_by_fsdp_2_train_as_one_process(k3_cache, tmp_path, experts: str) -> None:
     """ep 2 x dp_shard 2: each pair of ranks splits the routed experts, and FSDP2 shards each rank's experts again
     over the two ranks holding the same ones (its reduce-scatter divides by all 4): whole experts per rank (8
-    experts, 4 an ep rank, dim 0), or with 2 experts (1 an ep rank) slices of it (dim 1), which Muon gathers. Losses
-    and weights as one process with the global batch; the checkpoint holds four chunks of every expert weight. The
-    sliced run, stopped at step 2, resumes on 2 ranks (ep 2, experts unsharded) to the same losses."""
+    experts, 4 an ep rank, dim 0), or with 2 experts (1 an ep rank) slices of it (dim 1), which Muon's owners
+    orthogonalise a stack each. Losses and weights as one process with the global batch; the checkpoint holds four
+    chunks of every expert weight. The sliced run, stopped at step 2, resumes on 2 ranks (ep 2, experts unsharded)
+    to the same losses."""
     from k3train.checkpoint.dcp import SafeFileSystemReader
 
     from helpers.distributed_runs import K3, launch

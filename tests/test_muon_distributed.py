@@ -1,5 +1,6 @@
-"""MuonAdamW with its Newton-Schulz spread over 2 gloo ranks equals 1-process MuonAdamW bit for bit, with replicated
-parameters (DDP) and with FSDP2-sharded ones, and the work is really split; the balancing plan on its own."""
+"""MuonAdamW with its Newton-Schulz spread over gloo ranks equals 1-process MuonAdamW bit for bit, with replicated
+parameters (DDP, 2 ranks) and with FSDP2-sharded ones (2 ranks; 3 ranks with uneven shards and slices on dim 1, where
+each rank must receive whole only the matrices it owns), and the work is really split; the balancing plan alone."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.optim import muon as muon_module
+from k3train.optim import muon_distributed
 from k3train.optim.muon import MuonAdamW
-from k3train.optim.muon_distributed import assign_owners, data_parallel_group, full_matrix, newton_schulz_cost
+from k3train.optim.muon_distributed import assign_owners, data_parallel_group, newton_schulz_cost, shard_rows
 
 from helpers.spawn import spawn_ranks
 
@@ -33,6 +35,15 @@ def test_newton_schulz_cost_is_symmetric_in_a_matrix_transpose() -> None:
     assert newton_schulz_cost((64, 8, 32)) == 64 * newton_schulz_cost((1, 8, 32))
 
 
+def test_shard_rows_follow_dtensor_shard() -> None:
+    from torch.distributed.tensor import Shard
+
+    for size in (0, 1, 5, 8, 10, 16):
+        for world in (1, 2, 3, 4, 6):
+            want = [len(c) for c in Shard(0)._split_tensor(torch.empty(size), world, with_padding=False)[0]]
+            assert shard_rows(size, world) == want, (size, world)
+
+
 def test_spread_only_over_the_group_handed_in(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(dist, "is_initialized", lambda: True)  # even with torch.distributed up ...
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2 if group == "pair" else 1)
@@ -42,10 +53,11 @@ def test_spread_only_over_the_group_handed_in(monkeypatch: pytest.MonkeyPatch) -
 
 
 # ---- 2 processes ------------------------------------------------------------------------------------------------
-# Shapes cover every matrix view Muon has: plain, per-head on rows and on columns, a 3D expert stack; one param
-# gets no gradient; one group runs Newton-Schulz in fp32 and one in bf16 (its bits must survive the gather).
-MUON_FP32 = [((16, 12), (4, 0)), ((12, 16), (4, 1)), ((3, 8, 12), None), ((30, 12), None), ((20, 20), None)]
-MUON_BF16 = [((24, 40), None), ((40, 24), None), ((2, 16, 16), None)]
+# Shapes cover every matrix view Muon has: plain, per-head on rows and on columns, a 3D expert stack (its dim 1
+# divides by 2 and 3: FSDP2 slices no other way); one param gets no gradient; one group runs Newton-Schulz in fp32
+# and one in bf16 (its bits must survive the exchange).
+MUON_FP32 = [((16, 12), (4, 0)), ((12, 16), (4, 1)), ((3, 6, 12), None), ((30, 12), None), ((20, 20), None)]
+MUON_BF16 = [((24, 40), None), ((40, 24), None), ((2, 12, 16), None)]
 ADAMW = [(12,), (30, 12)]
 NO_GRAD = 4  # index of MUON_FP32's param that never gets a gradient
 
@@ -106,15 +118,22 @@ def _run_counting_newton_schulz(params: list[nn.Parameter] | None = None, grad_l
     }
 
 
-def _fsdp2_params(world_size: int) -> tuple[list[nn.Parameter], object]:
+def full_matrix(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _fsdp2_params(world_size: int, expert_slices: bool = False) -> tuple[list[nn.Parameter], object]:
+    """_params() as FSDP2 makes them: DTensors sharded on dim 0, or with expert_slices the 3D stacks on dim 1 (as
+    k3train/train/parallel.py slices routed experts when there are fewer than ranks)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     mesh = init_device_mesh("cpu", (world_size,))
     holder = nn.Module()
     for i, p in enumerate(_params()):
         holder.register_parameter(f"p{i}", p)
-    fully_shard(holder, mesh=mesh)  # every parameter becomes a DTensor sharded on dim 0
+    fully_shard(holder, mesh=mesh, shard_placement_fn=lambda p: Shard(1 if expert_slices and p.ndim == 3 else 0))
     return list(holder.parameters()), mesh
 
 
@@ -129,11 +148,45 @@ def _rank_main(rank: int, world_size: int) -> dict:
     return {"ddp": ddp, "fsdp2": fsdp2}
 
 
+def _three_ranks_main(rank: int, world_size: int) -> dict:
+    """FSDP2 with uneven shards and slices on dim 1; what each rank sent to and received from the others."""
+    from torch.distributed.tensor import distribute_tensor
+
+    params, mesh = _fsdp2_params(world_size, expert_slices=True)
+    exchanged = []
+    real = muon_distributed._all_to_all_single
+
+    def counting(output, input, output_split_sizes, input_split_sizes, group=None):
+        exchanged.append((list(output_split_sizes), list(input_split_sizes)))
+        return real(output, input, output_split_sizes, input_split_sizes, group=group)
+
+    muon_distributed._all_to_all_single = counting
+    gathers = []
+    full_tensor = type(params[0]).full_tensor
+    type(params[0]).full_tensor = lambda self: gathers.append(self.shape) or full_tensor(self)
+    try:
+        run = _run_counting_newton_schulz(
+            params, lambda g, p: distribute_tensor(g, mesh, p.placements, src_data_rank=None)
+        )
+    finally:
+        muon_distributed._all_to_all_single = real
+        type(params[0]).full_tensor = full_tensor
+    # what the run hands back (every parameter, every momentum) is gathered once at the end, by the test
+    gathered_by_the_step = len(gathers) - len(params) - sum(m is not None for m in run["momentum"])
+    return {**run, "exchanged": exchanged, "placements": [p.placements[0].dim for p in params],
+            "gathered_by_the_step": gathered_by_the_step}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Both cases on 2 gloo ranks, from one spawn (starting processes is most of the cost)."""
     tmp_path = tmp_path_factory.mktemp("muon-2-ranks")
     return spawn_ranks(_rank_main, tmp_path)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return spawn_ranks(_three_ranks_main, tmp_path_factory.mktemp("muon-3-ranks"), nprocs=3)
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +237,48 @@ def test_fsdp2_sharded_params_equal_one_process_bitwise(two_ranks: list[dict], o
             assert value == pytest.approx(one_process["diagnostics"][key], rel=1e-5), key
     assert two_ranks[0]["fsdp2"]["diagnostics"] == two_ranks[1]["fsdp2"]["diagnostics"]
     _assert_work_split([r["fsdp2"] for r in two_ranks], one_process)
+
+
+@pytest.mark.slow
+def test_fsdp2_owners_receive_only_what_they_orthogonalise(three_ranks: list[dict], one_process: dict) -> None:
+    """3 ranks, shards of 6/6/4 rows and the like, expert stacks sliced on dim 1: the same training bit for bit, and
+    the bytes exchanged are exactly each owner's whole matrices in and every rank's shards back; nothing is
+    gathered whole (DTensor.full_tensor) by the step."""
+    assert three_ranks[0]["placements"][2] == 1 and three_ranks[0]["placements"][0] == 0
+    for rank in three_ranks:
+        _assert_same_training(rank, one_process)
+        for key, value in rank["diagnostics"].items():
+            assert value == pytest.approx(one_process["diagnostics"][key], rel=1e-5), key
+        assert rank["gathered_by_the_step"] == 0
+    assert three_ranks[0]["diagnostics"] == three_ranks[1]["diagnostics"] == three_ranks[2]["diagnostics"]
+    calls = [r["calls"] for r in three_ranks]
+    assert sorted(calls[0] + calls[1] + calls[2]) == sorted(one_process["calls"]) and all(calls)
+
+    groups = [(MUON_FP32, 4), (MUON_BF16, 2)]  # (params, Newton-Schulz bytes per element)
+    for rank, got in enumerate(three_ranks):
+        received_whole, shards, sent_back = 0, 0, 0
+        for params, itemsize in groups:
+            with_grad = [(s, h) for n, (s, h) in enumerate(params) if not (params is MUON_FP32 and n == NO_GRAD)]
+            costs = [newton_schulz_cost(_matrices(s, h)) for s, h in with_grad]
+            owners = assign_owners(costs, 3)
+            for (shape, _), owner in zip(with_grad, owners):
+                dim = 1 if len(shape) == 3 else 0
+                rows = shard_rows(shape[dim], 3)
+                numel = torch.Size(shape).numel()
+                shards += numel // shape[dim] * rows[rank] * itemsize
+                if owner == rank:
+                    received_whole += numel * itemsize
+                    sent_back += numel * itemsize
+        exchanged = got["exchanged"]
+        to_owners, back = exchanged[0::2], exchanged[1::2]  # each round: shards in, then the updates back
+        assert sum(sum(o) for o, _ in to_owners) == STEPS * received_whole
+        assert sum(sum(i) for _, i in to_owners) == STEPS * shards
+        assert sum(sum(i) for _, i in back) == STEPS * sent_back
+        assert sum(sum(o) for o, _ in back) == STEPS * shards
+        # a round's largest receipt is one whole matrix, never the world's share of them
+        largest = max(torch.Size(s).numel() * itemsize for params, itemsize in groups for s, _ in params)
+        assert max(sum(o) for o, _ in to_owners) <= largest
+
+
+def _matrices(shape: tuple[int, ...], head_split) -> torch.Size:
+    return muon_module.as_matrices(torch.empty(shape, device="meta"), head_split).shape

@@ -39,6 +39,7 @@ from k3train.plan.estimate import context_flops_per_token, estimate, qk_clip_flo
 from k3train.plan.hardware import GPUS, lookup
 from k3train.plan.memory import plan_memory
 from k3train.plan.mesh import Mesh, candidates
+from k3train.plan.muon import muon_groups, muon_shares
 from k3train.plan.spec import build_spec
 
 from helpers.config import composed
@@ -289,7 +290,13 @@ def _count_collectives(monkeypatch_targets: dict) -> tuple[dict, dict]:
         counts["Newton-Schulz update"] += output.nbytes
         return ns_gather(output, input, group=group, **kw)
 
-    def dtensor_gather(tensor, gather_dim=0, group=None, **kw):  # DTensor.full_tensor: Muon's whole momentum
+    ns_all_to_all = muon_distributed._all_to_all_single
+
+    def newton_schulz_all_to_all(output, input, output_split_sizes, input_split_sizes, group=None):
+        counts["Newton-Schulz all-to-all"] += input.nbytes
+        return ns_all_to_all(output, input, output_split_sizes, input_split_sizes, group=group)
+
+    def dtensor_gather(tensor, gather_dim=0, group=None, **kw):  # DTensor.full_tensor: none may come from Muon
         mesh, dim = group
         counts["Newton-Schulz momentum"] += tensor.nbytes * mesh.size(dim)
         return funcol_gather(tensor, gather_dim=gather_dim, group=group, **kw)
@@ -300,6 +307,7 @@ def _count_collectives(monkeypatch_targets: dict) -> tuple[dict, dict]:
             (_fsdp_collectives.DefaultReduceScatter, "__call__"): fsdp_reduce_scatter,
             (moe, "_all_gather_single"): balancing_gather,
             (muon_distributed, "_all_gather_single"): newton_schulz_gather,
+            (muon_distributed, "_all_to_all_single"): newton_schulz_all_to_all,
             (funcol, "all_gather_single"): dtensor_gather,
         }
     )
@@ -366,8 +374,8 @@ def planned(spec, mesh: Mesh) -> dict[str, float]:
         kind = x.kind.removesuffix(" (routed experts)")
         if kind.startswith("Newton-Schulz update"):
             kind = "Newton-Schulz update"
-        elif kind.startswith("Newton-Schulz momentum"):
-            kind = "Newton-Schulz momentum"
+        elif kind.startswith("Newton-Schulz all-to-all"):
+            kind = "Newton-Schulz all-to-all"
         elif kind.endswith("all-gather") and ("Balancing" in kind or "load" in kind):
             kind = "balancing"
         out[kind] += x.payload
@@ -379,15 +387,23 @@ def planned(spec, mesh: Mesh) -> dict[str, float]:
 def test_collective_bytes_equal_a_two_rank_gloo_run(two_rank_counts: list[dict], case: str) -> None:
     """Every kind the plan lists is what both ranks passed to torch.distributed, byte for byte: FSDP2's padded
     all-gathers (forward and backward, every micro-batch) and reduce-scatter (once), DDP's buckets, Muon's gathers
-    of whole momenta and of the orthogonalised updates, Quantile Balancing's gathers."""
+    of the orthogonalised updates (DDP) and its owners' all-to-alls (FSDP2: the busiest rank's), Quantile
+    Balancing's gathers."""
     mode, accumulation = FSDP_CASES.get(case, ("none", 1))
     spec = spec_of(
         *SMALL, f"train.activation_checkpointing={mode}", f"train.gradient_accumulation_steps={accumulation}"
     )
     mesh = Mesh(1, 2, 1) if case in FSDP_CASES else Mesh(2, 1, 1)
     want = planned(spec, mesh)
+    # Muon's owners send different bytes (each its own matrices' updates): the plan's payload is the busiest rank's
+    # per group, and its shares say what each rank sends
+    shares = [s for group in muon_groups(spec) for s in muon_shares(spec, mesh, group) if s.how == "owners"]
+    assert want.pop("Newton-Schulz all-to-all", 0.0) == sum(s.payload for s in shares)
+    assert (case == "ddp") != bool(shares)
     for rank, counts in enumerate(two_rank_counts):
-        assert counts[case] == pytest.approx(want, rel=1e-9), f"rank {rank}"
+        got = dict(counts[case])
+        assert got.pop("Newton-Schulz all-to-all", 0.0) == sum(s.sent[rank] for s in shares), f"rank {rank}"
+        assert got == pytest.approx(want, rel=1e-9), f"rank {rank}"
 
 
 def _expert_parallel_rank_main(rank: int, world_size: int) -> dict:

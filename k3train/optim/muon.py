@@ -13,14 +13,16 @@ buffer is (1 - mu) times a classic `mu * buf + g` buffer, so checkpoints of the 
 Which parameter goes to which group, and why, is decided in k3train/optim/param_groups.py.
 
 Data-parallel (`process_group` with more than one rank; the run hands its ParallelDims' data-parallel group, None in
-one process): each rank orthogonalises a share of every Muon group's parameters and the results are all-gathered, so
-every rank applies the same update as a 1-process run would, bit for bit (k3train/optim/muon_distributed.py). Every
-rank still keeps the whole optimizer state, so rank 0's state_dict is the checkpoint. Expert-parallel shards
-(parameters with `expert_parallel` > 1: each rank holds other experts) are orthogonalised by their own rank, never
-spread; under FSDP2 they are sharded again on the expert dimension, so each rank still holds whole experts and
-orthogonalises those, gathering nothing, or, with fewer experts than ranks to shard them over, on dim 1, and every
-rank of those gathers and orthogonalises its ep rank's experts (k3train/train/parallel.py). A checkpoint holds every
-rank's own experts (k3train/checkpoint/expert_shards.py).
+one process): each rank orthogonalises a share of every Muon group's replicated parameters (DDP) and the results
+are all-gathered, so every rank applies the same update as a 1-process run would, bit for bit, and keeps the whole
+optimizer state (rank 0's state_dict is the checkpoint). FSDP2's shards are orthogonalised at one owner per matrix on
+their mesh, which receives the matrix's shards and returns each rank its shard of the update; each rank's momentum
+stays on its shard, and again the result is a 1-process run's bit for bit (k3train/optim/muon_distributed.py).
+Expert-parallel shards (parameters with `expert_parallel` > 1: each rank holds other experts) are orthogonalised by
+their own rank, never spread; under FSDP2 they are sharded again on the expert dimension, so each rank still holds
+whole experts and orthogonalises those, exchanging nothing, or, with fewer experts than ranks to shard them over, on
+dim 1, and then the ranks holding slices of the same experts share them out as owners as above
+(k3train/train/parallel.py). A checkpoint holds every rank's own experts (k3train/checkpoint/expert_shards.py).
 
 Sources: KellerJordan/Muon, torch.optim.Muon and Moonlight's Muon:
 https://github.com/KellerJordan/Muon/blob/857d1adc159e098212f828d927460782d3da59e9/muon.py
@@ -30,8 +32,9 @@ https://github.com/MoonshotAI/Moonlight/blob/c2ad5b20c605086526a179d36901bfc41b5
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -42,14 +45,14 @@ from k3train.optim.checks import check_adamw_settings, check_muon_settings
 from k3train.optim.muon_distributed import (
     all_gather_outputs,
     assign_owners,
+    check_fsdp_layout,
     data_parallel_group,
-    full_matrix,
+    exchange_with_owners,
     global_square_sum,
     holds_whole_experts,
     is_expert_shard,
     is_sharded,
     local_part,
-    local_shard,
     newton_schulz_cost,
     sum_over_shards,
 )
@@ -244,63 +247,124 @@ class MuonAdamW(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, group: dict[str, Any]) -> None:
-        lr, wd = group["lr"], group["weight_decay"]
-        update_sq, numel = torch.zeros(()), 0
         with_grad = [(p, s) for p, s in zip(group["params"], group["head_splits"]) if p.grad is not None]
         ranks = data_parallel_group(self.process_group)
-        # an expert-parallel shard differs by rank: its own rank orthogonalises it (each expert is its own matrix)
-        local = [is_expert_shard(p) for p, _ in with_grad]
-        if ranks is None or all(local):
-            orthogonalised = self._orthogonalise_each(group, with_grad)
-        elif not any(local):
-            orthogonalised = self._orthogonalise_spread(group, with_grad, ranks)
-        else:
-            spread = iter(
-                self._orthogonalise_spread(group, [w for w, mine in zip(with_grad, local) if not mine], ranks)
-            )
-            each = self._orthogonalise_each(group, [w for w, mine in zip(with_grad, local) if mine])
-            orthogonalised = [next(each) if mine else next(spread) for mine in local]
-        for i, ((p, split), O, own) in enumerate(zip(with_grad, orthogonalised, local)):
-            # O: [N, A, B] of the whole matrix, or of this rank's experts alone (own)
-            scaled_lr = lr * (group["rms_match"] * math.sqrt(max(O.shape[-2:])))
-            p.mul_(1 - lr * wd)
-            if own and holds_whole_experts(p):
-                local_part(p).add_(from_matrices(O, split, local_part(p).shape), alpha=-scaled_lr)
-            else:
-                p.add_(local_shard(from_matrices(O, split, p.shape), p), alpha=-scaled_lr)
-            update_sq = update_sq + O.float().square().sum() * scaled_lr**2
-            numel += p.numel()
+        # Where each parameter is orthogonalised: an FSDP2 shard (or a slice of experts) at its owner on its mesh; an
+        # expert-parallel shard differs by rank, so its own rank does it (each expert is its own matrix); the rest,
+        # replicated, shared out over the data-parallel ranks, or here in one process.
+        sharded = [is_sharded(p) and not holds_whole_experts(p) for p, _ in with_grad]
+        here = [not s and (ranks is None or is_expert_shard(p)) for s, (p, _) in zip(sharded, with_grad)]
+        replicated = [i for i in range(len(with_grad)) if not sharded[i] and not here[i]]
+        in_turn = itertools.chain(
+            self._orthogonalise_here(group, with_grad, [i for i in range(len(with_grad)) if here[i]]),
+            self._orthogonalise_spread(group, with_grad, replicated, ranks),
+        )
+        squares = []  # each update's sum of squares (lr-scaled), summed in parameter order as one process would
+        for i, O in in_turn:
+            p, split = with_grad[i]
+            squares.append(self._apply_update(group, with_grad, i, from_matrices(O, split, local_part(p).shape)))
             if self._orthogonality_due(self.state[p]["step"], i, len(with_grad)):
                 self._ortho_error[group["name"]] = orthogonality_error(O[0])
-        if numel:
-            self._update_sq[group["name"]] = (update_sq, numel)
+        squares += self._orthogonalise_at_owners(group, with_grad, [i for i in range(len(with_grad)) if sharded[i]])
+        if squares:
+            self._update_sq[group["name"]] = (sum(squares), sum(p.numel() for p, _ in with_grad))
 
-    def _orthogonalise_each(self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]]):
-        """One process, or a rank's own experts: Newton-Schulz of every parameter's momentum, one at a time (a
-        generator, so only one parameter's output is alive at once). Whole experts are this rank's part alone;
-        slices of them (FSDP2 on dim 1) are gathered from the ranks holding the rest, which all orthogonalise them."""
-        for p, split in with_grad:
-            momentum = self._momentum(group, p)
-            whole = local_part(momentum) if holds_whole_experts(p) else full_matrix(momentum)
-            yield self._newton_schulz(group, whole, split)
+    def _apply_update(
+        self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]], i: int, update: Tensor
+    ) -> Tensor:
+        """Weight decay, then the update (this rank's part of p, in its layout) scaled to AdamW's RMS; returns the
+        scaled update's sum of squares."""
+        p, split = with_grad[i]
+        matrix = as_matrices(torch.empty(p.shape, device="meta"), split).shape
+        scaled_lr = group["lr"] * (group["rms_match"] * math.sqrt(max(matrix[-2:])))
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        local_part(p).add_(update, alpha=-scaled_lr)
+        # squared into a row-major tensor: a sum's order follows the layout, and one process's tall updates are
+        # transposed views where the ranks' are row-major copies, so their sums would differ in the last bit
+        square = torch.square(update, out=torch.empty(update.shape, dtype=torch.float32, device=update.device))
+        return square.sum() * scaled_lr**2
+
+    def _orthogonalise_here(
+        self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]], items: list[int]
+    ) -> Iterator[tuple[int, Tensor]]:
+        """One process, or a rank's own whole experts: Newton-Schulz of each momentum in turn (a generator, so only
+        one parameter's output is alive at once)."""
+        for i in items:
+            p, split = with_grad[i]
+            yield i, self._newton_schulz(group, local_part(self._momentum(group, p)), split)
 
     def _orthogonalise_spread(
-        self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]], ranks: dist.ProcessGroup
-    ) -> list[Tensor]:
-        """Data-parallel ranks: every rank updates every momentum buffer (identical state everywhere), orthogonalises
-        its own share and gets the others' from one all-gather (k3train/optim/muon_distributed.py)."""
-        if not with_grad:  # the same on every rank (they hold the same gradients): nothing to exchange
-            return []
+        self,
+        group: dict[str, Any],
+        with_grad: list[tuple[Tensor, HeadSplit | None]],
+        items: list[int],
+        ranks: dist.ProcessGroup | None,
+    ) -> Iterator[tuple[int, Tensor]]:
+        """Replicated parameters on data-parallel ranks: every rank updates every momentum buffer (identical state
+        everywhere), orthogonalises its own share and gets the others' from one all-gather
+        (k3train/optim/muon_distributed.py)."""
+        if not items:  # the same on every rank (they hold the same gradients): nothing to exchange
+            return
         rank = dist.get_rank(ranks)
-        shapes = [as_matrices(torch.empty(p.shape, device="meta"), split).shape for p, split in with_grad]
+        shapes = [as_matrices(torch.empty(with_grad[i][0].shape, device="meta"), with_grad[i][1]).shape for i in items]
         owners = assign_owners([newton_schulz_cost(s) for s in shapes], dist.get_world_size(ranks))
         mine = {}
-        for i, ((p, split), owner) in enumerate(zip(with_grad, owners)):
-            # FSDP2: every rank joins the gather of every sharded matrix (a collective), its owner orthogonalises it
-            momentum = full_matrix(self._momentum(group, p, needed=owner == rank or is_sharded(p)))
+        for k, (i, owner) in enumerate(zip(items, owners)):
+            p, split = with_grad[i]
+            momentum = self._momentum(group, p, needed=owner == rank)
             if owner == rank:
-                mine[i] = self._newton_schulz(group, momentum, split)
-        return all_gather_outputs(mine, shapes, owners, NS_DTYPES[group["ns_dtype"]], with_grad[0][0].device, ranks)
+                mine[k] = self._newton_schulz(group, momentum, split)
+        dtype = NS_DTYPES[group["ns_dtype"]]
+        yield from zip(items, all_gather_outputs(mine, shapes, owners, dtype, with_grad[0][0].device, ranks))
+
+    def _orthogonalise_at_owners(
+        self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]], items: list[int]
+    ) -> list[Tensor]:
+        """FSDP2 shards: each matrix orthogonalised by one owner on its mesh, the updates returned shard by shard
+        (muon_distributed.exchange_with_owners), applied as they arrive. The update's sum of squares and the
+        orthogonality error are then summed (taken the largest of) over the mesh, so every rank reports the same.
+        Returns each mesh's sum of squares."""
+        by_mesh: dict[Any, list[int]] = {}
+        for i in items:  # meshes in the order their first parameter comes: the same on every rank
+            by_mesh.setdefault(with_grad[i][0].device_mesh, []).append(i)
+        return [self._orthogonalise_on_mesh(group, with_grad, members, mesh) for mesh, members in by_mesh.items()]
+
+    def _orthogonalise_on_mesh(
+        self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]], members: list[int], mesh: Any
+    ) -> Tensor:
+        for i in members:
+            check_fsdp_layout(with_grad[i][0])
+        ortho = torch.zeros((), dtype=torch.float64)
+        steps = [self.state[with_grad[i][0]].get("step", 0) + 1 for i in members]  # the step about to be taken
+        due = {i for i, step in zip(members, steps) if self._orthogonality_due(step, i, len(with_grad))}
+
+        def local_input(k: int) -> Tensor:
+            return local_part(self._momentum(group, with_grad[members[k]][0]))
+
+        def orthogonalise(k: int, whole: Tensor) -> Tensor:
+            p, split = with_grad[members[k]]
+            O = self._newton_schulz(group, whole, split)
+            if members[k] in due:
+                ortho.fill_(orthogonality_error(O[0]))
+            return from_matrices(O, split, p.shape)
+
+        matrices = [as_matrices(torch.empty(with_grad[i][0].shape, device="meta"), with_grad[i][1]) for i in members]
+        sq = torch.zeros(())
+        for k, update in exchange_with_owners(
+            [with_grad[i][0].shape for i in members],
+            [with_grad[i][0].placements[0].dim for i in members],
+            [newton_schulz_cost(m.shape) for m in matrices],
+            local_input,
+            orthogonalise,
+            NS_DTYPES[group["ns_dtype"]],
+            mesh.get_group(),
+        ):
+            sq = sq + self._apply_update(group, with_grad, members[k], update)
+        dist.all_reduce(sq, group=mesh.get_group())
+        if due:
+            dist.all_reduce(ortho, op=dist.ReduceOp.MAX, group=mesh.get_group())
+            self._ortho_error[group["name"]] = float(ortho)
+        return sq
 
     def _momentum(self, group: dict[str, Any], p: Tensor, needed: bool = True) -> Tensor | None:
         """Advance p's momentum buffer with p.grad; return what Newton-Schulz orthogonalises (Nesterov or the

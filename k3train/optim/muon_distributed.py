@@ -16,11 +16,17 @@ Requirements and costs: every rank must hold gradients for the same parameters (
 the ranks disagree on the plan and the all-gather fails; the gathered buffer holds a whole group's updates at once
 (for k3_small's expert group, ~0.8 GB in fp32), where a 1-process step holds one parameter's.
 
-FSDP2 (parameters that are DTensors sharded on dim 0, torch.distributed.fsdp.fully_shard): the momentum is kept
-on the local shard; `full_matrix` gathers the whole matrix before Newton-Schulz (the orthogonalisation of a shard
-is not the shard of the orthogonalisation), and `local_shard` slices the full update back to this rank's shard.
-Every rank gathers every matrix here (DTensor.full_tensor), which is simple but moves more than the all-to-all to
-owners of microsoft/dion and torchtitan's distributed Muon; the result is the same.
+FSDP2 (parameters that are DTensors sharded on one dim of a 1-D mesh, torch.distributed.fsdp.fully_shard; routed
+experts sliced on dim 1 when there are fewer of them than ranks): no rank gathers what it does not orthogonalise.
+Each matrix again has one owner among its mesh's ranks, and the owners work in rounds, one matrix each per round:
+one all-to-all sends every rank's shard of the round's momenta to their owners, each owner assembles its matrix
+and orthogonalises it, and a second all-to-all returns each rank its shard of every update (`exchange_with_owners`;
+microsoft/dion's and torchtitan's distributed Muon exchange the same way). A rank receives whole only the matrices
+it owns, so the transient is a few of the largest matrix, not the world size times it (Kimi K3's 1,024 ranks
+would each have received 1,024 copies of its largest matrix, 500 GB, from one all-gather of whole updates), and a
+rank sends and receives its shard of every matrix plus the matrices it owns, not every matrix whole. Each rank's
+momentum stays on its shard. Shards travel in the Newton-Schulz dtype (casting is elementwise, so the owner's
+matrix is bitwise the 1-process one's cast) and the updates return bit for bit.
 
 Sources: KellerJordan/Muon, modded-nanogpt, dion, torchtitan:
 https://github.com/KellerJordan/Muon/blob/857d1adc159e098212f828d927460782d3da59e9/muon.py
@@ -31,19 +37,20 @@ https://github.com/pytorch/torchtitan/blob/b5bcd76c66d0acb1a08b176d9639425bc55e0
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 try:  # DTensor is what FSDP2 makes of a parameter; a torch build without distributed has none.
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # pragma: no cover
     DTensor = None
 
 # Recent torch deprecates all_gather_into_tensor in favour of all_gather_single; older torch has only the former.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_to_all_single = dist.all_to_all_single  # a module attribute, so tests can count what it sends
 
 
 def data_parallel_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
@@ -107,14 +114,93 @@ def all_gather_outputs(
     return outputs
 
 
+def shard_rows(size: int, world: int) -> list[int]:
+    """How many of a dimension's `size` rows each rank of `world` holds under DTensor's Shard: torch.chunk's split
+    (ceil(size / world) rows each, in rank order, the last ranks fewer or none)."""
+    step = -(-size // world)
+    return [max(0, min(step, size - r * step)) for r in range(world)]
+
+
+def exchange_with_owners(
+    shapes: Sequence[torch.Size],
+    shard_dims: Sequence[int],
+    costs: Sequence[int],
+    local_input: Callable[[int], Tensor],
+    orthogonalise: Callable[[int, Tensor], Tensor],
+    dtype: torch.dtype,
+    group: dist.ProcessGroup,
+) -> Iterator[tuple[int, Tensor]]:
+    """Orthogonalise sharded matrices at their owners; yield (item, this rank's shard of its output) per item.
+
+    Item i is a tensor of shapes[i] sharded on shard_dims[i] over `group` (Shard semantics, see shard_rows);
+    local_input(i) is this rank's shard of it, orthogonalise(i, whole) (called on its owner only) turns the whole
+    into an output of the same shape. Owners are balanced by `costs` (assign_owners); each round every owner takes
+    its next item, and two all-to-alls (shards in, shards of the outputs back) carry them, as raw bytes in `dtype`
+    so that any dtype crosses a gloo group unchanged. A collective: every rank of `group` calls it with the same
+    shapes, dims and costs, and consumes every item it yields (a round's items come after its second exchange).
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    owners = assign_owners(costs, world)
+    queues = [[i for i, o in enumerate(owners) if o == r] for r in range(world)]
+    rows = [shard_rows(shape[d], world) for shape, d in zip(shapes, shard_dims)]
+
+    def shard_shape(i: int, r: int) -> torch.Size:
+        shape = list(shapes[i])
+        shape[shard_dims[i]] = rows[i][r]
+        return torch.Size(shape)
+
+    def nbytes(i: int, r: int) -> int:
+        return shard_shape(i, r).numel() * dtype.itemsize
+
+    for round_ in range(max(map(len, queues))):
+        items = [q[round_] if round_ < len(q) else None for q in queues]  # owner rank -> its item this round
+        send = [local_input(i).to(dtype).reshape(-1) for i in items if i is not None]
+        for i, part in zip((i for i in items if i is not None), send):
+            if part.numel() != shard_shape(i, rank).numel():
+                raise RuntimeError(f"item {i}: this rank's shard has {part.numel()} elements, expected the Shard "
+                                   f"layout's {tuple(shard_shape(i, rank))}")  # fmt: skip
+        mine = items[rank]
+        received = _exchange(
+            torch.cat(send) if send else torch.empty(0, dtype=dtype),
+            [0 if i is None else nbytes(i, rank) for i in items],
+            [0 if mine is None else nbytes(mine, r) for r in range(world)],
+            group,
+        ).view(dtype)
+        del send
+        outputs: list[Tensor] = []
+        if mine is not None:
+            pieces = received.split([shard_shape(mine, r).numel() for r in range(world)])
+            whole = torch.cat([x.view(shard_shape(mine, r)) for r, x in enumerate(pieces)], dim=shard_dims[mine])
+            del received, pieces
+            out = orthogonalise(mine, whole).to(dtype)
+            del whole
+            outputs = [x.contiguous().reshape(-1) for x in out.split(rows[mine], dim=shard_dims[mine])]
+            del out
+        returned = _exchange(
+            torch.cat(outputs) if outputs else torch.empty(0, dtype=dtype),
+            [0 if mine is None else nbytes(mine, r) for r in range(world)],
+            [0 if i is None else nbytes(i, rank) for i in items],
+            group,
+        ).view(dtype)
+        del outputs
+        offset = 0
+        for i in items:
+            if i is not None:
+                n = shard_shape(i, rank).numel()
+                yield i, returned[offset : offset + n].view(shard_shape(i, rank))
+                offset += n
+
+
+def _exchange(send: Tensor, send_bytes: list[int], receive_bytes: list[int], group: dist.ProcessGroup) -> Tensor:
+    """One all-to-all of raw bytes: send_bytes[r] of `send` to rank r, receive_bytes[r] from it (uint8)."""
+    received = torch.empty(sum(receive_bytes), dtype=torch.uint8, device=send.device)
+    _all_to_all_single(received, send.view(torch.uint8), receive_bytes, send_bytes, group=group)
+    return received
+
+
 def is_sharded(t: Tensor) -> bool:
     """A DTensor (an FSDP2 parameter, its gradient or a state tensor made like it)."""
     return DTensor is not None and isinstance(t, DTensor)
-
-
-def full_matrix(t: Tensor) -> Tensor:
-    """The whole tensor from a sharded DTensor (a collective: every rank of its mesh must call it), else t."""
-    return t.full_tensor() if is_sharded(t) else t
 
 
 def check_fsdp_layout(t: Tensor) -> None:
@@ -124,16 +210,6 @@ def check_fsdp_layout(t: Tensor) -> None:
             f"MuonAdamW supports DTensor parameters sharded on one dim of a 1-D mesh (FSDP2's "
             f"fully_shard); got placements {t.placements} on a {t.device_mesh.ndim}-D mesh"
         )
-
-
-def local_shard(full: Tensor, like: Tensor) -> Tensor:
-    """`full` laid out as the DTensor `like` (this rank's slice of it, no communication), or full itself when
-    `like` is a plain tensor."""
-    if not is_sharded(like):
-        return full
-    check_fsdp_layout(like)
-    # src_data_rank=None: every rank already holds the full tensor, so each just keeps its own slice.
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
 def local_part(t: Tensor) -> Tensor:

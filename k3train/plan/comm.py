@@ -20,9 +20,10 @@ tokens that leave it.
   bytes; beside them the gate weights (fp32, forward and backward) and the per-expert slot counts (int64). Summed
   over an ep group's ranks these are exact; one rank's share of the returns depends on the routing.
 - Expert gradient all-reduce (DDP with ep): each rank's experts over the world / ep ranks that hold the same ones.
-- Newton-Schulz (MuonAdamW over several ranks, k3train/optim/muon_distributed.py): per Muon group one all-gather of
-  the orthogonalised updates (ranks x the largest owner's share, in the Newton-Schulz dtype), and under FSDP one
-  all-gather per Muon parameter of its whole momentum (fp32, DTensor.full_tensor).
+- Newton-Schulz (MuonAdamW over several ranks, k3train/plan/muon.py): under DDP per Muon group one all-gather of the
+  orthogonalised updates (ranks x the largest owner's share, in the Newton-Schulz dtype); under FSDP2 two
+  all-to-alls a round, the busiest rank's inputs: its shard of every matrix to the owners, then the whole updates
+  of the matrices it owns back to their shards' ranks (routed experts sliced on dim 1: over the ranks holding them).
 - Quantile Balancing (the MoE's router over several ranks, k3train/models/k3/moe.py): per MoE layer and training
   forward, the loads (n + 1 fp64 per rank) and each rank's m + 1 smallest required biases per expert (fp32; all its
   tokens once m + 1 exceeds them, m = global tokens x k / n). The other routers gather only the loads.
@@ -43,8 +44,9 @@ from dataclasses import dataclass
 
 from k3train.models.k3.moe import quantile_rank
 from k3train.plan.activations import F32
-from k3train.plan.memory import experts_whole, muon_gather, muon_groups, shard_bytes
+from k3train.plan.memory import shard_bytes
 from k3train.plan.mesh import Mesh
+from k3train.plan.muon import muon_groups, muon_shares
 from k3train.plan.spec import RunSpec
 
 
@@ -112,22 +114,15 @@ def plan_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
         out.append(Collective("EP all-to-all", payload, ring(payload, mesh.ep), mesh.ep, calls, False, True))
     if spec.optimizer == "muon_adamw" and mesh.world > 1:
         for group in muon_groups(spec):
-            g = muon_gather(spec, mesh, group)
-            if g.ranks > 1:
-                kind = f"Newton-Schulz update all-gather ({group})"
-                out.append(Collective(kind, g.payload, ring(g.payload, g.ranks), g.ranks, 1, False))
-        # expert-parallel shards are orthogonalised where they are (k3train/optim/muon.py): whole experts need no
-        # gather; slices of them (dim 1) are gathered from the expert_dp ranks holding the rest
-        for routed, ranks in ((False, mesh.dp_shard), (True, mesh.expert_shard)):
-            muon = [
-                p
-                for p in spec.params
-                if p.kind == "muon" and p.routed == routed and not (routed and mesh.ep > 1 and experts_whole(p, mesh))
-            ]
-            payload = sum(ranks * shard_bytes(p, mesh) for p in muon)
-            if payload and ranks > 1:
-                name = "Newton-Schulz momentum all-gather" + (" (routed experts)" if routed else "")
-                out.append(Collective(name, payload, ring(payload, ranks), ranks, len(muon), False))
+            for share in muon_shares(spec, mesh, group):
+                name = f"Newton-Schulz {'update all-gather' if share.how == 'all-gather' else 'all-to-all'} ({group})"
+                wire = ring(share.payload, share.ranks)
+                if share.how != "own":
+                    out.append(
+                        Collective(
+                            name, share.payload, wire, share.ranks, share.calls, False, share.how != "all-gather"
+                        )
+                    )
     if mesh.cp > 1:
         out += context_parallel_comm(spec, mesh)
     if moe_layers and mesh.world > 1:  # every training forward sums the loads over ranks, whatever the router

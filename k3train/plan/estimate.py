@@ -42,8 +42,9 @@ from k3train.models.k3.flops import chunk_state_macs, kda_macs, mla_macs
 from k3train.models.k3.mla import max_logit_pairs, max_logit_tile
 from k3train.plan.comm import Collective, plan_comm, seconds
 from k3train.plan.hardware import Hardware
-from k3train.plan.memory import Memory, muon_gather, muon_groups, plan_memory
+from k3train.plan.memory import Memory, plan_memory
 from k3train.plan.mesh import Mesh, candidates
+from k3train.plan.muon import muon_groups, muon_shares
 from k3train.plan.spec import RunSpec
 
 DAY = 86400.0
@@ -144,7 +145,7 @@ def estimate(
     ns = 0.0
     if spec.optimizer == "muon_adamw":
         ns_peak = hw.peak_flops("fp32" if spec.ns_dtype == "fp32" else "bf16") * mfu
-        ns = sum(muon_gather(spec, mesh, g).flops_per_rank for g in muon_groups(spec)) / ns_peak
+        ns = sum(s.flops_per_rank for g in muon_groups(spec) for s in muon_shares(spec, mesh, g)) / ns_peak
     max_logit_flops = qk_clip_flops(spec, mesh.cp, device_type)
     max_logit_s = max_logit_flops / (hw.peak_flops("fp32") * mfu)
     times = {coll.kind: seconds(coll, mesh, hw) for coll in comm}

@@ -22,7 +22,7 @@ A step's phases, each the stored bytes plus what is alive then:
   and the root's unsharded gradients (reduce-scattered when the backward ends);
 - optimizer step: the gradients and the update's temporaries (AdamW's in MuonAdamW: 3 x the largest parameter;
   Muon's: the momentum's Nesterov copy and Newton-Schulz's iterates of the largest matrix; over several ranks, the
-  all-gathered updates of a whole group (k3train/optim/muon_distributed.py) and, under FSDP, each whole momentum).
+  all-gathered updates of a whole group (DDP) or an owner's exchange buffers (FSDP2), k3train/plan/muon.py).
 The optimizer state exists through every phase, except on the first step (it is made in the first update), which
 is what `first_step_added` describes: the bytes one first step adds to a process that has built the model and the
 optimizer (benchmarks/bench_plan.py measures that).
@@ -36,12 +36,10 @@ from dataclasses import dataclass, field
 from k3train.models.k3.mla import max_logit_tile
 from k3train.models.k3.moe import quantile_rank
 from k3train.models.loss import default_chunk_size
-from k3train.optim.muon_distributed import assign_owners, newton_schulz_cost
 from k3train.plan.activations import F32, I64, ContextSlice, LayerActivations, layer_activations, root_activations
 from k3train.plan.mesh import Mesh
+from k3train.plan.muon import NS_BYTES, muon_groups, muon_shares
 from k3train.plan.spec import Param, RunSpec
-
-NS_BYTES = {"bf16": 2, "fp32": 4}
 
 
 @dataclass
@@ -257,60 +255,17 @@ def optimizer_transients(spec: RunSpec, mesh: Mesh, device_type: str = "cuda") -
         out["AdamW update (largest parameter)"] = 3 * max(shard_bytes(p, mesh) for p in adamw)
     if muon:
         ns = NS_BYTES[spec.ns_dtype]
-        largest = max(local_bytes(p, mesh, 1) for p in muon)  # elements of the whole matrix (FSDP gathers it)
+        largest = max(local_bytes(p, mesh, 1) for p in muon)  # elements of the whole matrix (an owner's, FSDP2)
         per_element = F32 + 3 * ns + (F32 if ns < F32 else 0) + F32  # Nesterov, iterates, fp32 copy, square
         out["Muon Newton-Schulz (largest matrix)"] = largest * per_element
-        gathers = [g for g in (muon_gather(spec, mesh, group) for group in muon_groups(spec)) if g.ranks > 1]
-        if gathers:  # alive at the gather: the received buffer, this rank's outputs and its padded send buffer,
-            # and on gloo (a CPU) a flat copy of the received one (bench_plan.py measured them on 2 ranks)
-            g = max(gathers, key=lambda g: g.payload)
-            copy = g.payload if device_type == "cpu" else 0.0
-            out["Muon gathered updates (largest group)"] = g.payload * (g.ranks + 2) / g.ranks + copy
+        shares = [s for group in muon_groups(spec) for s in muon_shares(spec, mesh, group, device_type=device_type)]
+        exchanged = [s for s in shares if s.transient]
+        if exchanged:  # one group at a time: the largest exchange's buffers (k3train/plan/muon.py)
+            s = max(exchanged, key=lambda s: s.transient)
+            name = (
+                "Muon gathered updates (largest group)"
+                if s.how == "all-gather"
+                else "Muon owner exchange (largest round)"
+            )
+            out[name] = s.transient
     return out
-
-
-@dataclass(frozen=True)
-class MuonGather:
-    payload: float  # bytes of the all-gathered buffer: ranks x the largest share, in the Newton-Schulz dtype
-    ranks: int
-    flops_per_rank: float  # the most Newton-Schulz FLOPs a rank does for this group (one update)
-
-
-def muon_groups(spec: RunSpec) -> list[str]:
-    return sorted({p.group for p in spec.params if p.kind == "muon"})
-
-
-def muon_ranks(mesh: Mesh, routed: bool) -> int:
-    """The ranks that share a Muon group's Newton-Schulz: every data-parallel rank; expert-parallel shards are
-    orthogonalised by the rank that holds them, alone (k3train/optim/muon.py): whole experts under FSDP's dim-0
-    sharding; with fewer experts than ranks (dim 1) every rank gathers its ep rank's experts and orthogonalises all."""
-    return 1 if routed and mesh.ep > 1 else mesh.world
-
-
-def muon_gather(spec: RunSpec, mesh: Mesh, group: str, ns_steps: int = 5) -> MuonGather:
-    """k3train/optim/muon_distributed.py's plan for one group: owners by Newton-Schulz cost, one all-gather of
-    every owner's outputs padded to the largest share. Routed experts under ep: each rank's own experts of each
-    stack, alone (E / ep, over dp_shard / ep again when FSDP shards them whole)."""
-    members = [p for p in spec.params if p.kind == "muon" and p.group == group]
-    routed = any(p.routed for p in members)
-    ranks = muon_ranks(mesh, routed)
-    shapes = [_local_matrices(p, mesh) for p in members]
-    costs = [newton_schulz_cost(s) for s in shapes]
-    owners = assign_owners(costs, ranks)
-    numels = [s[0] * s[1] * s[2] for s in shapes]
-    share = [sum(n for n, o in zip(numels, owners) if o == r) for r in range(ranks)]
-    load = [sum(cost for cost, o in zip(costs, owners) if o == r) for r in range(ranks)]
-    return MuonGather(ranks * max(share) * NS_BYTES[spec.ns_dtype], ranks, ns_steps * max(load))
-
-
-def _local_matrices(p: Param, mesh: Mesh) -> tuple[int, int, int]:
-    n, a, b = p.matrices
-    if not (p.routed and mesh.ep > 1):
-        return (n, a, b)
-    return (n // mesh.ep // (mesh.expert_shard if experts_whole(p, mesh) else 1), a, b)
-
-
-def experts_whole(p: Param, mesh: Mesh) -> bool:
-    """Whether FSDP2 shards a routed-expert weight's local experts whole (dim 0) over the ranks holding them: when
-    there are at least as many as ranks (k3train/train/parallel.py), else on dim 1 (see shard_bytes)."""
-    return p.shape[0] // mesh.ep >= mesh.expert_shard

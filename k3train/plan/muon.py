@@ -1,0 +1,127 @@
+"""How MuonAdamW shares out its Newton-Schulz on a mesh (k3train/optim/muon.py, muon_distributed.py), per Muon
+group: which ranks orthogonalise what, the bytes they exchange, the FLOPs of the busiest rank and the largest buffers.
+
+A group's parameters fall into shares, each handled one way:
+- "own": expert-parallel weights whose experts a rank holds whole (plain under DDP, dim 0 under FSDP2): each rank
+  orthogonalises its own, alone; nothing is exchanged.
+- "owners": FSDP2 shards (every parameter under FSDP2 but whole local experts; routed experts sliced on dim 1 when
+  fewer remain than ranks, a share of their own over the dp_shard / ep ranks holding them): one owner per matrix
+  (balanced by cost), in rounds of one matrix per owner, each round two all-to-alls of the Newton-Schulz dtype: every
+  rank's shard to the owners, and each owner's update back, one shard a rank.
+- "all-gather": replicated parameters (DDP): owners the same way, then one all-gather of every owner's outputs,
+  ranks x the largest share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from k3train.optim.muon_distributed import assign_owners, newton_schulz_cost, shard_rows
+from k3train.plan.mesh import Mesh
+from k3train.plan.spec import Param, RunSpec
+
+NS_BYTES = {"bf16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class MuonShare:
+    how: str  # "own", "owners" or "all-gather"
+    ranks: int  # the ranks that share it out (1: "own")
+    payload: float  # bytes the busiest rank hands to torch.distributed per step: the all-gather's output, or the
+    # all-to-alls' inputs (its shard of every matrix, then the whole updates of the matrices it owns)
+    calls: int  # collectives per step
+    flops_per_rank: float  # the most Newton-Schulz FLOPs a rank does for it (one update)
+    transient: float  # the most bytes its exchange holds at once on a rank (beside Newton-Schulz's own iterates)
+    routed: bool  # routed experts (their groups stride over ep)
+    sent: tuple[float, ...] = ()  # "owners": each rank's all-to-all inputs (payload is the largest)
+
+
+def muon_groups(spec: RunSpec) -> list[str]:
+    return sorted({p.group for p in spec.params if p.kind == "muon"})
+
+
+def muon_shares(spec: RunSpec, mesh: Mesh, group: str, ns_steps: int = 5, device_type: str = "cuda") -> list[MuonShare]:
+    """The shares of one Muon group on `mesh` (module docstring), in the order the optimizer takes them."""
+    members = [p for p in spec.params if p.kind == "muon" and p.group == group]
+    element = NS_BYTES[spec.ns_dtype]
+    own = [p for p in members if p.routed and mesh.ep > 1 and (experts_whole(p, mesh) or mesh.dp_shard == 1)]
+    rest = [p for p in members if p not in own]
+    shares = []
+    if own:
+        flops = ns_steps * sum(newton_schulz_cost(_local_matrices(p, mesh)) for p in own)
+        shares.append(MuonShare("own", 1, 0.0, 0, flops, 0.0, True))
+    if mesh.dp_shard > 1:
+        sliced = [p for p in rest if p.routed and mesh.ep > 1]
+        dense = [p for p in rest if p not in sliced]
+        for some, ranks, dim in ((dense, mesh.dp_shard, 0), (sliced, mesh.expert_shard, 1)):
+            if some:
+                shares.append(_owners(some, mesh, ranks, dim, element, ns_steps))
+    elif rest and mesh.world > 1:
+        shares.append(_all_gather(rest, mesh, element, ns_steps, device_type))
+    elif rest:
+        flops = ns_steps * sum(newton_schulz_cost(p.matrices) for p in rest)
+        shares.append(MuonShare("own", 1, 0.0, 0, flops, 0.0, False))
+    return shares
+
+
+def _owners(params: list[Param], mesh: Mesh, ranks: int, dim: int, element: int, ns_steps: int) -> MuonShare:
+    """k3train/optim/muon_distributed.exchange_with_owners over `ranks`, shards on `dim` of each (local) tensor."""
+    shapes = [_local_shape(p, mesh) for p in params]
+    matrices = [_local_matrices(p, mesh) for p in params]
+    costs = [newton_schulz_cost(m) for m in matrices]
+    owners = assign_owners(costs, ranks)
+    whole = [_numel(s) * element for s in shapes]
+    # bytes of rank r's shard of each tensor: Shard's rows, as DTensor lays them out
+    shard = [[_numel(s) // s[dim] * rows * element for rows in shard_rows(s[dim], ranks)] for s in shapes]
+    queues = [[i for i, o in enumerate(owners) if o == r] for r in range(ranks)]
+    sent = [sum(sh[r] for sh in shard) + sum(whole[i] for i in queues[r]) for r in range(ranks)]
+    load = [sum(costs[i] for i in queues[r]) for r in range(ranks)]
+    rounds = max(len(q) for q in queues)
+    largest_round = 0.0
+    for j in range(rounds):  # alive: the owner's matrix twice (received, assembled; then its update and the copy
+        # sent back) and a rank's shards of the round's matrices twice (to send, then returned)
+        items = [q[j] for q in queues if j < len(q)]
+        shards = max(sum(shard[i][r] for i in items) for r in range(ranks))
+        largest_round = max(largest_round, 2 * max(whole[i] for i in items) + 2 * shards)
+    return MuonShare("owners", ranks, max(sent), 2 * rounds, ns_steps * max(load), largest_round, dim == 1, tuple(sent))
+
+
+def _all_gather(params: list[Param], mesh: Mesh, element: int, ns_steps: int, device_type: str) -> MuonShare:
+    """k3train/optim/muon_distributed.all_gather_outputs over every rank: alive at the gather, the received buffer,
+    this rank's outputs and its padded send buffer, and on gloo (a CPU) a flat copy of the received one
+    (benchmarks/bench_plan.py measured them on 2 ranks)."""
+    ranks = mesh.world
+    costs = [newton_schulz_cost(p.matrices) for p in params]
+    owners = assign_owners(costs, ranks)
+    share = [sum(p.numel for p, o in zip(params, owners) if o == r) for r in range(ranks)]
+    load = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(ranks)]
+    payload = ranks * max(share) * element
+    transient = payload * (ranks + 2) / ranks + (payload if device_type == "cpu" else 0.0)
+    return MuonShare("all-gather", ranks, payload, 1, ns_steps * max(load), transient, False)
+
+
+def _local_shape(p: Param, mesh: Mesh) -> tuple[int, ...]:
+    """The tensor a rank's optimizer sees as the parameter's whole: its ep share of the routed experts."""
+    if not (p.routed and mesh.ep > 1):
+        return tuple(p.shape)
+    return (p.shape[0] // mesh.ep, *p.shape[1:])
+
+
+def _local_matrices(p: Param, mesh: Mesh) -> tuple[int, int, int]:
+    n, a, b = p.matrices
+    if not (p.routed and mesh.ep > 1):
+        return (n, a, b)
+    return (n // mesh.ep // (mesh.expert_shard if experts_whole(p, mesh) else 1), a, b)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+def experts_whole(p: Param, mesh: Mesh) -> bool:
+    """Whether FSDP2 shards a routed-expert weight's local experts whole (dim 0) over the ranks holding them: when
+    there are at least as many as ranks (k3train/train/parallel.py), else on dim 1 (see memory.shard_bytes)."""
+    return p.shape[0] // mesh.ep >= mesh.expert_shard
