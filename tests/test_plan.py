@@ -31,6 +31,7 @@ from k3train.models.context_parallel import ContextParallel, set_context_paralle
 from k3train.models.k3 import mla
 from k3train.models.k3.flops import chunk_state_macs
 from k3train.observe.mfu import gpu_peak
+from k3train.optim.muon_distributed import newton_schulz_cost
 from k3train.optim.qk_clip import set_max_logit_tracking
 from k3train.plan.__main__ import main
 from k3train.plan.activations import F32, I64, ContextSlice, layer_activations, root_activations
@@ -244,6 +245,31 @@ def test_expert_parallel_all_to_all_bytes_by_hand() -> None:
         (a2a,) = [x for x in plan_comm(spec, Mesh(4, 1, 2)) if x.kind == "EP all-to-all"]
         assert a2a.payload == accumulation * moe_layers * per_layer
         assert a2a.wire == a2a.payload / 2  # half of each rank's slots leave it, on average
+
+
+def test_muon_shares_by_hand() -> None:
+    """How Muon's Newton-Schulz is shared out (k3train/plan/muon.py), on SMALL's 9 expert stacks [8, 32, 64] and
+    [8, 64, 32] (fp32 Newton-Schulz): sliced experts go to owners over the ranks holding them, whole ones stay put,
+    DDP gathers, and the busiest rank's bytes are its shards plus what it owns."""
+    spec = spec_of(*SMALL)
+    stack = 4 * 32 * 64 * F32  # an ep rank's 4 experts of one weight, whole
+    cost = newton_schulz_cost((4, 32, 64))
+    # ep 2 on 32 ranks: 4 experts an ep rank over 16 ranks, sliced on dim 1 (32 or 64 rows: 2 or 4 each)
+    [sliced] = muon_shares(spec, Mesh(1, 32, 2), "muon_experts")
+    assert (sliced.how, sliced.ranks, sliced.routed, sliced.calls) == ("owners", 16, True, 2)  # 9 stacks, 1 round
+    assert sorted(sliced.sent) == [9 * stack / 16] * 7 + [9 * stack / 16 + stack] * 9
+    assert sliced.payload == 9 * stack / 16 + stack and sliced.flops_per_rank == 5 * cost
+    assert sliced.transient == 2 * stack + 2 * 9 * stack / 16
+    # ep 2 on 4 ranks: 4 experts an ep rank over 2 ranks, 2 each, whole: orthogonalised where they are
+    [whole] = muon_shares(spec, Mesh(1, 4, 2), "muon_experts")
+    assert (whole.how, whole.payload, whole.calls) == ("own", 0.0, 0)
+    assert whole.flops_per_rank == 9 * 5 * newton_schulz_cost((2, 32, 64))
+    # no ep, FSDP2 on 2 ranks: whole stacks to owners on dim 0; DDP: one all-gather of the largest share
+    [dense] = muon_shares(spec, Mesh(1, 2, 1), "muon_experts")
+    assert (dense.how, dense.ranks, dense.routed, dense.calls) == ("owners", 2, False, 2 * 5)  # 9 stacks: 5 rounds
+    assert sorted(dense.sent) == [9 * stack + 4 * 2 * stack, 9 * stack + 5 * 2 * stack]
+    [ddp] = muon_shares(spec, Mesh(2, 1, 1), "muon_experts")
+    assert (ddp.how, ddp.ranks, ddp.payload) == ("all-gather", 2, 2 * 5 * 2 * stack)
 
 
 def test_fsdp_and_ddp_payloads_by_hand() -> None:
