@@ -334,7 +334,8 @@ class MuonAdamW(torch.optim.Optimizer):
     ) -> Tensor:
         for i in members:
             check_fsdp_layout(with_grad[i][0])
-        ortho = torch.zeros((), dtype=torch.float64)
+        device = with_grad[members[0]][0].device  # the collectives' (NCCL's) device
+        ortho = torch.zeros((), dtype=torch.float64, device=device)
         steps = [self.state[with_grad[i][0]].get("step", 0) + 1 for i in members]  # the step about to be taken
         due = {i for i, step in zip(members, steps) if self._orthogonality_due(step, i, len(with_grad))}
 
@@ -349,7 +350,7 @@ class MuonAdamW(torch.optim.Optimizer):
             return from_matrices(O, split, p.shape)
 
         matrices = [as_matrices(torch.empty(with_grad[i][0].shape, device="meta"), with_grad[i][1]) for i in members]
-        sq = torch.zeros(())
+        sq = torch.zeros((), device=device)
         for k, update in exchange_with_owners(
             [with_grad[i][0].shape for i in members],
             [with_grad[i][0].placements[0].dim for i in members],

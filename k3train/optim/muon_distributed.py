@@ -155,13 +155,14 @@ def exchange_with_owners(
     for round_ in range(max(map(len, queues))):
         items = [q[round_] if round_ < len(q) else None for q in queues]  # owner rank -> its item this round
         send = [local_input(i).to(dtype).reshape(-1) for i in items if i is not None]
+        device = send[0].device  # an owner-less rank's empty buffer goes there too: NCCL takes no CPU tensor
         for i, part in zip((i for i in items if i is not None), send):
             if part.numel() != shard_shape(i, rank).numel():
                 raise RuntimeError(f"item {i}: this rank's shard has {part.numel()} elements, expected the Shard "
                                    f"layout's {tuple(shard_shape(i, rank))}")  # fmt: skip
         mine = items[rank]
         received = _exchange(
-            torch.cat(send) if send else torch.empty(0, dtype=dtype),
+            torch.cat(send),
             [0 if i is None else nbytes(i, rank) for i in items],
             [0 if mine is None else nbytes(mine, r) for r in range(world)],
             group,
@@ -177,7 +178,7 @@ def exchange_with_owners(
             outputs = [x.contiguous().reshape(-1) for x in out.split(rows[mine], dim=shard_dims[mine])]
             del out
         returned = _exchange(
-            torch.cat(outputs) if outputs else torch.empty(0, dtype=dtype),
+            torch.cat(outputs) if outputs else torch.empty(0, dtype=dtype, device=device),
             [0 if mine is None else nbytes(mine, r) for r in range(world)],
             [0 if i is None else nbytes(i, rank) for i in items],
             group,
