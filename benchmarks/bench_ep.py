@@ -239,6 +239,9 @@ def timed_fsdp(real, name: str, payload_arg: str):
     return collective
 
 
+QB = ("Quantile Balancing all-gather", "Quantile Balancing all-to-all")  # the plan's kinds
+
+
 def timed_qb_gather(real):
     """Quantile Balancing's all-gathers (moe.py's _all_gather_single): the loads and the candidate biases."""
 
@@ -257,6 +260,24 @@ def timed_qb_gather(real):
         return work
 
     return gather
+
+
+def timed_qb_all_to_all(real):
+    """Quantile Balancing's all-to-all (moe.py's _all_to_all_single): each rank's candidates to their experts' rank."""
+
+    def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        def call():
+            return real(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+        if not REC.active:
+            return call()
+        seconds, work = REC.timed(group, call)
+        mine = input_split_sizes[dist.get_rank(group)] * input.element_size() if input_split_sizes else 0
+        REC.add(kind="Quantile Balancing all-to-all", phase="forward", s=seconds, payload=_nbytes(input),
+                leaving=_nbytes(input) - mine)  # fmt: skip
+        return work
+
+    return all_to_all
 
 
 def timed_grouped_swiglu(real):
@@ -293,6 +314,7 @@ def install_counters() -> None:
     setattr(dist, AG_NAME, timed_fsdp(getattr(dist, AG_NAME), "all-gather", "output_tensor"))
     setattr(dist, RS_NAME, timed_fsdp(getattr(dist, RS_NAME), "reduce-scatter", "input"))
     moe_module._all_gather_single = timed_qb_gather(moe_module._all_gather_single)
+    moe_module._all_to_all_single = timed_qb_all_to_all(moe_module._all_to_all_single)
     moe_module.GroupedSwiGLU = timed_grouped_swiglu(moe_module.GroupedSwiGLU)  # RoutedExperts.forward calls it
 
 
@@ -636,11 +658,9 @@ def layer_table(layer_ep: dict, layer_fsdp: dict, plan: dict) -> dict:
         "FSDP all-gather of the experts (fwd + bwd)": row(ag, "fsdp", routed[0], units),
         "FSDP reduce-scatter of the experts' gradients": row(rs, "fsdp", routed[1], units),
         "FSDP all-gather + reduce-scatter of the experts": row(fsdp, "fsdp", routed, units),
-        "Quantile Balancing all-gather (EP run)": row(
-            total(layer_ep, "Quantile Balancing"), "ep", "Quantile Balancing all-gather", L
-        ),
-        "Quantile Balancing all-gather (FSDP run)": row(
-            total(layer_fsdp, "Quantile Balancing"), "fsdp", "Quantile Balancing all-gather", L
+        "Quantile Balancing all-gathers + all-to-all (EP run)": row(total(layer_ep, "Quantile Balancing"), "ep", QB, L),
+        "Quantile Balancing all-gathers + all-to-all (FSDP run)": row(
+            total(layer_fsdp, "Quantile Balancing"), "fsdp", QB, L
         ),
     }
     kinds = sorted(k for k in layer_ep if k.startswith("EP all-to-all"))
@@ -685,11 +705,11 @@ def model_table(model_ep: dict, model_fsdp: dict, plan: dict) -> dict:
         vals = [table[k]["payload"] for k in kinds if k in table]
         return sum(vals) if vals else None
 
-    qb = "Quantile Balancing all-gather"
+    qb = "Quantile Balancing all-gathers + all-to-all"
     ep = {
         "EP all-to-all": (total(model_ep, "EP all-to-all"), plan_sum(pe, "EP all-to-all")),
         "DDP all-reduce": (total(model_ep, "DDP all-reduce"), plan_sum(pe, "DDP all-reduce")),
-        qb: (total(model_ep, "Quantile Balancing"), plan_sum(pe, qb)),
+        qb: (total(model_ep, "Quantile Balancing"), plan_sum(pe, *QB)),
     }
     fsdp = {
         "FSDP all-gather (all units)": (
@@ -700,7 +720,7 @@ def model_table(model_ep: dict, model_fsdp: dict, plan: dict) -> dict:
             total(model_fsdp, "FSDP reduce-scatter"),
             plan_sum(pf, "FSDP reduce-scatter", "FSDP reduce-scatter (routed experts)"),
         ),
-        qb: (total(model_fsdp, "Quantile Balancing"), plan_sum(pf, qb)),
+        qb: (total(model_fsdp, "Quantile Balancing"), plan_sum(pf, *QB)),
     }
 
     def rows(table):

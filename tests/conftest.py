@@ -90,6 +90,9 @@ def _gloo_rank(rank: int, fn, world_size: int, workdir: Path, args: tuple) -> No
     finally:
         dist.destroy_process_group()
     torch.save(result, workdir / f"rank{rank}.pt")
+    from helpers.spawn import leave_without_finalizing
+
+    leave_without_finalizing()
 
 
 def run_on_gloo_ranks(fn, workdir: Path, *args, world_size: int = 2, timeout: float = 120) -> list:

@@ -237,3 +237,48 @@ def test_uneven_token_counts_are_refused_on_every_rank(ranks):
     for result in ranks:
         assert result["uneven"] is not None and "[32, 48]" in result["uneven"], result["uneven"]
         assert "same number of tokens on every rank" in result["uneven"]
+
+
+def _three_rank_quantiles(rank: int, world_size: int) -> dict:
+    """global_quantile_bias on 3 ranks, each its third of a fixed r, with what each rank received in the all-to-all."""
+    from k3train.models.k3 import moe as moe_module
+    from k3train.models.k3.moe import global_quantile_bias
+
+    received = []
+    real = moe_module._all_to_all_single
+
+    def counting(output, input, output_split_sizes, input_split_sizes, group=None):
+        received.append(output.numel())
+        return real(output, input, output_split_sizes, input_split_sizes, group=group)
+
+    moe_module._all_to_all_single = counting
+    try:
+        out = {}
+        for n, tokens, k in THREE_RANK_CASES:
+            r = torch.randn(3 * tokens, n, generator=torch.Generator().manual_seed(n + tokens))
+            out[(n, tokens, k)] = global_quantile_bias(r.chunk(3)[rank], k, dist.group.WORLD)
+        return {"bias": out, "received": received}
+    finally:
+        moe_module._all_to_all_single = real
+
+
+# (experts, tokens a rank, k): experts split 3/3/2, 1/1/0 (fewer experts than ranks) and 6/6/4; candidates fewer
+# than a rank's tokens (m + 1 = 3 * 64 * 2 / 8 + 1 = 49 < 64) and all of them (m + 1 > 16)
+THREE_RANK_CASES = [(8, 64, 2), (2, 16, 1), (16, 16, 4)]
+
+
+def test_three_ranks_take_a_block_of_experts_each_and_agree_exactly(tmp_path):
+    from k3train.models.k3.moe import quantile_bias, quantile_rank
+    from k3train.runtime.distributed import chunk_sizes
+
+    from helpers.spawn import spawn_ranks
+
+    ranks = spawn_ranks(_three_rank_quantiles, tmp_path, nprocs=3)
+    for case, (n, tokens, k) in enumerate(THREE_RANK_CASES):
+        r = torch.randn(3 * tokens, n, generator=torch.Generator().manual_seed(n + tokens))
+        want = quantile_bias(r, k)
+        c = min(quantile_rank(3 * tokens, k, n) + 1, tokens)
+        for rank, got in enumerate(ranks):
+            assert torch.equal(got["bias"][(n, tokens, k)], want), (n, rank)
+            # each rank received every rank's candidates for its block of experts only
+            assert got["received"][case] == 3 * c * chunk_sizes(n, 3)[rank], (n, rank)

@@ -12,7 +12,8 @@ from torch import nn
 from k3train.optim import muon as muon_module
 from k3train.optim import muon_distributed
 from k3train.optim.muon import MuonAdamW
-from k3train.optim.muon_distributed import assign_owners, data_parallel_group, newton_schulz_cost, shard_rows
+from k3train.optim.muon_distributed import assign_owners, data_parallel_group, newton_schulz_cost
+from k3train.runtime.distributed import chunk_sizes
 
 from helpers.spawn import spawn_ranks
 
@@ -35,13 +36,13 @@ def test_newton_schulz_cost_is_symmetric_in_a_matrix_transpose() -> None:
     assert newton_schulz_cost((64, 8, 32)) == 64 * newton_schulz_cost((1, 8, 32))
 
 
-def test_shard_rows_follow_dtensor_shard() -> None:
+def test_chunk_sizes_follow_dtensor_shard() -> None:
     from torch.distributed.tensor import Shard
 
     for size in (0, 1, 5, 8, 10, 16):
         for world in (1, 2, 3, 4, 6):
             want = [len(c) for c in Shard(0)._split_tensor(torch.empty(size), world, with_padding=False)[0]]
-            assert shard_rows(size, world) == want, (size, world)
+            assert chunk_sizes(size, world) == want, (size, world)
 
 
 def test_spread_only_over_the_group_handed_in(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -263,7 +264,7 @@ def test_fsdp2_owners_receive_only_what_they_orthogonalise(three_ranks: list[dic
             owners = assign_owners(costs, 3)
             for (shape, _), owner in zip(with_grad, owners):
                 dim = 1 if len(shape) == 3 else 0
-                rows = shard_rows(shape[dim], 3)
+                rows = chunk_sizes(shape[dim], 3)
                 numel = torch.Size(shape).numel()
                 shards += numel // shape[dim] * rows[rank] * itemsize
                 if owner == rank:

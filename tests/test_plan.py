@@ -312,6 +312,12 @@ def _count_collectives(monkeypatch_targets: dict) -> tuple[dict, dict]:
         counts["balancing"] += output.nbytes
         return moe_gather(output, input, group=group, **kw)
 
+    balancing_a2a = moe._all_to_all_single
+
+    def balancing_all_to_all(output, input, output_split_sizes, input_split_sizes, group=None):
+        counts["balancing all-to-all"] += input.nbytes
+        return balancing_a2a(output, input, output_split_sizes, input_split_sizes, group=group)
+
     def newton_schulz_gather(output, input, group=None, **kw):
         counts["Newton-Schulz update"] += output.nbytes
         return ns_gather(output, input, group=group, **kw)
@@ -332,6 +338,7 @@ def _count_collectives(monkeypatch_targets: dict) -> tuple[dict, dict]:
             (_fsdp_collectives.DefaultAllGather, "__call__"): fsdp_all_gather,
             (_fsdp_collectives.DefaultReduceScatter, "__call__"): fsdp_reduce_scatter,
             (moe, "_all_gather_single"): balancing_gather,
+            (moe, "_all_to_all_single"): balancing_all_to_all,
             (muon_distributed, "_all_gather_single"): newton_schulz_gather,
             (muon_distributed, "_all_to_all_single"): newton_schulz_all_to_all,
             (funcol, "all_gather_single"): dtensor_gather,
@@ -404,6 +411,8 @@ def planned(spec, mesh: Mesh) -> dict[str, float]:
             kind = "Newton-Schulz all-to-all"
         elif kind.endswith("all-gather") and ("Balancing" in kind or "load" in kind):
             kind = "balancing"
+        elif kind == "Quantile Balancing all-to-all":
+            kind = "balancing all-to-all"
         out[kind] += x.payload
     return dict(out)
 
@@ -470,11 +479,13 @@ def _expert_parallel_rank_main(rank: int, world_size: int) -> dict:
 @pytest.mark.slow
 def test_expert_parallel_all_to_all_bytes_equal_a_real_run(tmp_path: Path) -> None:
     """Both ranks of an ep = 2 exchange (k3train/models/k3/expert_parallel.py) together send what the plan says two
-    ranks send: each rank sends all its slots out and its experts' results back, forward and backward."""
+    ranks send: each rank sends all its slots out and its experts' results back, forward and backward (and, beside
+    them, Quantile Balancing's candidates to the rank taking their experts' block)."""
     counts = spawn_ranks(_expert_parallel_rank_main, tmp_path)
     spec = spec_of(*SMALL, "precision=bf16")
     (a2a,) = [x for x in plan_comm(spec, Mesh(2, 1, 2)) if x.kind == "EP all-to-all"]
-    assert sum(c["all_to_all"] for c in counts) == 2 * a2a.payload
+    (balancing,) = [x for x in plan_comm(spec, Mesh(2, 1, 2)) if x.kind == "Quantile Balancing all-to-all"]
+    assert sum(c["all_to_all"] for c in counts) == 2 * (a2a.payload + balancing.payload)
 
 
 # The cp = 2 split's cases: precision, checkpointing, document masking, micro-batches; 2 rows of 40 positions (20 a
@@ -518,7 +529,7 @@ def _context_parallel_rank_main(rank: int, world_size: int) -> dict:
                 self.bytes[f"{_cp_kind(t[: t.shape[0] // args[2]], self.n)} reduce-scatter"] += t.nbytes
             return func(*args, **(kwargs or {}))
 
-    gather = moe._all_gather_single
+    gather, all_to_all = moe._all_gather_single, moe._all_to_all_single
     out: dict = {}
     for case, (precision, mode, documents, accumulation) in CP_CASES.items():
         cfg = composed(*CP_SMALL, f"precision={precision}")
@@ -535,6 +546,10 @@ def _context_parallel_rank_main(rank: int, world_size: int) -> dict:
             counter.bytes["balancing"] += output.nbytes
             return gather(output, input, group=group, **kw)
 
+        def balancing_all_to_all(output, input, out_splits, in_splits, group=None, counter=counter):
+            counter.bytes["balancing all-to-all"] += input.nbytes
+            return all_to_all(output, input, out_splits, in_splits, group=group)
+
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else nullcontext()
         g = torch.Generator().manual_seed(0)
         batches = []
@@ -545,7 +560,7 @@ def _context_parallel_rank_main(rank: int, world_size: int) -> dict:
             batches.append((x[:, mine].clone(), None if ids is None else ids[:, mine].clone()))
         # what the first micro-batch saves, by layer (a forward of its own, before the counting)
         saved = saved_bytes_by_layer(model, batches[0][0], batches[0][0], precision == "bf16", batches[0][1])
-        moe._all_gather_single = balancing
+        moe._all_gather_single, moe._all_to_all_single = balancing, balancing_all_to_all
         try:
             for x, ids in batches:
                 with counter:
@@ -553,7 +568,7 @@ def _context_parallel_rank_main(rank: int, world_size: int) -> dict:
                         _, loss = model(x, targets=x, document_ids=ids)
                     loss.backward()
         finally:
-            moe._all_gather_single = gather
+            moe._all_gather_single, moe._all_to_all_single = gather, all_to_all
         out[case] = {"saved": dict(saved), "comm": dict(counter.bytes)}
     return out
 
@@ -575,9 +590,10 @@ def test_context_parallel_bytes_equal_a_two_rank_split(context_parallel_counts: 
         *CP_SMALL, f"precision={precision}", f"train.activation_checkpointing={mode}",
         f"train.gradient_accumulation_steps={accumulation}", f"data.document_masking={documents}",
     )  # fmt: skip
-    want = {k: v for k, v in planned(spec, Mesh(2, 1, 1, 2)).items() if k.startswith("CP") or k == "balancing"}
+    want = {k: v for k, v in planned(spec, Mesh(2, 1, 1, 2)).items() if k.startswith(("CP", "balancing"))}
     kinds = ("KDA state", "conv tails", "MLA latent")
-    assert set(want) == {f"CP {k} {op}" for k in kinds for op in ("all-gather", "reduce-scatter")} | {"balancing"}
+    cp = {f"CP {k} {op}" for k in kinds for op in ("all-gather", "reduce-scatter")}
+    assert set(want) == cp | {"balancing", "balancing all-to-all"}
     c, act = spec.model, spec.act_bytes
     for rank, counts in enumerate(context_parallel_counts):
         assert counts[case]["comm"] == pytest.approx(want, rel=1e-12), f"rank {rank}"

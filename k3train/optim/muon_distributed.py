@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from k3train.runtime.distributed import chunk_sizes
+
 try:  # DTensor is what FSDP2 makes of a parameter; a torch build without distributed has none.
     from torch.distributed.tensor import DTensor, Shard
 except ImportError:  # pragma: no cover
@@ -114,13 +116,6 @@ def all_gather_outputs(
     return outputs
 
 
-def shard_rows(size: int, world: int) -> list[int]:
-    """How many of a dimension's `size` rows each rank of `world` holds under DTensor's Shard: torch.chunk's split
-    (ceil(size / world) rows each, in rank order, the last ranks fewer or none)."""
-    step = -(-size // world)
-    return [max(0, min(step, size - r * step)) for r in range(world)]
-
-
 def exchange_with_owners(
     shapes: Sequence[torch.Size],
     shard_dims: Sequence[int],
@@ -132,7 +127,7 @@ def exchange_with_owners(
 ) -> Iterator[tuple[int, Tensor]]:
     """Orthogonalise sharded matrices at their owners; yield (item, this rank's shard of its output) per item.
 
-    Item i is a tensor of shapes[i] sharded on shard_dims[i] over `group` (Shard semantics, see shard_rows);
+    Item i is a tensor of shapes[i] sharded on shard_dims[i] over `group` (Shard semantics, see chunk_sizes);
     local_input(i) is this rank's shard of it, orthogonalise(i, whole) (called on its owner only) turns the whole
     into an output of the same shape. Owners are balanced by `costs` (assign_owners); each round every owner takes
     its next item, and two all-to-alls (shards in, shards of the outputs back) carry them, as raw bytes in `dtype`
@@ -142,7 +137,7 @@ def exchange_with_owners(
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     owners = assign_owners(costs, world)
     queues = [[i for i, o in enumerate(owners) if o == r] for r in range(world)]
-    rows = [shard_rows(shape[d], world) for shape, d in zip(shapes, shard_dims)]
+    rows = [chunk_sizes(shape[d], world) for shape, d in zip(shapes, shard_dims)]
 
     def shard_shape(i: int, r: int) -> torch.Size:
         shape = list(shapes[i])

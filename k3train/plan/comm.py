@@ -25,8 +25,10 @@ tokens that leave it.
   all-to-alls a round, the busiest rank's inputs: its shard of every matrix to the owners, then the whole updates
   of the matrices it owns back to their shards' ranks (routed experts sliced on dim 1: over the ranks holding them).
 - Quantile Balancing (the MoE's router over several ranks, k3train/models/k3/moe.py): per MoE layer and training
-  forward, the loads (n + 1 fp64 per rank) and each rank's m + 1 smallest required biases per expert (fp32; all its
-  tokens once m + 1 exceeds them, m = global tokens x k / n). The other routers gather only the loads.
+  forward, an all-gather of the loads (n + 1 fp64 per rank); an all-to-all of each rank's m + 1 smallest required
+  biases per expert (fp32; all its tokens once m + 1 exceeds them, m = global tokens x k / n), each expert's to the
+  rank that takes its block (ceil(n / W) experts); an all-gather of the blocks' biases (fp32, padded to the widest).
+  The other routers gather only the loads.
 - Context parallelism (k3train/models/context_parallel.py), per layer and micro-batch over the cp ranks that split
   a row, each an all-gather (again in a recompute when checkpointing recomputes the mixer) whose backward
   reduce-scatters a tensor of the same size: KDA's slice summaries [M | F], B x heads x K x (K + V) fp32 a rank
@@ -48,6 +50,7 @@ from k3train.plan.memory import shard_bytes
 from k3train.plan.mesh import Mesh
 from k3train.plan.muon import muon_groups, muon_shares
 from k3train.plan.spec import RunSpec
+from k3train.runtime.distributed import chunk_sizes
 
 
 @dataclass(frozen=True)
@@ -130,7 +133,9 @@ def plan_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
         per_layer = W * (n + 1) * 8  # the loads, fp64
         if c.router == "quantile_balancing":
             m = quantile_rank(N * W, c.experts_per_token, n)
-            per_layer += W * min(m + 1, N) * n * F32
+            sent = A * moe_layers * min(m + 1, N) * n * F32  # each rank's candidates, by expert block
+            out.append(Collective("Quantile Balancing all-to-all", sent, ring(sent, W), W, A * moe_layers, False, True))
+            per_layer += W * chunk_sizes(n, W)[0] * F32  # the blocks' biases, padded to the widest
         calls = A * moe_layers * (2 if c.router == "quantile_balancing" else 1)
         payload = A * moe_layers * per_layer
         out.append(Collective(f"{_router_name(c.router)} all-gather", payload, ring(payload, W), W, calls, False))

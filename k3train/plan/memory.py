@@ -14,7 +14,7 @@ A step's phases, each the stored bytes plus what is alive then:
 - forward end: every layer's saved activations and weight copies (k3train/plan/activations.py), the root's, and
   the largest forward transient (the LM head's logits chunk in k3train/models/loss.py; FSDP2's gathered root,
   gathered from the embedding to the loss, with two blocks, the current one and the prefetched next; QK-Clip's
-  max logit, measured one tile of logits [heads, tile, tile] at a time; Quantile Balancing's gathered candidates;
+  max logit, measured one tile of logits [heads, tile, tile] at a time; Quantile Balancing's exchanged candidates;
   EP's dispatch buffers);
 - backward, layer by layer from the last: the activations of the layers below, the finished layers' gradients,
   and the current layer's working set: gradients as large as what it saved, plus its recompute under checkpointing,
@@ -40,6 +40,7 @@ from k3train.plan.activations import F32, I64, ContextSlice, LayerActivations, l
 from k3train.plan.mesh import Mesh
 from k3train.plan.muon import NS_BYTES, muon_groups, muon_shares
 from k3train.plan.spec import Param, RunSpec
+from k3train.runtime.distributed import chunk_sizes
 
 
 @dataclass
@@ -177,11 +178,15 @@ def forward_transients(spec: RunSpec, mesh: Mesh, device_type: str) -> dict[str,
     if moe and c.router == "quantile_balancing":
         n = c.n_routed_experts
         m = quantile_rank(N * mesh.world, c.experts_per_token, n)
-        if mesh.world > 1:
-            gathered = mesh.world * min(m + 1, N) * n * F32
-        else:
-            gathered = 2 * N * n * F32  # the required biases and the scores they are made from
-        out["Quantile Balancing candidates"] = gathered + (m + 1) * n * (F32 + I64)
+        if mesh.world > 1:  # r; this rank's candidates (top-k values, indices) and their copy by expert block;
+            # the block's candidates from every rank, received and transposed; the quantile's top-k over them
+            cands, block = min(m + 1, N), chunk_sizes(n, mesh.world)[0]
+            received = mesh.world * cands * block * F32
+            out["Quantile Balancing candidates"] = (
+                N * n * F32 + cands * n * (2 * F32 + I64) + 2 * received + (m + 1) * block * (F32 + I64)
+            )
+        else:  # the required biases and the scores they are made from; the quantile's top-k
+            out["Quantile Balancing candidates"] = 2 * N * n * F32 + (m + 1) * n * (F32 + I64)
     if moe and mesh.ep > 1:
         r = c.expert_latent_dim or d
         out["EP dispatch + combine buffers"] = 2 * N * c.experts_per_token * r * act

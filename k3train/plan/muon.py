@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from k3train.optim.muon_distributed import assign_owners, newton_schulz_cost, shard_rows
+from k3train.optim.muon_distributed import assign_owners, newton_schulz_cost
 from k3train.plan.mesh import Mesh
 from k3train.plan.spec import Param, RunSpec
+from k3train.runtime.distributed import chunk_sizes
 
 NS_BYTES = {"bf16": 2, "fp32": 4}
 
@@ -72,7 +73,7 @@ def _owners(params: list[Param], mesh: Mesh, ranks: int, dim: int, element: int,
     owners = assign_owners(costs, ranks)
     whole = [_numel(s) * element for s in shapes]
     # bytes of rank r's shard of each tensor: Shard's rows, as DTensor lays them out
-    shard = [[_numel(s) // s[dim] * rows * element for rows in shard_rows(s[dim], ranks)] for s in shapes]
+    shard = [[_numel(s) // s[dim] * rows * element for rows in chunk_sizes(s[dim], ranks)] for s in shapes]
     queues = [[i for i, o in enumerate(owners) if o == r] for r in range(ranks)]
     sent = [sum(sh[r] for sh in shard) + sum(whole[i] for i in queues[r]) for r in range(ranks)]
     load = [sum(costs[i] for i in queues[r]) for r in range(ranks)]

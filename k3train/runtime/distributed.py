@@ -222,3 +222,10 @@ def failure_line(exc: BaseException, world: World) -> str | None:
             "first; its own error, or the launcher's summary (torchrun's Root Cause, srun's task N), names it"
         )
     return f"{who} failed: {type(exc).__name__}: {first}"
+
+
+def chunk_sizes(size: int, parts: int) -> list[int]:
+    """How torch.chunk (and DTensor's Shard) splits `size` rows over `parts` ranks: ceil(size / parts) each, in rank
+    order, the last ranks fewer or none."""
+    step = -(-size // parts)
+    return [max(0, min(step, size - r * step)) for r in range(parts)]

@@ -45,14 +45,15 @@ forward passes:
 
 Data-parallel training: when `moe.process_group` names a group of more than one rank (the run's data-parallel
 group, handed over by the parallelize function from ParallelDims), a training-mode pass balances over the GLOBAL
-batch. Every rank all-gathers its candidates for step 3 (its m+1 smallest r per expert, m from the global token
-count: the global m+1 smallest are among them, so the quantile is exactly the one over all ranks' r, for about
-min(1, W k / n) of the traffic of gathering r itself); every rank computes the same bias. The load counts are summed
+batch. Each rank's candidates for step 3 (its m+1 smallest r per expert, m from the global token count: the global
+m+1 smallest are among them, so the quantile is exactly the one over all ranks' r) go, expert block by expert
+block, to the rank that takes that block (one all-to-all), which computes its experts' quantiles; one all-gather
+of the biases then gives every rank the same bias (global_quantile_bias). The load counts are summed
 over ranks, so aux_free_bias steps on the global load and the diagnostics describe the global batch.
 - Quantile Balancing needs the same number of tokens on every rank (k3train's loaders give every rank B x T); a
   mismatch is refused on every rank, naming the counts.
 - Every rank must run the same training-mode passes: each makes, per MoE layer, one collective for the loads and,
-  under Quantile Balancing, a second for r.
+  under Quantile Balancing, two more for r (the all-to-all and the all-gather).
 - DDP's buffer sync before each forward (broadcast_buffers; forward_sync_buffers from torch 2.13) copies a bias
   every rank already has: turning it off skips that broadcast.
 - What differs from one big batch: the quantile is over the tokens of ONE forward pass, so gradient-accumulated
@@ -86,11 +87,13 @@ from k3train.models.k3.situ import (
     situ_glu_value,
 )
 from k3train.models.norm import RMSNorm
+from k3train.runtime.distributed import chunk_sizes
 
 BALANCING = ("quantile_balancing", "aux_free_bias", "none")
 EXPERT_IMPLEMENTATIONS = ("auto", "loop", "grouped_mm")
 # torch 2.13 renamed all_gather_into_tensor (and warns on the old name); k3train supports torch >= 2.9.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_all_to_all_single = dist.all_to_all_single  # module attributes, so tests can count what they carry
 
 
 def _situ_betas(activation: str, beta: float, linear_beta: float) -> tuple[float, float] | None:
@@ -596,11 +599,14 @@ def quantile_rank(n_tokens: int, k: int, n_experts: int) -> int:
     return min(max(round(n_tokens * k / n_experts), 1), n_tokens - 1)
 
 
-def quantile_bias(required: torch.Tensor, k: int, n_tokens: int | None = None) -> torch.Tensor:
+def quantile_bias(
+    required: torch.Tensor, k: int, n_tokens: int | None = None, n_experts: int | None = None
+) -> torch.Tensor:
     """r [R, n] -> per expert the midpoint of the m-th and (m+1)-th smallest r, m = quantile_rank(N) (step 3).
-    N is R unless given: the rows may be only the candidates for the m+1 smallest of N tokens."""
+    N is R unless given: the rows may be only the candidates for the m+1 smallest of N tokens; n_experts is n unless
+    given: the columns may be a block of the experts."""
     N, n = required.shape
-    m = quantile_rank(N if n_tokens is None else n_tokens, k, n)
+    m = quantile_rank(N if n_tokens is None else n_tokens, k, n if n_experts is None else n_experts)
     lowest = torch.topk(required, m + 1, dim=0, largest=False).values  # [m+1, n], ascending
     return 0.5 * (lowest[m - 1] + lowest[m])
 
@@ -633,9 +639,24 @@ def check_equal_tokens(tokens_per_rank: list[int]) -> None:
 
 def global_quantile_bias(required: torch.Tensor, k: int, group: dist.ProcessGroup) -> torch.Tensor:
     """This rank's r [N, n] -> quantile_bias of every rank's r stacked, exactly. The global m+1 smallest of an
-    expert's r are among the union of each rank's m+1 smallest, so only those travel."""
+    expert's r are among the union of each rank's m+1 smallest, so only those travel, and each to one rank: rank j
+    takes a block of the experts (torch.chunk's), receives every rank's candidates for them in one all-to-all,
+    computes their quantiles, and an all-gather hands every rank every block's biases. A rank receives W x (m+1) x
+    n / W values, not the W x (m+1) x n of gathering every candidate everywhere (Kimi K3 on 1,024 GPUs: 15 MB a MoE
+    layer, not 15 GB); the quantile is the same values' (it depends only on the values, not their order)."""
     N, n = required.shape
-    n_tokens = N * dist.get_world_size(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    n_tokens = N * world
     m = quantile_rank(n_tokens, k, n)
-    candidates = torch.topk(required, min(m + 1, N), dim=0, largest=False).values  # [min(m+1, N), n]
-    return quantile_bias(all_gather_rows(candidates, group), k, n_tokens)
+    c = min(m + 1, N)
+    candidates = torch.topk(required, c, dim=0, largest=False).values  # [c, n]
+    blocks = chunk_sizes(n, world)  # experts each rank takes (torch.chunk's split)
+    received = candidates.new_empty(world * c * blocks[rank])
+    by_expert = candidates.t().reshape(-1)  # [n c]: each rank's block contiguous, split in elements
+    _all_to_all_single(received, by_expert, [c * blocks[rank]] * world, [c * b for b in blocks], group=group)
+    mine = received.view(world, blocks[rank], c).permute(0, 2, 1).reshape(world * c, blocks[rank])
+    bias = quantile_bias(mine, k, n_tokens, n) if blocks[rank] else mine.new_empty(0)
+    widest = blocks[0]
+    padded = torch.cat([bias, bias.new_zeros(widest - blocks[rank])])
+    every = all_gather_rows(padded[None], group)  # [W, widest]
+    return torch.cat([every[j, : blocks[j]] for j in range(world)])
