@@ -332,6 +332,8 @@ class MuonAdamW(torch.optim.Optimizer):
     def _orthogonalise_on_mesh(
         self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]], members: list[int], mesh: Any
     ) -> Tensor:
+        """The members sharded on one mesh: their exchange with the owners, every rank's updates applied; the sum of
+        their updates' squares over the mesh (a collective, as is the orthogonality error's maximum when due)."""
         for i in members:
             check_fsdp_layout(with_grad[i][0])
         device = with_grad[members[0]][0].device  # the collectives' (NCCL's) device
