@@ -14,6 +14,7 @@ A group's parameters fall into shares, each handled one way:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from k3train.optim.muon_distributed import assign_owners, newton_schulz_cost
@@ -71,9 +72,9 @@ def _owners(params: list[Param], mesh: Mesh, ranks: int, dim: int, element: int,
     matrices = [_local_matrices(p, mesh) for p in params]
     costs = [newton_schulz_cost(m) for m in matrices]
     owners = assign_owners(costs, ranks)
-    whole = [_numel(s) * element for s in shapes]
+    whole = [math.prod(s) * element for s in shapes]
     # bytes of rank r's shard of each tensor: Shard's rows, as DTensor lays them out
-    shard = [[_numel(s) // s[dim] * rows * element for rows in chunk_sizes(s[dim], ranks)] for s in shapes]
+    shard = [[math.prod(s) // s[dim] * rows * element for rows in chunk_sizes(s[dim], ranks)] for s in shapes]
     queues = [[i for i, o in enumerate(owners) if o == r] for r in range(ranks)]
     sent = [sum(sh[r] for sh in shard) + sum(whole[i] for i in queues[r]) for r in range(ranks)]
     load = [sum(costs[i] for i in queues[r]) for r in range(ranks)]
@@ -113,13 +114,6 @@ def _local_matrices(p: Param, mesh: Mesh) -> tuple[int, int, int]:
     if not (p.routed and mesh.ep > 1):
         return (n, a, b)
     return (n // mesh.ep // (mesh.expert_shard if experts_whole(p, mesh) else 1), a, b)
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    out = 1
-    for n in shape:
-        out *= n
-    return out
 
 
 def experts_whole(p: Param, mesh: Mesh) -> bool:
