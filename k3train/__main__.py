@@ -5,6 +5,7 @@ from k3train.runtime.bootstrap import bootstrap
 bootstrap(training=True)  # before torch loads (runtime/bootstrap.py)
 
 import os
+import signal
 import sys
 
 import hydra
@@ -48,6 +49,10 @@ def main() -> None:
         distributed.close(wait_for_others=False)  # another rank may be inside a collective this one never joins
         if isinstance(exc, SystemExit) and exc.code == 1 and not _composed:
             sys.exit(2)  # Hydra reported a config it could not compose (unknown key, wrong type): bad input
+        if isinstance(exc, KeyboardInterrupt):  # Ctrl-C outside the training loop (which stops at an update)
+            print("k3train: interrupted by Ctrl-C; checkpoints already written are kept", file=sys.stderr, flush=True)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGINT)  # end by the signal, as a shell expects of Ctrl-C
         raise
     distributed.close(wait_for_others=True)
 

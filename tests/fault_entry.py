@@ -12,6 +12,8 @@ handshake files:
                    fail with ENOSPC, and torch reacts as it does on a real full disk
   die_step:N       after the train event of step N, SIGKILL this process if its RANK is K3TRAIN_FAULT_RANK (default
                    1): one rank of a multi-process run dies
+  pause_build:1    when the runner starts building the run (the directory claimed, .hydra/ written, nothing
+                   trained), create <dir>/paused-build-1 and wait until <dir>/go-build-1 exists: start-up
 """
 
 import errno
@@ -69,6 +71,17 @@ def install(faults: dict[str, int]) -> None:
 
         metrics.MetricsLogger.log = log_then_die
 
+    if "pause_build" in faults:
+        from k3train.run import runner
+
+        build_parts = runner.build_parts
+
+        def pause_then_build(*args, **kwargs):
+            _pause("build", faults["pause_build"])
+            return build_parts(*args, **kwargs)
+
+        runner.build_parts = pause_then_build
+
     if "pause_replace" in faults:
         replace = os.replace
 
@@ -121,6 +134,9 @@ class _FullDisk:
 
 
 if __name__ == "__main__":
+    # As a terminal's foreground job: a test runner started in the background of a script (CI) passes SIGINT on
+    # ignored, and k3train leaves an ignored SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     install(_faults())
     from k3train.__main__ import main
 

@@ -361,7 +361,7 @@ def finish_and_compare(
     return result
 
 
-# ---- SIGTERM / SIGUSR1 / SIGUSR2 trials ---------------------------------------------------------------------------
+# ---- SIGTERM / SIGUSR1 / SIGUSR2 / SIGINT trials -------------------------------------------------------------------
 @dataclass(frozen=True)
 class SignalTrial:
     sig: signal.Signals
@@ -384,6 +384,8 @@ SIGNAL_TRIALS = [
     SignalTrial(signal.SIGTERM, True, "k3_tiny", 5, 6),  # the second signal in the stop's own checkpoint write
     SignalTrial(signal.SIGUSR1, True, "smoke_test_lm", 1, 3),  # ... in the interval checkpoint of that step
     SignalTrial(signal.SIGUSR2, False, "smoke_test_lm", 5, 4),  # submitit's time-limit / preemption warning
+    SignalTrial(signal.SIGINT, False, "k3_tiny", 5, 3),  # Ctrl-C at a terminal
+    SignalTrial(signal.SIGINT, True, "smoke_test_lm", 1, 3),  # Ctrl-C twice: out at once, the last checkpoint kept
 ]
 
 
@@ -421,6 +423,16 @@ def run_signal_trial(trial: SignalTrial, baseline: Baseline, work: Path, cache: 
         result.problems.append(f"exit {rc}, want {-sig} (ended by {sig.name}):\n{proc.stderr()[-2000:]}")
     else:
         result.kills_landed += 1 + second
+    if "Traceback" in proc.stderr():
+        result.problems.append(f"a traceback on stderr:\n{proc.stderr()[-2000:]}")
+    if sig == signal.SIGINT:  # a person at a terminal: one line saying what happened and what is kept
+        said = (
+            f"k3train: interrupted at step {step}; last.pt of step {kept_step} is kept"
+            if second
+            else (f"k3train: stopped by Ctrl-C at step {step} with a checkpoint")
+        )
+        if said not in proc.stderr():
+            result.problems.append(f"stderr does not say {said!r}:\n{proc.stderr()[-2000:]}")
     want_step = kept_step if second else step
     if checkpoint_step(run_dir) != want_step:
         result.problems.append(f"last.pt at step {checkpoint_step(run_dir)}, want {want_step}")

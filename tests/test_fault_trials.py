@@ -60,3 +60,22 @@ def test_full_disk_keeps_the_checkpoint_and_resume_auto_is_bitwise(trial, trial_
         pytest.skip(result.skipped)
     _check(result)
     assert result.kills_landed == 1
+
+
+def test_ctrl_c_during_start_up_ends_at_once_and_leaves_nothing(tmp_path, k3_cache):
+    """Before the first update a Ctrl-C does not wait for one: the start ends by SIGINT with one line, and the run
+    directory it had created (and .hydra/ in it) is gone again."""
+    import signal
+
+    run_dir, handshake = tmp_path / "run", tmp_path / "handshake"
+    handshake.mkdir()
+    args = [*fh.command("smoke_test_lm", 1), f"hydra.run.dir={run_dir}"]
+    proc = fh.Proc(args, tmp_path / "logs" / "start", k3_cache, fault="pause_build:1", handshake=handshake)
+    assert fh.wait_until(lambda: (handshake / "paused-build-1").exists(), proc), proc.stderr()
+    assert (run_dir / ".hydra").is_dir()  # claimed and written: there is something to undo
+    proc.popen.send_signal(signal.SIGINT)
+    assert proc.wait() == -signal.SIGINT, proc.stderr()
+    stderr = proc.stderr()
+    assert "Traceback" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == "k3train: interrupted by Ctrl-C; checkpoints already written are kept"
+    assert not run_dir.exists()

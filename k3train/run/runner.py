@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -36,6 +37,7 @@ from k3train.run.rundir import RunDirError
 from k3train.runtime import distributed, slurm
 from k3train.runtime.cpu import ThreadChoice, cpu_runtime, denormal_setting, malloc_setting
 from k3train.runtime.distributed import current_world
+from k3train.runtime.signals import Interrupted
 from k3train.train.trainer import Trainer, TrainingDiverged
 
 # ImportError: an optional dependency a setting needs (model.kda_implementation=fla without flash-linear-attention).
@@ -113,18 +115,25 @@ def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bo
 
 def _train(cfg: DictConfig, run_dir: Path, parts: dict, multirun: bool) -> str | None:
     trainer = parts["trainer"]
-    try:
-        manifest, metrics = _open_session(cfg, run_dir, **parts)
-    except OSError as exc:
-        return fail(_write_failed(exc, trainer), 1, multirun)
     failure = None
-    with trainer.signals:  # SIGTERM/SIGUSR1/SIGUSR2 now stop at an update boundary instead of killing the process
+    # From here SIGTERM/SIGUSR1/SIGUSR2/SIGINT stop the run at an update boundary instead of killing it: run.json's
+    # session, once opened, always gets its end.
+    with trainer.signals:
+        try:
+            manifest, metrics = _open_session(cfg, run_dir, **parts)
+        except OSError as exc:
+            return fail(_write_failed(exc, trainer), 1, multirun)
         try:
             reason = trainer.fit()
         except TrainingDiverged as exc:
             reason, failure = "diverged", str(exc)
         except OSError as exc:  # a full disk, a read-only directory: say what was kept, no traceback
             reason, failure = f"error: {exc}", _write_failed(exc, trainer)
+        except Interrupted:  # a second Ctrl-C: out now, in one line
+            _close(trainer, metrics, manifest, "interrupted")
+            print(f"k3train: interrupted at step {trainer.state.step}; {_kept(trainer)}", file=sys.stderr, flush=True)
+            trainer.signals.redeliver(signal.SIGINT)
+            raise
         except BaseException as exc:
             _close(trainer, metrics, manifest, f"error: {type(exc).__name__}: {exc}")
             if trainer.signals.received is not None:  # a preemption must still reach the scheduler's handler
@@ -135,9 +144,10 @@ def _train(cfg: DictConfig, run_dir: Path, parts: dict, multirun: bool) -> str |
         if failure is None and close_error is not None:
             failure = _write_failed(close_error, trainer)
     if trainer.signals.received is not None:  # checkpointed: requeue, or let the signal do what it would have done
+        stopped_by = "Ctrl-C" if trainer.signals.received == signal.SIGINT else trainer.signals.received.name
         print(
-            f"k3train: stopped by {trainer.signals.received.name} at step {trainer.state.step}; continue in the "
-            "same output directory with resume=auto",
+            f"k3train: stopped by {stopped_by} at step {trainer.state.step} with a checkpoint; continue with "
+            f"resume=auto in {run_dir} (or resume={run_dir} from anywhere)",
             file=sys.stderr,
             flush=True,
         )
@@ -170,15 +180,20 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def _write_failed(exc: OSError, trainer: Trainer) -> str:
-    path = exc.filename or trainer.run_dir
+def _kept(trainer: Trainer) -> str:
+    """Which checkpoint a run that ends now leaves, in words."""
+    name = trainer.checkpointer.path.name
     saved = trainer.checkpointer.saved_step
     if saved is not None:
-        kept = f"last.pt of step {saved} is kept"
-    elif trainer.checkpointer.path.exists():
-        kept = "last.pt is kept as it was"
-    else:
-        kept = "no checkpoint was written yet"
+        return f"{name} of step {saved} is kept"
+    if trainer.checkpointer.path.exists():
+        return f"{name} is kept as it was"
+    return "no checkpoint was written yet"
+
+
+def _write_failed(exc: OSError, trainer: Trainer) -> str:
+    path = exc.filename or trainer.run_dir
+    kept = _kept(trainer)
     if exc.errno == errno.ENOSPC:
         fix = "free disk space"
     elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):

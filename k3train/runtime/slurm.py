@@ -96,7 +96,7 @@ def end_after_signal(stop: StopSignals) -> None:
     """After a signal stopped the run with a checkpoint: requeue the job (or hand over to who requeues it), then end
     the process the way its launcher expects. Returns only where a launcher expects a normal return (never)."""
     job = current_job()
-    if job is None:
+    if job is None or stop.received == signal.SIGINT:  # Ctrl-C (srun forwards it) is a person's stop: no requeue
         stop.redeliver()  # the default handler ends the process, as the sender expects
         return
     if job.submitit:
