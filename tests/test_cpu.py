@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +18,19 @@ import torch
 from k3train.config import TrainConfig
 from k3train.observe.progress import Progress, format_duration
 from k3train.runtime import cpu
+from k3train.runtime.bootstrap import bootstrap
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # the intra-op counts torch reads from the environment
 
 
 @pytest.fixture
 def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in ("LOCAL_WORLD_SIZE", "PYTEST_XDIST_WORKER_COUNT", "SLURM_CPUS_PER_TASK"):
+    for name in ("LOCAL_WORLD_SIZE", "PYTEST_XDIST_WORKER_COUNT", "SLURM_CPUS_PER_TASK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
+    for name in THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    # as in a process no CLI started: the environment now is the user's (restored afterwards)
+    monkeypatch.setattr(cpu, "_thread_environment_at_start", None, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
     monkeypatch.setattr(cpu, "cgroup_cpu_limit", lambda: None)
     return monkeypatch
@@ -72,6 +80,125 @@ def test_auto_threads_share_the_cpus_among_local_jobs(clean_env) -> None:
     assert cpu.choose_threads("5", joblib) == cpu.ThreadChoice(5, "train.cpu_threads", cpu.openmp_setting())
 
 
+def test_auto_threads_follow_a_count_the_user_set_in_the_environment_as_torch_reads_it(clean_env) -> None:
+    clean_env.setenv("OMP_NUM_THREADS", "1")
+    assert cpu.choose_threads("auto") == cpu.ThreadChoice(
+        1, "OMP_NUM_THREADS=1 in the environment", cpu.openmp_setting()
+    )
+    clean_env.setenv("LOCAL_WORLD_SIZE", "4")  # the user's count is per process already: not divided again
+    assert cpu.choose_threads("auto").threads == 1
+    clean_env.setenv("OMP_NUM_THREADS", "4,2")  # OpenMP's list, one count per nesting level: torch takes the first
+    assert cpu.choose_threads("auto").threads == 4
+    clean_env.setenv("MKL_NUM_THREADS", "3")  # torch's order: MKL_NUM_THREADS before OMP_NUM_THREADS
+    assert cpu.choose_threads("auto").reason == "MKL_NUM_THREADS=3 in the environment"
+    clean_env.setenv("MKL_NUM_THREADS", "0")  # not a positive count: torch ignores it, and so does auto
+    assert cpu.choose_threads("auto").reason == "OMP_NUM_THREADS=4,2 in the environment"
+    clean_env.delenv("LOCAL_WORLD_SIZE")
+    clean_env.setenv("OMP_NUM_THREADS", "many")
+    assert cpu.choose_threads("auto") == cpu.ThreadChoice(
+        8,
+        "auto: 8 CPUs in this process's affinity; MKL_NUM_THREADS=0 not used: not a positive count; "
+        "OMP_NUM_THREADS=many not used: not a positive count",
+        cpu.openmp_setting(),
+    )
+
+
+def test_an_explicit_cpu_threads_and_adaptive_win_over_the_environment_and_say_so(clean_env) -> None:
+    clean_env.setenv("OMP_NUM_THREADS", "1")
+    choice = cpu.choose_threads("5")
+    assert (choice.threads, choice.reason) == (5, "train.cpu_threads, over OMP_NUM_THREADS=1 in the environment")
+    adaptive = cpu.choose_threads("adaptive")
+    assert adaptive.threads == 8 and adaptive.reason == (
+        "adaptive: 8 CPUs in this process's affinity; "
+        "OMP_NUM_THREADS=1 in the environment not used: train.cpu_threads=adaptive"
+    )
+
+
+def test_only_the_thread_counts_the_process_started_with_are_the_users(clean_env) -> None:
+    clean_env.setenv("OMP_NUM_THREADS", "2")
+    bootstrap()  # what every CLI does first; then start-up may set the variables for OpenMP or for children
+    clean_env.setenv("OMP_NUM_THREADS", "1")
+    clean_env.setenv("MKL_NUM_THREADS", "1")
+    assert cpu.choose_threads("auto").reason == "OMP_NUM_THREADS=2 in the environment"
+    clean_env.setattr(cpu, "_thread_environment_at_start", None)
+    clean_env.delenv("OMP_NUM_THREADS")
+    clean_env.delenv("MKL_NUM_THREADS")
+    bootstrap()
+    clean_env.setenv("OMP_NUM_THREADS", "1")
+    assert cpu.choose_threads("auto").threads == 8
+
+
+TORCHRUNS_DEFAULT = "OMP_NUM_THREADS=1 not used: torchrun's default for several processes per node"
+RANKS_SHARE = f"auto: 8 CPUs in this process's affinity; shared by torchrun LOCAL_WORLD_SIZE=4; {TORCHRUNS_DEFAULT}"
+
+
+@pytest.mark.parametrize(
+    ("torchrun_started_with", "threads", "reason"),
+    [
+        ({"PATH": "/bin"}, 2, RANKS_SHARE),
+        (None, 2, RANKS_SHARE),
+        ({"OMP_NUM_THREADS": "1"}, 1, "OMP_NUM_THREADS=1 in the environment"),
+    ],
+    ids=["torchrun_set_it", "torchrun_unreadable", "the_user_set_it"],
+)
+def test_torchruns_default_one_thread_leaves_each_rank_its_share_but_the_users_one_wins(
+    clean_env, torchrun_started_with: dict | None, threads: int, reason: str
+) -> None:
+    """torchrun --nproc-per-node=4 sets OMP_NUM_THREADS=1 for its ranks where its own environment has none."""
+    clean_env.setenv("TORCHELASTIC_RUN_ID", "none")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "4")
+    clean_env.setenv("OMP_NUM_THREADS", "1")
+    clean_env.setattr(cpu, "torchrun_start_environment", lambda: torchrun_started_with)
+    choice = cpu.choose_threads("auto")
+    assert (choice.threads, choice.reason) == (threads, reason)
+    clean_env.setenv("OMP_NUM_THREADS", "3")  # torchrun only ever sets 1
+    assert cpu.choose_threads("auto").threads == 3
+    clean_env.setenv("OMP_NUM_THREADS", "1")
+    clean_env.setenv("LOCAL_WORLD_SIZE", "1")  # one process per node: torchrun leaves OMP_NUM_THREADS alone
+    assert cpu.choose_threads("auto").threads == 1
+
+
+def test_torchruns_environment_is_the_nearest_ancestors_without_torchelastic_run_id(tmp_path, monkeypatch) -> None:
+    def process(pid: int, parent: int, **environment: str) -> None:
+        (tmp_path / str(pid)).mkdir()
+        (tmp_path / str(pid) / "status").write_text(f"Name:\tpython\nPPid:\t{parent}\n")
+        (tmp_path / str(pid) / "environ").write_bytes(b"".join(f"{k}={v}\0".encode() for k, v in environment.items()))
+
+    process(30, 1, PATH="/bin")  # torchrun, as it was started (its own later OMP_NUM_THREADS=1 is not in it)
+    process(40, 30, TORCHELASTIC_RUN_ID="none", OMP_NUM_THREADS="1")  # a shell script torchrun started
+    process(50, 40, TORCHELASTIC_RUN_ID="none", OMP_NUM_THREADS="1")  # this rank
+    monkeypatch.setattr(os, "getpid", lambda: 50)
+    assert cpu.torchrun_start_environment(tmp_path) == {"PATH": "/bin"}
+    (tmp_path / "30" / "environ").unlink()  # another user's process, say
+    assert cpu.torchrun_start_environment(tmp_path) is None
+
+
+def _rank_threads(env: dict[str, str], tmp_path) -> list[dict]:
+    """torchrun --nproc-per-node=2 of a script printing each rank's choose_threads("auto")."""
+    script = tmp_path / "threads.py"
+    script.write_text(
+        "import json\nfrom k3train.runtime.cpu import choose_threads\n"
+        "print(json.dumps(choose_threads('auto').as_dict()))\n"
+    )
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
+    base = {k: v for k, v in os.environ.items() if k not in (*THREAD_VARIABLES, "LOCAL_WORLD_SIZE")}
+    checkout = str(Path(__file__).resolve().parents[1])  # the k3train under test, not whichever is installed
+    env = {**base, "PYTHONPATH": os.pathsep.join(filter(None, [checkout, base.get("PYTHONPATH")])), **env}
+    proc = subprocess.run(launch, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(f"/proc/{os.getpid()}/environ"), reason="torchrun's environment: Linux's /proc")
+def test_under_torchrun_only_an_omp_num_threads_the_user_set_counts(tmp_path) -> None:
+    ranks = _rank_threads({}, tmp_path)
+    assert len(ranks) == 2 and all(TORCHRUNS_DEFAULT in rank["reason"] for rank in ranks), ranks
+    assert all("shared by torchrun LOCAL_WORLD_SIZE=2" in rank["reason"] for rank in ranks), ranks
+    ranks = _rank_threads({"OMP_NUM_THREADS": "1"}, tmp_path)
+    assert [(r["threads"], r["reason"]) for r in ranks] == [(1, "OMP_NUM_THREADS=1 in the environment")] * 2
+
+
 @pytest.mark.parametrize("bad", ["0", "-2", "many", "1.5"])
 def test_bad_cpu_threads_are_refused_naming_the_key(bad: str) -> None:
     with pytest.raises(ValueError, match=rf"^train.cpu_threads={bad} must be auto or a positive number"):
@@ -112,8 +239,8 @@ def test_first_update_feedback(capsys: pytest.CaptureFixture) -> None:
     progress.update(11, loss=3.0, tokens_per_s=100.0)
     progress.update(12, loss=3.0, tokens_per_s=100.0)
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 1 and out[0].startswith("first update took") and "199 more at that pace" in out[0]
-    assert progress.first_update_line(11, 2.0).split("ETA ")[1].startswith("0:06:38")  # 199 x 2 s
+    assert len(out) == 2 and out[0].startswith("first update took") and out[0].endswith("; 199 more to go")
+    assert out[1].startswith("after the warm-up") and "198 more at that pace: ETA" in out[1]  # figures: test_progress
     assert format_duration(90_061) == "25:01:01"
 
 
@@ -147,7 +274,31 @@ def test_cli_records_threads_and_dtype_and_reports_the_first_update(run_cli, tmp
     assert muon and all(g["ns_dtype"] == "fp32" for g in muon)
     assert "cpu: 1 threads (train.cpu_threads)" in proc.stdout and "ns_dtype=fp32" in proc.stdout
     first = [line for line in proc.stdout.splitlines() if "first update took" in line]
-    assert len(first) == 1 and "1 more at that pace" in first[0]
+    assert len(first) == 1 and first[0].endswith("; 1 more to go")
+
+
+@pytest.mark.slow
+def test_cli_takes_omp_num_threads_at_auto_and_records_why(run_cli, tmp_path, monkeypatch) -> None:
+    """`OMP_NUM_THREADS=1 python -m k3train`: one thread, as a torch user expects; train.cpu_threads=N still wins."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # run_cli's processes get this process's environment
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    tiny = [
+        "model=smoke_test_lm",
+        "train.batch_size=2",
+        "train.seq_len=32",
+        "train.max_steps=1",
+        "train.eval_batches=1",
+    ]
+    for setting, threads, reason in (
+        ("auto", 1, "OMP_NUM_THREADS=1 in the environment"),
+        ("2", 2, "train.cpu_threads, over OMP_NUM_THREADS=1 in the environment"),
+    ):
+        run_dir = tmp_path / setting
+        proc = run_cli(*tiny, f"train.cpu_threads={setting}", f"hydra.run.dir={run_dir}")
+        assert proc.returncode == 0, proc.stderr
+        env = json.loads((run_dir / "run.json").read_text())["environment"]
+        assert (env["cpu"]["threads"], env["cpu"]["reason"], env["cpu_threads"]) == (threads, reason, threads)
+        assert f"cpu: {threads} threads ({reason})" in proc.stdout
 
 
 @pytest.mark.slow

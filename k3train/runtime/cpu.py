@@ -2,8 +2,10 @@
 flushing and malloc's handling of freed memory.
 
 `configure_openmp()` must run before `import torch` (OpenMP reads its wait policy when it loads; every CLI calls it
-through k3train/runtime/bootstrap.py). `choose_threads()` divides the CPUs this process may use (affinity, cgroup
-quota, SLURM_CPUS_PER_TASK) among the local jobs its launcher says run at once; during training
+through k3train/runtime/bootstrap.py, which first keeps the thread variables as the user set them:
+`record_thread_environment()`). `choose_threads()` takes train.cpu_threads=N, else (auto) the count the user set in
+OMP_NUM_THREADS or MKL_NUM_THREADS, else divides the CPUs this process may use (affinity, cgroup quota,
+SLURM_CPUS_PER_TASK) among the local jobs its launcher says run at once; during training
 k3train/train/cpu_threads.py gives threads up while other processes use those CPUs (`cpu_busy_seconds`,
 `own_cpu_seconds`). `prepare_cpu_training()` flushes denormals and keeps freed memory before the first step.
 `cpu_runtime()` is run.json's record of all of it. Why each choice is made, with the measurements behind it:
@@ -15,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Iterable
@@ -26,7 +29,8 @@ OMP_WAIT_POLICY = "PASSIVE"
 # (libgomp's GOMP_SPINCOUNT; its own default is 300,000, OMP_WAIT_POLICY=ACTIVE 30 billion).
 GOMP_SPINCOUNT = "3000000"
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-PROC_STAT = Path("/proc/stat")
+PROC = Path("/proc")
+PROC_STAT = PROC / "stat"
 
 
 def configure_openmp(spin: bool = False) -> str:
@@ -168,6 +172,94 @@ def prepare_cpu_training() -> dict[str, str]:
 
 
 # ---- threads --------------------------------------------------------------------------------------------------
+# torch's intra-op thread count when nothing sets it: MKL_NUM_THREADS if it holds a positive count, else
+# OMP_NUM_THREADS (aten/src/ATen/ParallelCommon.cpp, intraop_default_num_threads); first here wins.
+THREAD_VARIABLES = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
+_thread_environment_at_start: dict[str, str] | None = None
+
+
+def record_thread_environment() -> None:
+    """Keep THREAD_VARIABLES as this process started with them (bootstrap calls it first, before k3train's start-up
+    changes the environment), so that a value k3train sets for OpenMP or for its children is never mistaken for the
+    user's. Only the first call records."""
+    global _thread_environment_at_start
+    if _thread_environment_at_start is None:
+        _thread_environment_at_start = {name: os.environ[name] for name in THREAD_VARIABLES if name in os.environ}
+
+
+def thread_environment() -> dict[str, str]:
+    """THREAD_VARIABLES as the user set them: bootstrap's record, or the environment now where no CLI recorded it
+    (k3train used as a library, a launcher's worker process)."""
+    if _thread_environment_at_start is not None:
+        return dict(_thread_environment_at_start)
+    return {name: os.environ[name] for name in THREAD_VARIABLES if name in os.environ}
+
+
+def environment_threads() -> tuple[int | None, str]:
+    """The intra-op thread count the user set in the environment, read as torch reads it -> (count, "NAME=value"), or
+    (None, why any value set is not used: not a positive count, or torchrun's default; "" where none is set)."""
+    ignored = []
+    for name, value in thread_environment().items():
+        count = re.match(r"\s*\+?(\d+)", value)  # as std::stoi reads it: "4,2" (a nested-levels list) is 4
+        if count is None or int(count[1]) < 1:
+            ignored.append(f"{name}={value} not used: not a positive count")
+        elif name == "OMP_NUM_THREADS" and set_by_torchrun(value):
+            ignored.append(f"OMP_NUM_THREADS={value} not used: torchrun's default for several processes per node")
+        else:
+            return int(count[1]), f"{name}={value}"
+    return None, "; ".join(ignored)
+
+
+def set_by_torchrun(omp_num_threads: str) -> bool:
+    """Whether OMP_NUM_THREADS here is torchrun's default rather than the user's.
+
+    torchrun sets OMP_NUM_THREADS=1 for its workers when it starts more than one process per node and its own
+    environment has none (torch/distributed/run.py), and says so only in a warning. The environment torchrun itself
+    started with tells which: /proc/<pid>/environ is a process's environment as it was exec'd, without what it set
+    itself later. torchrun is the nearest ancestor whose environment lacks TORCHELASTIC_RUN_ID (it gives that to its
+    workers, and to anything they start, such as a shell script between it and Python). Where that cannot be read
+    (not Linux, another user's process), a 1 under torchrun is taken for its default: train.cpu_threads=1 or
+    MKL_NUM_THREADS=1 asks for one thread there without doubt."""
+    local_world = os.environ.get("LOCAL_WORLD_SIZE", "")
+    several_per_node = local_world.isdigit() and int(local_world) > 1
+    if omp_num_threads != "1" or "TORCHELASTIC_RUN_ID" not in os.environ or not several_per_node:
+        return False
+    launcher_environment = torchrun_start_environment()
+    return launcher_environment is None or "OMP_NUM_THREADS" not in launcher_environment
+
+
+def torchrun_start_environment(proc: Path = PROC, max_depth: int = 8) -> dict[str, str] | None:
+    """The environment of the torchrun that started this process, as torchrun was started (set_by_torchrun); None
+    where it cannot be read."""
+    pid = os.getpid()
+    for _ in range(max_depth):
+        pid = _parent_pid(pid, proc)
+        environment = _start_environment(pid, proc) if pid else None
+        if environment is None:
+            return None
+        if "TORCHELASTIC_RUN_ID" not in environment:
+            return environment
+    return None
+
+
+def _parent_pid(pid: int, proc: Path) -> int | None:
+    try:
+        for line in (proc / str(pid) / "status").read_text().splitlines():
+            if line.startswith("PPid:"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _start_environment(pid: int, proc: Path) -> dict[str, str] | None:
+    try:
+        entries = (proc / str(pid) / "environ").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    return dict(entry.split("=", 1) for entry in entries if "=" in entry)
+
+
 def cgroup_cpu_limit(root: Path = Path("/sys/fs/cgroup")) -> float | None:
     """The CPU quota of this container's cgroup in CPUs (v2 cpu.max or v1 cfs quota/period); None: no quota."""
     try:
@@ -228,18 +320,32 @@ class ThreadChoice:
 
 
 def choose_threads(setting: str | int, launcher: dict | None = None) -> ThreadChoice:
-    """train.cpu_threads: "auto" or "adaptive" (the usable CPUs divided among the local jobs; adaptive's count is where
-    it starts) or a positive count."""
+    """train.cpu_threads -> the intra-op thread count and why. First that applies:
+
+    N         N threads, whatever the environment says (the reason names the variable it overrides);
+    adaptive  the usable CPUs divided among the local jobs, where the load-following count starts (the environment's
+              count is not used: adaptive threads are themselves the choice);
+    auto      the count the user set in MKL_NUM_THREADS or OMP_NUM_THREADS (environment_threads: as torch reads
+              them; torchrun's own default is not the user's), else the usable CPUs divided among the local jobs.
+    """
     policy = openmp_setting()
+    from_environment, environment_why = environment_threads()
     if str(setting) not in ("auto", "adaptive"):
-        return ThreadChoice(parse_threads(setting), "train.cpu_threads", policy)
+        over = f", over {environment_why} in the environment" if from_environment is not None else ""
+        return ThreadChoice(parse_threads(setting), "train.cpu_threads" + over, policy)
+    if str(setting) == "auto" and from_environment is not None:
+        return ThreadChoice(from_environment, f"{environment_why} in the environment", policy)
+    if from_environment is not None:
+        environment_why = f"{environment_why} in the environment not used: train.cpu_threads=adaptive"
     cpus, why = usable_cpus()
+    why = f"{setting}: {why}"
     per_task = (launcher or {}).get("cpus_per_task")  # submitit's launchers: the CPUs each job asked for
     if per_task:
-        return ThreadChoice(max(1, min(cpus, int(per_task))), f"auto: {why}; launcher cpus_per_task={per_task}", policy)
-    jobs, jobs_why = local_jobs(launcher)
-    threads = max(1, cpus // jobs)
-    return ThreadChoice(threads, f"auto: {why}" + (f"; shared by {jobs_why}" if jobs > 1 else ""), policy)
+        threads, why = max(1, min(cpus, int(per_task))), f"{why}; launcher cpus_per_task={per_task}"
+    else:
+        jobs, jobs_why = local_jobs(launcher)
+        threads, why = max(1, cpus // jobs), why + (f"; shared by {jobs_why}" if jobs > 1 else "")
+    return ThreadChoice(threads, why + (f"; {environment_why}" if environment_why else ""), policy)
 
 
 def parse_threads(setting: str | int) -> int:

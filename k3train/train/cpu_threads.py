@@ -19,8 +19,9 @@ at least 1 and at most the count chosen at start. The two thresholds keep a load
 back and forth. Where other processes keep every CPU busy, sleeping threads (OMP_WAIT_POLICY=PASSIVE, set before
 start) do better: the scheduler shares CPU time per thread, and two sleeping threads get more of it than one
 (measured: 0.50 s per k3_tiny step against 0.97 s beside two busy processes on 2 cores); the notice says so.
-build_parts adds CpuThreads to a CPU run whose train.cpu_threads is adaptive (starting at auto's count, if above
-1); auto and an explicit count keep their threads.
+build_parts adds CpuThreads to a CPU run whose train.cpu_threads is adaptive (starting at the CPUs' share that auto
+takes without OMP_NUM_THREADS, if above 1: runtime/cpu.py's choose_threads); auto and an explicit count keep their
+threads.
 """
 
 from __future__ import annotations
