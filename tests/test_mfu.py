@@ -8,7 +8,8 @@ import torch
 from k3train.config import TrainConfig
 from k3train.observe import mfu as mfu_module
 from k3train.observe.metrics import read_metrics
-from k3train.observe.mfu import MFU, Peak, calibrate_cpu_matmul, cpu_peak, gpu_peak
+from k3train.observe.mfu import MFU, Calibration, Peak, calibrate_cpu_matmul, cpu_peak, gpu_peak
+from k3train.runtime.cpu import cpu_description
 
 from helpers.trainer import WrapsSmoke, make_trainer
 
@@ -62,6 +63,7 @@ def test_cpu_peak_is_measured_once_per_cpu_dtype_and_thread_count(tmp_path, monk
     calls = []
     monkeypatch.setattr(mfu_module, "calibrate_cpu_matmul", lambda dtype: calls.append(dtype) or 5e10)
     monkeypatch.setattr(mfu_module.os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    monkeypatch.delenv("K3TRAIN_RECALIBRATE", raising=False)
     threads = torch.get_num_threads()
     try:
         first = cpu_peak("fp32", cache_dir=tmp_path)
@@ -105,18 +107,49 @@ def test_every_train_event_has_mfu(tmp_path, builtin_data):
         assert event["mfu"] == pytest.approx(event["tokens_per_s"] * 48_000 / 1e9)
 
 
-def test_a_peak_calibrated_on_a_busy_machine_is_measured_again_when_it_is_quieter(tmp_path, monkeypatch):
-    measured = iter([4e10, 9e10, 7e10])
+def test_a_cached_peak_is_used_as_it_is_whatever_a_later_start_would_measure(tmp_path, monkeypatch):
+    measured = iter([4e10, 9e10])  # a busy machine first, then a quiet one that would measure far higher
     monkeypatch.setattr(mfu_module, "calibrate_cpu_matmul", lambda dtype: next(measured))
+    monkeypatch.delenv("K3TRAIN_RECALIBRATE", raising=False)
     loads = {"now": 6.0}
     monkeypatch.setattr(mfu_module.os, "getloadavg", lambda: (loads["now"], 0.0, 0.0))
-    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 4e10  # busy: the first measurement
-    loads["now"] = 5.5
-    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 4e10  # not clearly quieter: the cache
-    loads["now"] = 2.0
-    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 9e10  # quieter: measured again, the higher kept
-    loads["now"] = 1.5
-    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 9e10  # not quieter by 1: the cache
+    first = cpu_peak("fp32", cache_dir=tmp_path)
+    cache = (tmp_path / "peak_flops.json").read_bytes()
     loads["now"] = 0.5
-    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 9e10  # measured again (7e10): the higher kept
+    again = cpu_peak("fp32", cache_dir=tmp_path)
+    assert first.flops_per_s == again.flops_per_s == 4e10  # not measured again: MFU compares across runs
+    assert next(measured) == 9e10 and (tmp_path / "peak_flops.json").read_bytes() == cache
+    assert not first.calibration.cached and "measured now at load average 6, cached in" in first.source
+    measured_at = first.calibration.measured_at
+    assert again.calibration == Calibration(measured_at, 6.0, cached=True)
+    assert f"measured {measured_at} at load average 6, from the cache" in again.source
+    assert "K3TRAIN_RECALIBRATE=1 measures again" in again.source
+    record = MFU({"forward": 1.0, "training": 3.0}, 64, again).as_dict()  # run.json's flops
+    assert record["peak_calibration"] == {"measured_at": measured_at, "load_avg": 6.0, "cached": True}
+
+
+def test_the_cpu_peak_is_measured_again_only_when_asked(tmp_path, monkeypatch):
+    measured = iter([9e10, 4e10])
+    monkeypatch.setattr(mfu_module, "calibrate_cpu_matmul", lambda dtype: next(measured))
+    monkeypatch.setattr(mfu_module.os, "getloadavg", lambda: (1.0, 0.0, 0.0))
+    monkeypatch.setenv("K3TRAIN_RECALIBRATE", "0")
+    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 9e10  # nothing cached: measured
+    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 9e10  # 0 asks for nothing
+    monkeypatch.setenv("K3TRAIN_RECALIBRATE", "1")
+    asked = cpu_peak("fp32", cache_dir=tmp_path)
+    assert asked.flops_per_s == 4e10 and not asked.calibration.cached  # asked: the new figure, lower or not
+    assert "measured now at load average 1 (replacing 90.0 GFLOP/s measured 20" in asked.source
+    monkeypatch.delenv("K3TRAIN_RECALIBRATE")
+    assert cpu_peak("fp32", cache_dir=tmp_path).flops_per_s == 4e10  # and it is the one kept
     assert next(measured, None) is None
+
+
+def test_a_cache_entry_from_before_the_date_was_kept_is_used_as_it_is(tmp_path, monkeypatch):
+    monkeypatch.setattr(mfu_module, "calibrate_cpu_matmul", lambda dtype: pytest.fail("measured again"))
+    monkeypatch.delenv("K3TRAIN_RECALIBRATE", raising=False)
+    key = f"{cpu_description()['cpu_model']} | fp32 | {torch.get_num_threads()} threads"
+    (tmp_path / "peak_flops.json").write_text(json.dumps({key: {"flops_per_s": 1.38e11, "load_avg": 3.5}}))
+    monkeypatch.setattr(mfu_module.os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # quieter by far than 3.5
+    peak = cpu_peak("fp32", cache_dir=tmp_path)
+    assert peak.flops_per_s == 1.38e11 and peak.calibration == Calibration(None, 3.5, cached=True)
+    assert "measured on a date not recorded at load average 3.5" in peak.source

@@ -5,10 +5,10 @@ device, from the first that applies:
 1. `train.peak_flops` (FLOP/s), the user's number;
 2. on a GPU, the vendor's dense (no 2:4 sparsity) peak for the autocast dtype, from the table below;
 3. on a CPU, a matmul timed once per machine and cached in $K3TRAIN_CACHE (or ~/.cache/k3train)/peak_flops.json,
-   keyed by CPU model, dtype and thread count: the best of a second of [n, n] matmuls. Other processes on the
-   machine lower it (measured: docs/decisions/cpu-peak-calibration.md), so the entry keeps the load average it
-   was taken at, and a later start on a clearly quieter machine (load average more than 1 lower) measures again
-   and keeps the higher figure. train.peak_flops overrides it all.
+   keyed by CPU model, dtype and thread count: the best of a second of [n, n] matmuls, with the date and the load
+   average it was taken at. A cached entry is used as it is, whatever the load now, so that runs on one machine
+   divide by the same peak (docs/decisions/cpu-peak-calibration.md); K3TRAIN_RECALIBRATE=1 (or deleting the file)
+   measures again and replaces it. train.peak_flops overrides it all.
 An unknown GPU has no peak: `mfu` is null and the summary says to set train.peak_flops.
 """
 
@@ -18,7 +18,8 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
@@ -48,12 +49,23 @@ GPU_PEAKS: list[tuple[str, dict[str, float]]] = [
     ("L40S", {"bf16": 362 * TERA, "fp16": 362 * TERA, "tf32": 183 * TERA, "fp32": 91.6 * TERA}),
 ]
 CACHE_FILE = "peak_flops.json"
+RECALIBRATE_ENV = "K3TRAIN_RECALIBRATE"  # 1: measure the CPU peak again and replace the cached entry
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """When and how busy the machine was when a CPU peak was measured, and whether this run took it from the cache."""
+
+    measured_at: str | None  # ISO 8601, UTC; None: an entry from before k3train recorded the date
+    load_avg: float | None
+    cached: bool
 
 
 @dataclass(frozen=True)
 class Peak:
     flops_per_s: float | None  # per device; None: unknown
     source: str
+    calibration: Calibration | None = None  # a CPU's measured peak only
 
 
 def gpu_peak(device_name: str, dtype: str) -> Peak:
@@ -90,7 +102,8 @@ def calibrate_cpu_matmul(dtype: torch.dtype, budget_s: float = 1.0) -> float:
 
 
 def cpu_peak(dtype: str, cache_dir: Path | None = None) -> Peak:
-    """The calibrated matmul peak of this CPU at torch's current thread count, measured once and cached."""
+    """The calibrated matmul peak of this CPU at torch's current thread count: the cached entry as it is, measured
+    (and cached) only when there is none or $K3TRAIN_RECALIBRATE asks."""
     threads = torch.get_num_threads()
     cpu = cpu_description()["cpu_model"]
     key = f"{cpu} | {dtype} | {threads} threads"
@@ -99,28 +112,63 @@ def cpu_peak(dtype: str, cache_dir: Path | None = None) -> Peak:
         cached = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         cached = {}
-    entry, load = cached.get(key), os.getloadavg()[0]
-    if not _usable(entry) or load + 1 < entry["load_avg"]:  # none yet, or taken on a busier machine than now
-        torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-        measured = {"flops_per_s": calibrate_cpu_matmul(torch_dtype), "load_avg": round(load, 2)}
-        entry = max(entry, measured, key=lambda e: e["flops_per_s"]) if _usable(entry) else measured
-        entry["load_avg"] = min(entry["load_avg"], measured["load_avg"])  # measure again only when quieter still
-        cached[key] = entry
-        text = json.dumps(cached, indent=2) + "\n"
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_atomic(path, lambda f: f.write(text.encode("utf-8")))
-        except OSError:
-            pass  # a read-only cache only costs a calibration per run
-    return Peak(float(entry["flops_per_s"]), f"calibration: {dtype} matmul on {threads} threads of {cpu} ({path})")
+    what = f"calibration: {dtype} matmul on {threads} threads of {cpu}"
+    entry = cached.get(key)
+    if _usable(entry) and not recalibration_asked():
+        calibration = _calibration(entry, cached=True)
+        return Peak(
+            float(entry["flops_per_s"]),
+            f"{what}, {_measured(calibration)}, from the cache {path}; {RECALIBRATE_ENV}=1 measures again",
+            calibration,
+        )
+    replacing = ""  # asked to measure again: the figure it replaces stays in sight
+    if _usable(entry):
+        replaced = _calibration(entry, cached=True)
+        replacing = f" (replacing {entry['flops_per_s'] / 1e9:,.1f} GFLOP/s {_measured(replaced)})"
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    entry = {
+        "flops_per_s": calibrate_cpu_matmul(torch_dtype),
+        "load_avg": round(os.getloadavg()[0], 2),
+        "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    cached[key] = entry
+    kept = f"cached in {path}" if _write_cache(path, cached) else f"not cached ({path} is not writable)"
+    calibration = _calibration(entry, cached=False)
+    return Peak(float(entry["flops_per_s"]), f"{what}, {_measured(calibration)}{replacing}, {kept}", calibration)
+
+
+def _write_cache(path: Path, cached: dict) -> bool:
+    text = json.dumps(cached, indent=2) + "\n"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+    except OSError:
+        return False  # a read-only cache only costs a calibration per run
+    return True
+
+
+def recalibration_asked() -> bool:
+    return os.environ.get(RECALIBRATE_ENV, "").strip() not in ("", "0")
+
+
+def _calibration(entry: dict, cached: bool) -> Calibration:
+    measured_at, load_avg = entry.get("measured_at"), entry.get("load_avg")
+    return Calibration(
+        measured_at if isinstance(measured_at, str) else None,
+        load_avg if isinstance(load_avg, (int, float)) else None,
+        cached,
+    )
+
+
+def _measured(calibration: Calibration) -> str:
+    when = "now" if not calibration.cached else calibration.measured_at or "on a date not recorded"
+    load = "" if calibration.load_avg is None else f" at load average {calibration.load_avg:g}"
+    return f"measured {when}{load}"
 
 
 def _usable(entry) -> bool:
-    return (
-        isinstance(entry, dict)
-        and isinstance(entry.get("flops_per_s"), (int, float))
-        and isinstance(entry.get("load_avg"), (int, float))
-    )
+    flops = entry.get("flops_per_s") if isinstance(entry, dict) else None
+    return isinstance(flops, (int, float)) and math.isfinite(flops) and flops > 0
 
 
 def resolve_peak(setting: float | None, device: torch.device, dtype: str) -> Peak:
@@ -161,6 +209,7 @@ class MFU:
             "seq_len": self.seq_len,
             "peak_flops_per_s": self.peak.flops_per_s,
             "peak_source": self.peak.source,
+            "peak_calibration": asdict(self.peak.calibration) if self.peak.calibration else None,
             "devices": self.devices,
         }
 
