@@ -10,6 +10,8 @@ mesh to ask for. One module per job:
   memory.py       stored bytes, transients and each phase's peak per device
   comm.py         collectives per step: FSDP, DDP, EP, CP, Newton-Schulz, Quantile Balancing
   estimate.py     step time, throughput, the proposal
+  search.py       when nothing fits: the recipes that do (precision, checkpointing, micro-batch, cp, mesh); the
+                  fewest devices that fit
   report.py       the table and the JSON
 How to use it and what it leaves out: docs/plan.md.
 """

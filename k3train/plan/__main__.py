@@ -1,11 +1,17 @@
-"""`python -m k3train.plan [overrides] --gpus N --gpu h200|h100|b200|cpu`: size a run before asking for hardware.
+"""`python -m k3train.plan [overrides] [--gpus N] --gpu h200|h100|b200|cpu`: size a run before asking for hardware.
 
 The overrides are `python -m k3train`'s: the config is composed by Hydra's compose API from the same conf/ and
 schema (what `python -m k3train OVERRIDES --cfg job` shows), the model is built on the meta device (no weight is
 allocated; model=k3 takes seconds). Prints memory per device, communication per step, step time and throughput for
 a mesh, the one given (--mesh) or the one proposed for N devices (splitting each row over --cp ranks, or the
 config's parallel.cp, when asked); exit 2 when nothing fits (or the given mesh does not), with what is too large.
---json prints the same as JSON.
+
+When the configured recipe fits nowhere on N devices, the recipes that do follow, fastest step first, each with
+the command that plans it (its overrides are what `python -m k3train` runs): precision, activation checkpointing,
+the micro-batch (with the accumulation that keeps the tokens a device trains on per step) and cp searched, on
+every mesh; train.seq_len, the model, the optimizer and the global batch held (k3train/plan/search.py).
+Without --gpus: the fewest devices, 1, 2, 4, ... up to 65,536 (a CPU: its cores), at which a recipe fits, planned;
+exit 0 then, 2 when none does. --json prints the same as JSON. docs/plan.md.
 """
 
 from k3train.runtime.bootstrap import bootstrap
@@ -24,7 +30,8 @@ from k3train.plan.activations import cp_kda_refusal  # noqa: E402
 from k3train.plan.estimate import estimate, propose  # noqa: E402
 from k3train.plan.hardware import CHOICES, lookup  # noqa: E402
 from k3train.plan.mesh import Mesh  # noqa: E402
-from k3train.plan.report import as_json, render  # noqa: E402
+from k3train.plan.report import as_json, render, search_json, search_lines  # noqa: E402
+from k3train.plan.search import Recipe, count_bound, overrides_for, search_recipes, smallest_count  # noqa: E402
 from k3train.plan.spec import build_spec, check_split  # noqa: E402
 
 
@@ -35,10 +42,25 @@ def compose_config(overrides: list[str]):
         return compose(config_name="config", overrides=overrides)
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        """One line, as the plan's other refusals are (argparse's usage block would bury it)."""
+        print(f"k3train plan: error: {message} (--help lists the options)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m k3train.plan", description=__doc__.splitlines()[0])
+    ap = Parser(
+        prog="python -m k3train.plan",
+        description=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m k3train (model=k3 ...)")
-    ap.add_argument("--gpus", type=int, default=1, help="devices (processes) of the run")
+    ap.add_argument(
+        "--gpus",
+        type=int,
+        help="devices (processes) of the run; without it, the fewest (1, 2, 4, ...) at which a recipe fits",
+    )
     ap.add_argument("--gpu", choices=CHOICES, default="h200", help="the device (cpu: this machine, measured)")
     ap.add_argument("--mfu", type=float, default=0.4, help="fraction of the peak FLOP/s the matmuls reach")
     ap.add_argument(
@@ -49,7 +71,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--vocab-size", type=int, help="for a model whose vocab_size is null (the data's)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
-    if args.gpus < 1:
+    if args.gpus is not None and args.gpus < 1:
         ap.error("--gpus must be >= 1")
     if args.cp is not None and args.cp < 1:
         ap.error("--cp must be >= 1")
@@ -84,8 +106,23 @@ def notes_for(mesh: Mesh, spec) -> list[str]:
     return notes
 
 
+def planner_flags(args: argparse.Namespace) -> list[str]:
+    """The planner's own options a printed command repeats, so that it plans what this plan did."""
+    flags = ["--gpu", args.gpu]
+    if args.mfu != 0.4:
+        flags += ["--mfu", str(args.mfu)]
+    if args.headroom != 0.1:
+        flags += ["--headroom", str(args.headroom)]
+    if args.vocab_size is not None:
+        flags += ["--vocab-size", str(args.vocab_size)]
+    return flags
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        args = parse(sys.argv[1:] if argv is None else argv)
+    except SystemExit as exit_:  # --help (0) or a bad option (2, said in one line): a status, as every refusal
+        return exit_.code if isinstance(exit_.code, int) else 2
     try:
         cfg = compose_config(args.overrides)
         device_type = "cpu" if args.gpu == "cpu" else "cuda"
@@ -97,31 +134,91 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"--mesh {mesh} splits rows over cp={mesh.cp} ranks, --cp {args.cp}")
         cp = mesh.cp if mesh is not None else cp
         check_split(spec.seq_len, cp)
-        if args.gpus % cp:
+        if args.gpus is not None and args.gpus % cp:
             raise ValueError(f"cp={cp} must divide the {args.gpus} devices: each row is split over cp ranks")
         if cp > 1 and "kda" in spec.model.layer_pattern and spec.model.kda_implementation != "chunk":
             raise ValueError(cp_kda_refusal(spec.model.kda_implementation))
     except Exception as exc:  # a bad override, model or mesh: say what, as a refusal
         print(f"k3train plan: error: {exc}", file=sys.stderr)
         return 2
-    if mesh is not None and mesh.world != args.gpus:
-        print(f"k3train plan: error: --mesh {mesh} has {mesh.world} ranks, --gpus {args.gpus}", file=sys.stderr)
+    devices = args.gpus if args.gpus is not None or mesh is None else mesh.world
+    if mesh is not None and mesh.world != devices:
+        print(f"k3train plan: error: --mesh {mesh} has {mesh.world} ranks, --gpus {devices}", file=sys.stderr)
         return 2
+    cp_fixed = args.cp is not None or mesh is not None  # else the search may split rows further
+    if devices is None:
+        return plan_fewest(args, spec, hw, device_type, cp, cp_fixed)
     if mesh is None:
-        chosen, tried = propose(spec, args.gpus, hw, args.mfu, args.headroom, device_type, cp)
+        chosen, tried = propose(spec, devices, hw, args.mfu, args.headroom, device_type, cp)
     else:
         tried = [estimate(spec, mesh, hw, args.mfu, args.headroom, device_type)]
         chosen = tried[0] if tried[0].fits else None
+    search = None
+    if chosen is None:  # the configured recipe fits nowhere here: which recipes do
+        search = search_recipes(spec, devices, hw, args.mfu, args.headroom, device_type, cp, cp_fixed, mesh)
     shown = chosen or min(tried, key=lambda e: e.memory.peak)
     notes = notes_for(shown.mesh, spec)
     if args.json:
-        print(json.dumps(as_json(spec, hw, chosen, tried, args.mfu), indent=2))
+        plan = as_json(spec, hw, chosen, tried, args.mfu)
+        if search is not None:
+            plan["search"] = search_json(search, spec, args.overrides)
+        print(json.dumps(plan, indent=2))
     else:
-        print(render(spec, hw, args.gpus, args.overrides, chosen, tried, args.mfu, mesh is None, notes))
+        text = render(spec, hw, devices, args.overrides, chosen, tried, args.mfu, mesh is None, notes)
+        if search is not None:
+            text += "\n" + "\n".join(search_lines(search, spec, args.overrides, planner_flags(args)))
+        print(text)
     if chosen is None:
-        print(f"k3train plan: nothing fits on {args.gpus} x {hw.name} (exit 2)", file=sys.stderr)
+        tail = "; the recipes listed fit" if search.fits else ", nor does any recipe searched"
+        print(f"k3train plan: nothing fits on {devices} x {hw.name} (exit 2){tail}", file=sys.stderr)
         return 2
     return 0
+
+
+def plan_fewest(args: argparse.Namespace, spec, hw, device_type: str, cp: int, cp_fixed: bool) -> int:
+    """No --gpus: the fewest devices at which a recipe fits (search.smallest_count), planned; the configured recipe
+    where it fits there, else the fastest that does, with the others listed."""
+    found, searches = smallest_count(spec, hw, args.mfu, args.headroom, device_type, cp, cp_fixed)
+    bound = count_bound(device_type)
+    counts = f"1, 2, 4, ..., {bound:,} devices" + (f" that cp {cp} divides" if cp > 1 else "")
+    if found is None:
+        if args.json:
+            print(json.dumps({"device": hw.name, "devices": None, "counts_tried": [s.devices for s in searches]}))
+        else:
+            print(f"k3train plan: {' '.join(args.overrides) or '(defaults)'}: no recipe searched fits on {counts}")
+        print(f"k3train plan: nothing fits on up to {bound:,} x {hw.name} (exit 2)", file=sys.stderr)
+        return 2
+    devices = found.devices
+    configured = next((f for f in found.fits if f.recipe == configured_recipe(spec, cp)), None)
+    fewer = f"; on {searches[-2].devices:,} none did" if len(searches) > 1 else ""
+    lines = [f"fewest devices: {devices:,} x {hw.name}, the first of {counts} at which a recipe searched fits{fewer}"]
+    if configured is not None:  # as --gpus N plans it: the proposal, its mesh and the meshes tried
+        chosen, tried = propose(spec, devices, hw, args.mfu, args.headroom, device_type, cp)
+        plan_spec, overrides, notes = spec, args.overrides, notes_for(chosen.mesh, spec)
+    else:  # the configured recipe fits on no mesh here: the fastest recipe that does, as its command plans it
+        best = found.fits[0]
+        chosen, tried = best.estimate, [best.estimate]
+        plan_spec, overrides = best.spec, overrides_for(best, spec, args.overrides)
+        lines.append(
+            f"  the configured recipe ({configured_recipe(spec, cp).describe()}) fits on no mesh of {devices:,}; "
+            f"planned below: the fastest recipe that does, at its fastest mesh"
+        )
+        notes = []
+    if args.json:
+        plan = as_json(plan_spec, hw, chosen, tried, args.mfu)
+        plan.update(devices=devices, overrides=overrides, search=search_json(found, spec, args.overrides))
+        print(json.dumps(plan, indent=2))
+        return 0
+    text = [*lines, ""]
+    text.append(render(plan_spec, hw, devices, overrides, chosen, tried, args.mfu, configured is not None, notes))
+    if configured is None:
+        text += search_lines(found, spec, args.overrides, planner_flags(args))
+    print("\n".join(text))
+    return 0
+
+
+def configured_recipe(spec, cp: int) -> Recipe:
+    return Recipe(spec.precision, spec.checkpointing, spec.batch_size, spec.accumulation, cp)
 
 
 if __name__ == "__main__":

@@ -132,6 +132,11 @@ def _recompute_flops(spec: RunSpec) -> float:
     return 0.0
 
 
+def usable_bytes(hw: Hardware, mesh: Mesh, headroom: float = 0.1) -> float:
+    """What a device's peak must stay under: its memory less the headroom; a CPU's is shared by every process."""
+    return hw.memory_bytes / (1 if hw.devices_per_node else mesh.world) * (1 - headroom)
+
+
 def estimate(
     spec: RunSpec, mesh: Mesh, hw: Hardware, mfu: float = 0.4, headroom: float = 0.1, device_type: str = "cuda"
 ) -> Estimate:
@@ -153,7 +158,7 @@ def estimate(
     waited = sum(times[coll.kind] for coll in comm if not coll.overlapped)
     exposed = max(0.0, overlapped - compute - recompute - max_logit_s) + waited
     step = compute + recompute + ns + max_logit_s + exposed
-    budget = hw.memory_bytes / (1 if hw.devices_per_node else mesh.world) * (1 - headroom)
+    budget = usable_bytes(hw, mesh, headroom)
     return Estimate(
         mesh, memory, comm, times, compute, recompute, ns, exposed, step, tokens_rank * mesh.world,
         memory.peak <= budget, budget, split, max_logit_s, max_logit_flops,
@@ -202,7 +207,7 @@ def why(chosen: Estimate | None, tried: list[Estimate], spec: RunSpec) -> list[s
         f"{chosen.mesh.describe()} fits: peak {chosen.memory.peak / gb:,.1f} GB of {chosen.budget / gb:,.1f} GB "
         f"usable ({chosen.memory.peak_phase})"
     )
-    if chosen.mesh.ep > 1:
+    if chosen.mesh.ep > 1 and len(tried) > 1:  # a proposal's; a given mesh's ep was not chosen
         lines.append(
             f"ep {chosen.mesh.ep}: {spec.model.n_routed_experts // chosen.mesh.ep} experts per rank, the smallest ep "
             "whose gathered experts and transients fit"

@@ -82,26 +82,43 @@ def local_bytes(p: Param, mesh: Mesh, element: int = F32) -> float:
     return p.numel * element / (mesh.ep if p.routed else 1)
 
 
-def unit_bytes(spec: RunSpec, mesh: Mesh, unit: str, trainable_only: bool = False) -> float:
-    """An FSDP unit's parameters as gathered on one rank (fp32)."""
-    return sum(
-        local_bytes(p, mesh) for p in spec.params if p.unit == unit and not (trainable_only and p.kind == "frozen")
-    )
+def unit_bytes(spec: RunSpec, mesh: Mesh, trainable_only: bool = False) -> dict[str, float]:
+    """Each FSDP unit's parameters as gathered on one rank (fp32), in one pass over the parameters (a unit at a time
+    is units x parameters: a tenth of a second for K3, which the recipe search pays per plan)."""
+    out = dict.fromkeys(spec.units, 0.0)
+    for p in spec.params:
+        if not (trainable_only and p.kind == "frozen"):
+            out[p.unit] += local_bytes(p, mesh)
+    return out
+
+
+def stored(spec: RunSpec, mesh: Mesh) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(parameters, each trainable parameter's gradient, the optimizer state by kind): bytes per device kept
+    through the step, whatever the micro-batch, precision or checkpointing."""
+    trainable = [p for p in spec.params if p.kind != "frozen"]
+    params = sum(shard_bytes(p, mesh) for p in spec.params)
+    unsharded_grads = mesh.dp_shard > 1 and spec.accumulation > 1  # no_sync keeps FSDP2's gradients whole
+    grad_of = {p.name: (local_bytes(p, mesh) if unsharded_grads else shard_bytes(p, mesh)) for p in trainable}
+    optimizer = {
+        "Muon momentum": sum(shard_bytes(p, mesh) for p in trainable if p.kind == "muon"),
+        "AdamW moments": sum(2 * shard_bytes(p, mesh) for p in trainable if p.kind == "adamw"),
+    }
+    return params, grad_of, {k: v for k, v in optimizer.items() if v}
+
+
+def stored_floor(spec: RunSpec, mesh: Mesh) -> float:
+    """Parameters, gradients and optimizer state: the optimizer step holds all three, so no plan of `spec` on
+    `mesh` peaks lower. The recipe search (search.py) skips a mesh whose floor is over budget unplanned."""
+    params, grad_of, optimizer = stored(spec, mesh)
+    return params + sum(grad_of.values()) + sum(optimizer.values())
 
 
 def plan_memory(spec: RunSpec, mesh: Mesh, device_type: str) -> Memory:
     c, act = spec.model, spec.act_bytes
     sharded = mesh.dp_shard > 1
     trainable = [p for p in spec.params if p.kind != "frozen"]
-    params = sum(shard_bytes(p, mesh) for p in spec.params)
-    unsharded_grads = sharded and spec.accumulation > 1  # no_sync keeps FSDP2's gradients whole
-    grad_of = {p.name: (local_bytes(p, mesh) if unsharded_grads else shard_bytes(p, mesh)) for p in trainable}
+    params, grad_of, optimizer = stored(spec, mesh)
     grads = sum(grad_of.values())
-    optimizer = {
-        "Muon momentum": sum(shard_bytes(p, mesh) for p in trainable if p.kind == "muon"),
-        "AdamW moments": sum(2 * shard_bytes(p, mesh) for p in trainable if p.kind == "adamw"),
-    }
-    optimizer = {k: v for k, v in optimizer.items() if v}
     # DDP's buckets: every gradient but the expert-parallel shards', which DDP leaves out (k3train/train/parallel.py)
     ddp_buckets = 0.0
     if mesh.world > 1 and not sharded:
@@ -196,8 +213,8 @@ def forward_transients(spec: RunSpec, mesh: Mesh, device_type: str) -> dict[str,
 def fsdp_gathered(spec: RunSpec, mesh: Mesh) -> float:
     """FSDP2's gathered parameters at once: the root's (gathered for the whole forward and the whole backward: it
     wraps them) and two blocks' (the current one and the next, prefetched)."""
-    blocks = [unit_bytes(spec, mesh, u) for u in spec.units if u != "root"]
-    return unit_bytes(spec, mesh, "root") + 2 * max(blocks)
+    gathered = unit_bytes(spec, mesh)
+    return gathered["root"] + 2 * max(b for unit, b in gathered.items() if unit != "root")
 
 
 def backward_peak(
@@ -213,8 +230,8 @@ def backward_peak(
     sharded = mesh.dp_shard > 1
     fsdp = 0.0
     if sharded:  # the root's gradients stay unsharded until the backward ends (its unit's post-backward)
-        blocks = [u for u in spec.units if u != "root"]
-        fsdp = fsdp_gathered(spec, mesh) + max(unit_bytes(spec, mesh, u, trainable_only=True) for u in blocks)
+        trainable_by_unit = unit_bytes(spec, mesh, trainable_only=True)
+        fsdp = fsdp_gathered(spec, mesh) + max(b for unit, b in trainable_by_unit.items() if unit != "root")
         root_grads = [p for p in spec.params if p.unit == "root" and p.name in grad_of]
         grads_by_unit["root"] = sum(local_bytes(p, mesh) for p in root_grads)
     loss_backward = 0.0

@@ -15,6 +15,7 @@ A group's parameters fall into shares, each handled one way:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from k3train.optim.muon_distributed import assign_owners, newton_schulz_cost
@@ -42,8 +43,26 @@ def muon_groups(spec: RunSpec) -> list[str]:
     return sorted({p.group for p in spec.params if p.kind == "muon"})
 
 
+# A group's shares depend on its parameters and the mesh's data-parallel shape, not on the recipe (precision,
+# batch, checkpointing, cp), and take about a second at 1,024 ranks; a plan asks for them three times (memory,
+# communication, time) and the recipe search (search.py) once per recipe on the same meshes. Kept with the
+# parameters they were worked out for, so that an id reused by a later tuple never answers for it.
+_SHARES: dict[tuple, tuple[tuple[Param, ...], list[MuonShare]]] = {}
+_SHARES_KEPT = 4096
+
+
 def muon_shares(spec: RunSpec, mesh: Mesh, group: str, ns_steps: int = 5, device_type: str = "cuda") -> list[MuonShare]:
     """The shares of one Muon group on `mesh` (module docstring), in the order the optimizer takes them."""
+    key = (id(spec.params), spec.ns_dtype, mesh.dp_replicate, mesh.dp_shard, mesh.ep, group, ns_steps, device_type)
+    kept = _SHARES.get(key)
+    if kept is None or kept[0] is not spec.params:
+        if len(_SHARES) >= _SHARES_KEPT:
+            _SHARES.clear()
+        kept = _SHARES[key] = (spec.params, _muon_shares(spec, mesh, group, ns_steps, device_type))
+    return list(kept[1])
+
+
+def _muon_shares(spec: RunSpec, mesh: Mesh, group: str, ns_steps: int, device_type: str) -> list[MuonShare]:
     members = [p for p in spec.params if p.kind == "muon" and p.group == group]
     element = NS_BYTES[spec.ns_dtype]
     own = [p for p in members if p.routed and mesh.ep > 1 and (experts_whole(p, mesh) or mesh.dp_shard == 1)]
@@ -68,24 +87,56 @@ def muon_shares(spec: RunSpec, mesh: Mesh, group: str, ns_steps: int = 5, device
 
 def _owners(params: list[Param], mesh: Mesh, ranks: int, dim: int, element: int, ns_steps: int) -> MuonShare:
     """k3train/optim/muon_distributed.exchange_with_owners over `ranks`, shards on `dim` of each (local) tensor."""
-    shapes = [_local_shape(p, mesh) for p in params]
-    matrices = [_local_matrices(p, mesh) for p in params]
+    shapes = tuple(_local_shape(p, mesh) for p in params)
+    matrices = tuple(_local_matrices(p, mesh) for p in params)
+    return _owners_of(shapes, matrices, ranks, dim, element, ns_steps)
+
+
+# The same tensors over the same ranks share out the same way: FSDP's non-expert parameters on 1 x N x ep for every
+# ep, which the recipe search plans side by side. Keyed by the shapes themselves (a few thousand tuples to hash).
+_OWNERS: dict[tuple, MuonShare] = {}
+
+
+def _owners_of(
+    shapes: tuple[tuple[int, ...], ...], matrices: tuple, ranks: int, dim: int, element: int, ns_steps: int
+) -> MuonShare:
+    key = (shapes, matrices, ranks, dim, element, ns_steps)
+    if key in _OWNERS:
+        return _OWNERS[key]
     costs = [newton_schulz_cost(m) for m in matrices]
     owners = assign_owners(costs, ranks)
     whole = [math.prod(s) * element for s in shapes]
-    # bytes of rank r's shard of each tensor: Shard's rows, as DTensor lays them out
-    shard = [[math.prod(s) // s[dim] * rows * element for rows in chunk_sizes(s[dim], ranks)] for s in shapes]
-    queues = [[i for i, o in enumerate(owners) if o == r] for r in range(ranks)]
-    sent = [sum(sh[r] for sh in shard) + sum(whole[i] for i in queues[r]) for r in range(ranks)]
-    load = [sum(costs[i] for i in queues[r]) for r in range(ranks)]
+    row_bytes = [math.prod(s) // s[dim] * element for s in shapes]  # one row on `dim`, as DTensor's Shard lays out
+
+    def shard_bytes_by_rank(items) -> list[int]:
+        """Each rank's bytes of the shards of tensors `items`; tensors of the same row bytes and rows are laid out
+        alike, so each kind is summed once (thousands of tensors, a few dozen kinds)."""
+        kinds = Counter((row_bytes[i], shapes[i][dim]) for i in items)
+        by_rank = [0] * ranks
+        for (row, size), count in kinds.items():
+            for r, rows in enumerate(chunk_sizes(size, ranks)):
+                by_rank[r] += count * row * rows
+        return by_rank
+
+    queues: list[list[int]] = [[] for _ in range(ranks)]
+    for i, owner in enumerate(owners):
+        queues[owner].append(i)
+    shards = shard_bytes_by_rank(range(len(shapes)))
+    sent = [shards[r] + sum(whole[i] for i in queues[r]) for r in range(ranks)]
+    load = [sum(costs[i] for i in queue) for queue in queues]
     rounds = max(len(q) for q in queues)
     largest_round = 0.0
     for j in range(rounds):  # alive: the owner's matrix twice (received, assembled; then its update and the copy
         # sent back) and a rank's shards of the round's matrices twice (to send, then returned)
         items = [q[j] for q in queues if j < len(q)]
-        shards = max(sum(shard[i][r] for i in items) for r in range(ranks))
-        largest_round = max(largest_round, 2 * max(whole[i] for i in items) + 2 * shards)
-    return MuonShare("owners", ranks, max(sent), 2 * rounds, ns_steps * max(load), largest_round, dim == 1, tuple(sent))
+        round_shards = max(shard_bytes_by_rank(items))
+        largest_round = max(largest_round, 2 * max(whole[i] for i in items) + 2 * round_shards)
+    if len(_OWNERS) >= _SHARES_KEPT:
+        _OWNERS.clear()
+    share = _OWNERS[key] = MuonShare(
+        "owners", ranks, max(sent), 2 * rounds, ns_steps * max(load), largest_round, dim == 1, tuple(sent)
+    )
+    return share
 
 
 def _all_gather(params: list[Param], mesh: Mesh, element: int, ns_steps: int, device_type: str) -> MuonShare:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import shlex
+
 from k3train.plan.estimate import Estimate, why
 from k3train.plan.hardware import Hardware
+from k3train.plan.mesh import Mesh
+from k3train.plan.search import Search, overrides_for
 from k3train.plan.spec import RunSpec
 
 GB = 1e9
@@ -172,4 +176,96 @@ def as_json(spec: RunSpec, hw: Hardware, chosen: Estimate | None, tried: list[Es
         "flops_per_token": spec.flops_per_token,
         "chosen": one(chosen) if chosen else None,
         "tried": [one(e) for e in tried],
+    }
+
+
+def search_lines(search: Search, configured: RunSpec, given: list[str], flags: list[str], shown: int = 5) -> list[str]:
+    """The recipes that fit, fastest first, each with the command that plans it (its overrides are what
+    `python -m k3train` runs), then what was held and what searched. flags: the planner's own (--gpu, --mfu, ...)."""
+    n = search.devices
+    lines = [
+        "",
+        f"recipes that fit on {n} device(s), fastest step first: each trains the same tokens a step, so the cheapest "
+        "first",
+    ]
+    if not search.fits:
+        lines.append("  none: no recipe searched fits")
+    else:
+        lines.append(f"  {'step s':>8}  {'peak GB (phase)':<26} {'mesh':<14} {'tokens/day':>10}  recipe")
+    for fit in search.fits[:shown]:
+        e = fit.estimate
+        peak = f"{_gb(e.memory.peak)} ({e.memory.peak_phase})"
+        lines.append(
+            f"  {e.step_s:8.2f}  {peak:<26} {str(e.mesh):<14} {e.tokens_per_day:10.3e}  {fit.recipe.describe()}"
+        )
+        command = ["python", "-m", "k3train.plan", *overrides_for(fit, configured, given), "--gpus", str(n)]
+        lines.append("      " + " ".join(shlex.quote(word) for word in [*command, *flags, "--mesh", str(e.mesh)]))
+    if len(search.fits) > shown:
+        lines.append(f"  ... and {len(search.fits) - shown} more recipes that fit (--json lists every one)")
+    rows = configured.batch_size * configured.accumulation
+    split = f" / cp {search.asked_cp}" if search.asked_cp > 1 else ""
+    lines.append(
+        f"  held fixed: train.seq_len {search.seq_len:,}, the model, the optimizer, and the tokens a device trains on "
+        f"per optimizer step (batch x accumulation x seq_len / cp), as configured: {rows} x {search.seq_len:,}{split} "
+        f"= {search.tokens_per_device:,}, a global batch of {search.tokens_per_device * n:,} tokens"
+    )
+    batches = sorted({b for bs in search.micro_batches.values() for b in bs}, reverse=True)
+    cps = ", ".join(str(c) for c in search.cps) or "none"
+    lines.append(
+        f"  searched in {search.seconds:.1f} s, {search.plans} plans: precision {', '.join(search.precisions)}; "
+        f"checkpointing {', '.join(search.checkpointings)}; micro-batch (rows) {', '.join(map(str, batches))}, with "
+        f"the accumulation that keeps the tokens; cp {cps} (a larger cp only while nothing fits"
+        + (f"; {search.cp_refused}" if search.cp_refused else "")
+        + f"); meshes {_meshes(search.meshes)}"
+    )
+    if search.skipped_meshes:
+        skipped = list(dict.fromkeys(Mesh(m.dp_replicate, m.dp_shard, m.ep) for m in search.skipped_meshes))
+        lines.append(
+            f"  not planned, their parameters, gradients and optimizer state alone over the usable memory: "
+            f"{_meshes(skipped)}"
+        )
+    if search.unaccumulated:
+        lines.append(
+            f"  gradient accumulation not planned on {_meshes(search.unaccumulated)}: its floor (FSDP2 keeps whole "
+            "gradients between micro-batches) is over the usable memory alone"
+        )
+    return lines
+
+
+def _meshes(meshes: list[Mesh]) -> str:
+    """'1024x1xE and 1x1024xE, ep 1 to 128' where every family has the same eps (mesh.candidates' do), else each."""
+    families: dict[str, list[int]] = {}
+    for m in meshes:
+        families.setdefault(f"{m.dp_replicate}x{m.dp_shard}xE" + (f"x{m.cp}" if m.cp > 1 else ""), []).append(m.ep)
+    eps = list(families.values())
+    if len(meshes) < 3 or any(e != eps[0] for e in eps):
+        return ", ".join(str(m) for m in meshes)
+    return f"{' and '.join(families)}, ep {eps[0][0]} to {eps[0][-1]}"
+
+
+def search_json(search: Search, configured: RunSpec, given: list[str]) -> dict:
+    return {
+        "devices": search.devices,
+        "held": {"seq_len": search.seq_len, "tokens_per_device_per_step": search.tokens_per_device},
+        "searched": {
+            "precision": list(search.precisions),
+            "activation_checkpointing": list(search.checkpointings),
+            "micro_batches_by_cp": {str(c): bs for c, bs in search.micro_batches.items()},
+            "meshes": [str(m) for m in search.meshes],
+            "skipped_meshes": [str(m) for m in search.skipped_meshes],
+            "unaccumulated_meshes": [str(m) for m in search.unaccumulated],
+            "plans": search.plans,
+            "seconds": search.seconds,
+        },
+        "fits": [
+            {
+                "overrides": overrides_for(fit, configured, given),
+                "mesh": str(fit.estimate.mesh),
+                "step_s": fit.estimate.step_s,
+                "peak_bytes": fit.estimate.memory.peak,
+                "peak_phase": fit.estimate.memory.peak_phase,
+                "tokens_per_day": fit.estimate.tokens_per_day,
+            }
+            for fit in search.fits
+        ],
     }
