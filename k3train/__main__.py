@@ -12,6 +12,8 @@ import hydra
 from omegaconf import DictConfig
 
 from k3train.config import register_configs
+from k3train.run.override_keys import unknown_key_error
+from k3train.run.remembered import remember_run_overrides
 from k3train.runtime import distributed
 
 register_configs()
@@ -40,6 +42,13 @@ def main() -> None:
     except distributed.LaunchError as exc:  # before Hydra: nothing is written yet
         print(f"k3train: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    problem = unknown_key_error(sys.argv)  # one line, before Hydra's advice to append a misspelt key with +
+    if problem:
+        print(f"k3train: error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    sys.argv, remembered = remember_run_overrides(sys.argv)  # a resume composes its run's own overrides first
+    if remembered is not None and world.is_main:
+        print(remembered.describe(), flush=True)
     if not world.is_main:
         sys.argv.append("hydra.output_subdir=null")  # rank 0 alone writes .hydra/ (and everything else)
         sys.stdout = open(os.devnull, "w")  # one summary and progress display per run; errors still reach stderr

@@ -191,7 +191,7 @@ def test_a_fresh_run_never_overwrites_an_existing_one(run_cli, tmp_path):
         ("model=k3_tiny model.kda_mla_ratio=abc", "must look like '3:1'"),
         (
             "model=k3_tiny model.kda_implementation=fla",
-            "k3train: error: ImportError: KDA implementation='fla' needs flash-linear-attention",
+            "k3train: error: KDA implementation='fla' needs flash-linear-attention",
         )
         if importlib.util.find_spec("fla") is None
         else ("train.seed=x", "seed"),

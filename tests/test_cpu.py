@@ -306,7 +306,7 @@ def test_cli_refuses_bad_cpu_threads(run_cli, tmp_path) -> None:
     proc = run_cli("model=smoke_test_lm", "train.cpu_threads=0", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "k3train: error: ValueError: train.cpu_threads=0 must be auto or a positive number of threads"
+        "k3train: error: train.cpu_threads=0 must be auto or a positive number of threads"
     ]
 
 

@@ -168,8 +168,8 @@ REFUSED = [
     (["data=prepared"], "data.path is not set: add data.path=... to the command"),
     (["data=prepared", "data.path=/nonexistent/data"], "does not exist"),
     (["train.max_steps=0"], "train.max_steps must be >= 1"),
-    (["+train.max_stpes=5"], "unknown key train.max_stpes (did you mean train.max_steps?)"),  # defect 14
-    (["++train.max_stpes=5"], "unknown key train.max_stpes (did you mean train.max_steps?)"),
+    (["+train.max_stpes=5"], "unknown key train.max_stpes: did you mean train.max_steps"),  # defect 14
+    (["++train.max_stpes=5"], "unknown key train.max_stpes: did you mean train.max_steps"),
 ]
 if not torch.cuda.is_available():
     REFUSED.append((["train.device=cuda"], "CUDA is not available"))

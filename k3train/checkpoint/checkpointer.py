@@ -69,8 +69,9 @@ def load_checkpoint(path: Path, make_shard: MakeShard | None = None) -> dict:
     except CodeRefused as exc:  # not "cannot be read": it can, and must not be
         raise CheckpointError(f"checkpoint {exc}") from None
     except Exception as exc:  # torch raises several types for truncated or foreign files
+        said = (str(exc).strip().splitlines() or ["no message"])[0]  # torch's first line; the rest is its internals
         raise CheckpointError(
-            f"checkpoint {path} cannot be read ({type(exc).__name__}: {exc}). It is truncated, corrupt or not a "
+            f"checkpoint {path} cannot be read ({said}). It is truncated, corrupt or not a "
             "k3train checkpoint; resume from an earlier one (keep_last_k keeps step_*.pt copies)"
         ) from exc
     if not isinstance(payload, dict) or "meta" not in payload:
@@ -90,9 +91,15 @@ def load_checkpoint(path: Path, make_shard: MakeShard | None = None) -> dict:
     return payload
 
 
+MODEL_FIELDS_SHOWN = 4  # a model config that differs names its first fields with their values, the rest by name
+
+
 def check_compatible(saved: dict, current: dict, path: Path) -> None:
-    """Compare two `meta` dicts and name every mismatch that makes a resume wrong."""
+    """Compare two `meta` dicts and name every mismatch that makes a resume wrong, in one line. Another model is
+    one item (its fields, the first few with their values); its optimizer layout, which follows from it, is not
+    listed again."""
     problems = []
+    model_differs = False
     for key, what, fix in (
         ("model_config", "model config", "use the model config the checkpoint was trained with"),
         (
@@ -107,11 +114,22 @@ def check_compatible(saved: dict, current: dict, path: Path) -> None:
         old, new = saved.get(key, {}), current.get(key, {})
         if key == "model_config":  # a field the checkpoint predates has its default: the behaviour it was trained with
             old = {**current.get("model_config_defaults", {}), **old}
-        for field in sorted(set(old) | set(new)):
-            if old.get(field) != new.get(field):
-                problems.append(f"  {what}: {field} was {old.get(field)!r}, now {new.get(field)!r} ({fix})")
+        if key == "optimizer_layout" and model_differs:
+            continue
+        differ = [
+            f"{field} was {old.get(field)!r}, now {new.get(field)!r}"
+            for field in sorted(set(old) | set(new))
+            if old.get(field) != new.get(field)
+        ]
+        if not differ:
+            continue
+        if key == "model_config":
+            model_differs = True
+            names = [item.split(" was ", 1)[0] for item in differ[MODEL_FIELDS_SHOWN:]]
+            differ = differ[:MODEL_FIELDS_SHOWN] + ([f"and {', '.join(names)}"] if names else [])
+        problems.append(f"{what}: {'; '.join(differ)} ({fix})")
     if problems:
-        raise CheckpointError(f"cannot resume from {path}; it does not match this run:\n" + "\n".join(problems))
+        raise CheckpointError(f"cannot resume from {path}, which does not match this run: " + " | ".join(problems))
 
 
 def link_or_copy(checkpoint: Path, copy: Path) -> None:

@@ -26,6 +26,7 @@ from k3train.models.context_parallel import ContextParallel, set_context_paralle
 from k3train.models.protocol import missing_members
 from k3train.observe.metrics import MetricsLogger, MetricsSink
 from k3train.observe.run_manifest import RUN_JSON
+from k3train.run.remembered import recorded_overrides, started_with
 from k3train.runtime.cpu import apply_threads, choose_threads, prepare_cpu_training
 from k3train.runtime.devices import device_for_rank
 from k3train.runtime.distributed import World, current_world, rank_zero_decides
@@ -45,7 +46,8 @@ RUN_FILES = (*LATEST_NAMES, RUN_JSON, "metrics.jsonl")
 
 def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
     """null: a fresh run; auto: run_dir/last.pt (last.dcp for a sharded one; the newer if both) if present, else
-    fresh; otherwise a checkpoint path (a file, or a sharded checkpoint's directory).
+    fresh; otherwise a checkpoint path (a file, or a sharded checkpoint's directory) or a run directory (its newest
+    checkpoint; `python -m k3train resume=DIR` alone continues in DIR: run/remembered.py).
 
     A run never writes into a directory holding another run's files: a fresh run or a resume from elsewhere is
     refused there, so nobody's checkpoint, metrics or manifest is overwritten or mixed with another run's.
@@ -55,6 +57,8 @@ def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
     path = Path(resume).expanduser() if resume is not None else None
     if path is not None and not path.exists():
         raise CheckpointError(f"resume={resume}: no such checkpoint")
+    if path is not None and path.is_dir() and newest_checkpoint(path) is not None:
+        path = newest_checkpoint(path)  # a run directory: its newest checkpoint, as generate and evaluate read it
     if path is not None and path.resolve().parent == run_dir.resolve():
         return path  # this run's own last.pt or an earlier step_*.pt of it: continuing the same run
     existing = [name for name in RUN_FILES if (run_dir / name).exists()]
@@ -205,7 +209,10 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
         profile=profile_cfg,
     )
     if resume_path is not None:
-        trainer.resume(resume_path)
+        try:
+            trainer.resume(resume_path)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{exc}{_how_it_was_started(resume_path.parent)}") from exc
         done = trainer.plan.done()
         if done is not None:
             raise RunFinished(_finished_message(resume_path, done, trainer))
@@ -232,6 +239,17 @@ def _build_named(nodes: DictConfig, kind: type, group: str, **kwargs) -> dict:
             )
         built[name] = part
     return built
+
+
+def _how_it_was_started(run_dir: Path) -> str:
+    recorded = recorded_overrides(run_dir)
+    if recorded is None:
+        return ""
+    started = " ".join(started_with(recorded)) or "no overrides"
+    return (
+        f"; that run was started with: {started} (a resume in its directory composes these itself: give only what "
+        "changes, or start a new run in another hydra.run.dir)"
+    )
 
 
 def _finished_message(resume_path: Path, reason: str, trainer: Trainer) -> str:

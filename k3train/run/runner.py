@@ -29,10 +29,11 @@ from k3train.checkpoint.checkpointer import CheckpointError
 from k3train.files import remove_stale_temp_files
 from k3train.models.protocol import takes_document_ids
 from k3train.observe.metrics import MetricsLogger
-from k3train.observe.run_manifest import RunManifest, environment
+from k3train.observe.run_manifest import RunManifest, environment, read_run_json
 from k3train.optim.summary import format_param_groups, summarize_param_groups
 from k3train.run import rundir
 from k3train.run.build import RunFinished, build_parts
+from k3train.run.remembered import config_changes
 from k3train.run.rundir import RunDirError
 from k3train.runtime import distributed, slurm
 from k3train.runtime.cpu import ThreadChoice, cpu_runtime, denormal_setting, malloc_setting
@@ -175,9 +176,7 @@ def _close(trainer: Trainer, metrics: MetricsLogger, manifest: RunManifest | Non
 def describe_error(exc: BaseException) -> str:
     if isinstance(exc, MissingMandatoryValue):
         return f"{exc.full_key} is not set: add {exc.full_key}=... to the command"
-    if isinstance(exc, RunDirError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
+    return str(exc)  # k3train's messages say what was wrong and what to do; a class name adds nothing to them
 
 
 def _kept(trainer: Trainer) -> str:
@@ -226,9 +225,11 @@ def _open_session(
     if not current_world().is_main:
         return None, metrics  # rank 0 writes run.json and shows the summary
     model, optimizer = trainer.model, trainer.optimizer
+    config = OmegaConf.to_container(cfg, resolve=True)
+    changes = _changed_since_last_session(run_dir, config) if resume_path else []
     manifest = RunManifest(run_dir)
     manifest.start_session(
-        config=OmegaConf.to_container(cfg, resolve=True),
+        config=config,
         overrides=list(HydraConfig.get().overrides.task),
         model={
             "class": type(model).__name__,
@@ -250,11 +251,20 @@ def _open_session(
         run_dir=str(run_dir),
         resume_from=manifest.session["resume_from"],
     )
-    _print_summary(run_dir, trainer, threads)
+    _print_summary(run_dir, trainer, threads, changes)
     return manifest, metrics
 
 
-def _print_summary(run_dir: Path, trainer: Trainer, threads: ThreadChoice) -> None:
+def _changed_since_last_session(run_dir: Path, config: dict) -> list[str]:
+    """What this session's composed config changes of the last one's (run.json's top level), `resume` aside."""
+    last = read_run_json(run_dir).get("config")
+    if not isinstance(last, dict):
+        return []
+    before = {key: value for key, value in last.items() if key != "resume"}
+    return config_changes(before, {key: value for key, value in config.items() if key != "resume"})
+
+
+def _print_summary(run_dir: Path, trainer: Trainer, threads: ThreadChoice, changes: list[str]) -> None:
     model, optimizer, schedule = trainer.model, trainer.optimizer, trainer.schedule
     counts = model.param_counts()
     lines = [
@@ -263,6 +273,8 @@ def _print_summary(run_dir: Path, trainer: Trainer, threads: ThreadChoice) -> No
         f"embedding {counts['embedding']:,}",
         f"  optimizer: {type(optimizer).__name__}",
     ]
+    if changes:
+        lines.insert(1, "  changed since the last session: " + "; ".join(changes))
     if trainer.device.type == "cpu":
         lines.insert(2, f"  cpu: {threads.describe()}; malloc: {malloc_setting()}; denormals: {denormal_setting()}")
     lines += ["    " + row for row in format_param_groups(optimizer.param_groups).splitlines()]

@@ -1,0 +1,131 @@
+"""A resume remembers how its run was started: `python -m k3train hydra.run.dir=DIR resume=auto` (or `resume=DIR`)
+composes the overrides the run was started with, then the ones given now, which win key by key. So
+`train.max_steps=400` is all a longer run needs, and forgetting `model=k3_small` no longer builds another model.
+
+This runs on the command line before Hydra composes (`remember_run_overrides`), so the composed config, `--cfg job`
+and the .hydra/overrides.yaml that Hydra writes for the new session all hold the whole list. The overrides come
+from run.json's last session (each session records the whole list it was composed from), else from the run's
+.hydra/overrides.yaml. A sweep (`-m`) is left alone: each job of it names its own directory.
+
+`resume=DIR`, where DIR is a run directory (it holds run.json or a checkpoint), means that run: without
+hydra.run.dir it continues in DIR (`hydra.run.dir=DIR resume=auto`); with another hydra.run.dir it starts there
+from DIR's newest checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+from hydra._internal.utils import get_args_parser
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+
+from k3train.checkpoint.latest import LATEST_NAMES, newest_checkpoint
+from k3train.observe.run_manifest import RUN_JSON, read_run_json
+
+
+@dataclass
+class Remembered:
+    """What a resume took from its run: the run's directory, the overrides it was started with (all of them) and
+    those of them the command line now replaced or added to."""
+
+    run_dir: Path
+    recorded: list[str]
+    kept: list[str]  # recorded overrides composed again, in their order, before the ones given now
+    given: list[str]
+
+    def describe(self) -> str:
+        started = " ".join(started_with(self.recorded)) or "(no overrides)"
+        line = f"k3train: resuming {self.run_dir} with its overrides: {started}"
+        return line + (f"; given now: {' '.join(self.given)}" if self.given else "")
+
+
+def remember_run_overrides(argv: list[str]) -> tuple[list[str], Remembered | None]:
+    """argv with the resumed run's recorded overrides put before the ones given now (argv[0] kept), and what was
+    remembered; argv unchanged and None where this is not a resume of a recorded run."""
+    args, _ = get_args_parser().parse_known_args(argv[1:])
+    if args.multirun or not args.overrides:
+        return argv, None
+    try:
+        given = OverridesParser.create().parse_overrides(args.overrides)
+    except HydraException:
+        return argv, None  # Hydra says what is wrong with the line itself
+    by_key = {override.key_or_group: override for override in given}
+    resume = by_key.get("resume")
+    if resume is None or not isinstance(resume.value(), str):
+        return argv, None
+    run_dir_given = by_key.get("hydra.run.dir")
+    replace: dict[str, str] = {}
+    if resume.value() == "auto":
+        if run_dir_given is None:
+            return argv, None  # a new timestamped directory: nothing to continue
+        run_dir = Path(str(run_dir_given.value())).expanduser()
+    else:
+        run_dir = Path(resume.value()).expanduser()
+        if not _is_run_dir(run_dir):
+            return argv, None  # a checkpoint file, or nothing there (the runner says so)
+        if run_dir_given is None:
+            replace[resume.input_line] = "resume=auto"
+            replace[""] = f"hydra.run.dir={run_dir}"
+        elif Path(str(run_dir_given.value())).expanduser().resolve() == run_dir.resolve():
+            replace[resume.input_line] = "resume=auto"
+        else:
+            newest = newest_checkpoint(run_dir)
+            if newest is None:
+                return argv, None
+            replace[resume.input_line] = f"resume={newest}"
+    recorded = recorded_overrides(run_dir)
+    if recorded is None:
+        return argv, None
+    given_lines = [replace.get(line, line) for line in args.overrides] + ([replace[""]] if "" in replace else [])
+    given_keys = {override.key_or_group for override in given} | {"hydra.run.dir", "resume"}
+    kept = [line for line in recorded if _key(line) not in given_keys]
+    flags = list(argv[1:])  # Hydra's own flags (--cfg job, -c ...) stay; the overrides follow them
+    for line in args.overrides:
+        flags.remove(line)
+    return (
+        [argv[0], *flags, *kept, *given_lines],
+        Remembered(run_dir, recorded, kept, [line for line in args.overrides if _key(line) != "resume"]),
+    )
+
+
+def recorded_overrides(run_dir: Path) -> list[str] | None:
+    """The overrides of the run's last session (run.json), else its .hydra/overrides.yaml; None: neither."""
+    sessions = read_run_json(run_dir).get("sessions") or []
+    if sessions and isinstance(sessions[-1].get("overrides"), list):
+        return [str(line) for line in sessions[-1]["overrides"]]
+    try:
+        overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    return [str(line) for line in overrides] if isinstance(overrides, list) else None
+
+
+def started_with(recorded: list[str]) -> list[str]:
+    """The recorded overrides that say what the run is (not where it lives, nor that it was itself a resume)."""
+    return [line for line in recorded if _key(line) not in ("resume", "hydra.run.dir")]
+
+
+def _is_run_dir(path: Path) -> bool:
+    return path.is_dir() and any((path / name).exists() for name in (RUN_JSON, *LATEST_NAMES))
+
+
+def _key(line: str) -> str | None:
+    try:
+        return OverridesParser.create().parse_override(line).key_or_group
+    except HydraException:
+        return None
+
+
+def config_changes(before: dict, now: dict, prefix: str = "") -> list[str]:
+    """`key: old -> new` for every leaf of two composed configs that differs (a key on one side only included)."""
+    changes = []
+    for key in sorted(set(before) | set(now), key=str):
+        old, new = before.get(key, "(absent)"), now.get(key, "(absent)")
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += config_changes(old, new, f"{prefix}{key}.")
+        elif old != new:
+            changes.append(f"{prefix}{key}: {old!r} -> {new!r}")
+    return changes
