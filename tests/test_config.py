@@ -14,6 +14,7 @@ from hydra.errors import ConfigCompositionException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
+from omegaconf.errors import MissingMandatoryValue
 
 from k3train.config import ProfileConfig, TrainConfig, check_known_keys
 from k3train.train.precision import Precision
@@ -150,7 +151,10 @@ def tokens():
     return x, x.roll(-1, dims=1)
 
 
-@pytest.mark.parametrize("option", options("model"))
+MODEL_BASES = ("k3_base",)  # a model's form without its sizes (???): what other options build on, not a model
+
+
+@pytest.mark.parametrize("option", [o for o in options("model") if o not in MODEL_BASES])
 def test_every_model_builds_and_starts_near_a_uniform_guess(option):
     model = tiny_model(with_option("model", option))
     model.check_data(V, T)
@@ -160,6 +164,25 @@ def test_every_model_builds_and_starts_near_a_uniform_guess(option):
     assert abs(loss.item() - math.log(V)) < 0.5, loss.item()  # small initial weights: near-uniform predictions
     counts = model.param_counts()
     assert 0 < counts["embedding"] < counts["active"] <= counts["total"] == sum(p.numel() for p in model.parameters())
+
+
+def test_k3_tiny_small_and_k3_are_k3_base_and_their_sizes():
+    """Kimi K3's form lives in k3_base alone: each size sets exactly the fields the base leaves ??? and nothing
+    else, so a component cannot differ between sizes by accident; the base itself is no model."""
+    import yaml
+
+    base = OmegaConf.load(files("k3train.conf") / "model" / "k3_base.yaml")
+    sizes = {key for key in base if OmegaConf.is_missing(base, key)}
+    assert {"d_model", "n_layers", "n_routed_experts"} <= sizes
+    for option in ("k3_tiny", "k3_small", "k3"):
+        own = yaml.safe_load((files("k3train.conf") / "model" / f"{option}.yaml").read_text())
+        assert own.pop("defaults") == ["k3_base", "_self_"], option
+        assert set(own) == sizes, (option, set(own) ^ sizes)
+        model = with_option("model", option).model
+        assert not any(OmegaConf.is_missing(model, key) for key in model), option
+        assert all(model[key] == base[key] for key in base if key not in sizes), option
+    with pytest.raises(MissingMandatoryValue):
+        OmegaConf.to_container(with_option("model", "k3_base").model, throw_on_missing=True)
 
 
 def test_k3_mla_only_is_k3_tiny_with_mla_in_every_layer():
