@@ -19,7 +19,7 @@ from omegaconf.errors import MissingMandatoryValue
 from k3train.config import ProfileConfig, TrainConfig, check_known_keys
 from k3train.train.precision import Precision
 
-from helpers.config import built_run, composed
+from helpers.config import MODEL_BASES, built_run, composed
 
 GROUPS = ("model", "optim", "schedule", "precision", "data")
 NAMED_GROUPS = ("callbacks", "logger")  # groups whose options list any number of named `_target_` nodes
@@ -149,9 +149,6 @@ def tiny_model(cfg):
 def tokens():
     x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(0))
     return x, x.roll(-1, dims=1)
-
-
-MODEL_BASES = ("k3_base",)  # a model's form without its sizes (???): what other options build on, not a model
 
 
 @pytest.mark.parametrize("option", [o for o in options("model") if o not in MODEL_BASES])

@@ -73,7 +73,7 @@ def test_a_failing_rank_names_itself_and_one_that_lost_its_peer_says_so():
 def _resume_decided_while_rank_zero_starts(run_dir: str, rank: int, world_size: int) -> dict:
     import torch.distributed as dist
 
-    from k3train.run.build import resolve_resume
+    from k3train.run.resume import resolve_resume
 
     fresh, taken = Path(run_dir) / "fresh", Path(run_dir) / "taken"
     (taken / "metrics.jsonl").parent.mkdir(parents=True, exist_ok=True)

@@ -24,7 +24,7 @@ CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 
 
 def test_explicit_layer_types_from_yaml_become_a_plain_list():
-    cfg = OmegaConf.load(CONF / "k3_tiny.yaml")
+    cfg = model_config("k3_tiny")  # composed: the file is k3_base plus its sizes
     cfg.vocab_size, cfg.kda_mla_ratio, cfg.layer_types = V, None, ["mla", "kda", "kda", "mla"]
     model = instantiate(cfg)
     assert type(model.config.layer_types) is list

@@ -112,3 +112,12 @@ def test_cli_resume_remembers_the_model_and_refuses_another_in_one_line(run_cli,
     assert len(lines) == 1 and lines[0].startswith("k3train: error: cannot resume from"), refused.stderr
     assert "that run was started with: model=smoke_test_lm optim.lr=2e-3" in lines[0]
     assert "CheckpointError" not in lines[0]
+
+
+def test_how_a_session_ran_is_not_remembered(tmp_path):
+    """A run started on 2 ranks with parallel.cp=2, as a time slice, may go on in one process to its end."""
+    session = ["parallel=fsdp", "parallel.cp=2", "train.stop_after=2", "model.kda_implementation=fla"]
+    run_dir = _run_dir(tmp_path, overrides=["model=smoke_test_lm", *session])
+    composed, remembered = remember_run_overrides(["k3train", f"hydra.run.dir={run_dir}", "resume=auto"])
+    assert composed == ["k3train", "model=smoke_test_lm", f"hydra.run.dir={run_dir}", "resume=auto"]
+    assert f"(not {' '.join(session)}: how a session runs is each session's own)" in remembered.describe()

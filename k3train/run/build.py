@@ -1,8 +1,10 @@
 """Everything a run is made of, built from the composed config and checked before anything is written.
 
-`build_parts` checks every setting, opens the data, builds the model, optimizer, schedule, callbacks, metrics sinks,
-Checkpointer and Trainer, and restores a checkpoint when resuming. It writes nothing, so a refusal here (a bad
-value, missing data, an incompatible checkpoint, a finished run) leaves no trace; the runner reports it.
+`set_up_process` sets what is process-wide (device, threads, CPU memory and denormals, determinism, the seed);
+`build_parts` then opens the data and builds the model, optimizer, schedule, callbacks, metrics sinks, Checkpointer
+and Trainer from the composed config alone (callable without Hydra: tests and notebooks call it). Neither writes
+anything, so a refusal here (a bad value, missing data) leaves no trace; the runner reports it. Resolving and
+restoring a checkpoint is run/resume.py's.
 """
 
 from __future__ import annotations
@@ -12,62 +14,24 @@ import inspect
 from pathlib import Path
 
 import torch
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from k3train.checkpoint.checkpointer import Checkpointer, CheckpointError, ShardedCheckpointer
-from k3train.checkpoint.latest import LATEST_NAMES, newest_checkpoint
-from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig, check_known_keys
+from k3train.checkpoint.checkpointer import Checkpointer, ShardedCheckpointer
+from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig
 from k3train.data.context_slices import ContextSlices
 from k3train.inference.loading import load
 from k3train.models.context_parallel import ContextParallel, set_context_parallel
 from k3train.models.protocol import missing_members
 from k3train.observe.metrics import MetricsLogger, MetricsSink
-from k3train.observe.run_manifest import RUN_JSON
-from k3train.run.remembered import recorded_overrides, started_with
-from k3train.runtime.cpu import apply_threads, choose_threads, prepare_cpu_training
+from k3train.runtime.cpu import ThreadChoice, apply_threads, choose_threads, prepare_cpu_training
 from k3train.runtime.devices import device_for_rank
-from k3train.runtime.distributed import World, current_world, rank_zero_decides
+from k3train.runtime.distributed import World
 from k3train.runtime.parallel_dims import ParallelDims
 from k3train.train.callbacks import Callback
 from k3train.train.cpu_threads import CpuThreads
 from k3train.train.rng import configure_determinism, seed_everything
 from k3train.train.trainer import Trainer
-
-
-class RunFinished(Exception):
-    """A resumed run that has nothing left to do."""
-
-
-RUN_FILES = (*LATEST_NAMES, RUN_JSON, "metrics.jsonl")
-
-
-def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
-    """null: a fresh run; auto: run_dir/last.pt (last.dcp for a sharded one; the newer if both) if present, else
-    fresh; otherwise a checkpoint path (a file, or a sharded checkpoint's directory) or a run directory (its newest
-    checkpoint; `python -m k3train resume=DIR` alone continues in DIR: run/remembered.py).
-
-    A run never writes into a directory holding another run's files: a fresh run or a resume from elsewhere is
-    refused there, so nobody's checkpoint, metrics or manifest is overwritten or mixed with another run's.
-    """
-    if resume == "auto":
-        return newest_checkpoint(run_dir)
-    path = Path(resume).expanduser() if resume is not None else None
-    if path is not None and not path.exists():
-        raise CheckpointError(f"resume={resume}: no such checkpoint")
-    if path is not None and path.is_dir() and newest_checkpoint(path) is not None:
-        path = newest_checkpoint(path)  # a run directory: its newest checkpoint, as generate and evaluate read it
-    if path is not None and path.resolve().parent == run_dir.resolve():
-        return path  # this run's own last.pt or an earlier step_*.pt of it: continuing the same run
-    existing = [name for name in RUN_FILES if (run_dir / name).exists()]
-    if existing:
-        raise ValueError(
-            f"{run_dir} already holds a run ({', '.join(existing)}): pass resume=auto to continue "
-            "that run, or choose another hydra.run.dir"
-        )
-    return path
 
 
 def build_meta(
@@ -123,24 +87,33 @@ def initialise_from(model, source: str) -> None:
     model.load_state_dict(loaded.model.state_dict())
 
 
-def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
-    """Every check and every part, writing nothing: a refusal here leaves no trace."""
-    check_known_keys(cfg)
-    train_cfg: TrainConfig = OmegaConf.to_object(cfg.train)
-    profile_cfg = OmegaConf.to_object(cfg.profile)
-    world = current_world()
+def set_up_process(
+    train_cfg: TrainConfig, world: World, launcher: dict | None = None
+) -> tuple[torch.device, ThreadChoice]:
+    """The process-wide state a run needs before anything is built: its device, torch's threads (`launcher`: a
+    multirun launcher's settings, which may say how many jobs share the CPUs), a CPU's memory and denormal settings,
+    determinism and the seed (before the model, whose initial weights it fixes)."""
     device = device_for_rank(train_cfg.device, world)
-    precision = instantiate(cfg.precision)
-    precision.check_device(device)
-    resume_path = rank_zero_decides(lambda: resolve_resume(cfg.resume, run_dir))  # one answer, before anyone writes
-    hydra_cfg = HydraConfig.get()
-    threads = choose_threads(train_cfg.cpu_threads, hydra_cfg.launcher if hydra_cfg.mode == RunMode.MULTIRUN else None)
+    threads = choose_threads(train_cfg.cpu_threads, launcher)
     apply_threads(threads)
     if device.type == "cpu":
         prepare_cpu_training()
-
     configure_determinism(train_cfg.deterministic)
     seed_everything(train_cfg.seed)
+    return device, threads
+
+
+def build_parts(
+    cfg: DictConfig, run_dir: Path, device: torch.device, world: World, threads: ThreadChoice, resuming: bool
+) -> dict:
+    """Every part of the run from its composed config, writing nothing (no Hydra state needed): the data, the model
+    (sharded by the parallel strategy; from train.init_from's weights unless `resuming`, whose weights are the
+    checkpoint's), the optimizer, schedule, callbacks, metrics sinks, Checkpointer and Trainer. A refusal here leaves
+    no trace; the runner reports it. Restoring the checkpoint is the caller's (run/resume.py)."""
+    train_cfg: TrainConfig = OmegaConf.to_object(cfg.train)
+    profile_cfg = OmegaConf.to_object(cfg.profile)
+    precision = instantiate(cfg.precision)
+    precision.check_device(device)
     parallel = instantiate(cfg.parallel)
     dims = ParallelDims.for_strategy(
         parallel.name, world.size, world.rank, device.type, getattr(parallel, "ep", 1), getattr(parallel, "cp", 1)
@@ -163,7 +136,7 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
                 "no checkpointing; use none"
             )
         model.set_activation_checkpointing(train_cfg.activation_checkpointing)
-    if train_cfg.init_from is not None and resume_path is None:  # a resumed run's weights are its checkpoint's
+    if train_cfg.init_from is not None and not resuming:
         initialise_from(model, train_cfg.init_from)
     train_loader, val_loader = data.loaders(
         train_cfg.batch_size, train_cfg.seq_len, rank=dims.dp_rank, world_size=dims.dp_size
@@ -208,15 +181,7 @@ def build_parts(cfg: DictConfig, run_dir: Path) -> dict:
         dims=dims,
         profile=profile_cfg,
     )
-    if resume_path is not None:
-        try:
-            trainer.resume(resume_path)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{exc}{_how_it_was_started(resume_path.parent)}") from exc
-        done = trainer.plan.done()
-        if done is not None:
-            raise RunFinished(_finished_message(resume_path, done, trainer))
-    return {"trainer": trainer, "metrics": metrics, "data": data, "resume_path": resume_path, "threads": threads}
+    return {"trainer": trainer, "metrics": metrics, "data": data}
 
 
 def _build_optimizer(factory, model, dims: ParallelDims) -> torch.optim.Optimizer:
@@ -239,25 +204,3 @@ def _build_named(nodes: DictConfig, kind: type, group: str, **kwargs) -> dict:
             )
         built[name] = part
     return built
-
-
-def _how_it_was_started(run_dir: Path) -> str:
-    recorded = recorded_overrides(run_dir)
-    if recorded is None:
-        return ""
-    started = " ".join(started_with(recorded)) or "no overrides"
-    return (
-        f"; that run was started with: {started} (a resume in its directory composes these itself: give only what "
-        "changes, or start a new run in another hydra.run.dir)"
-    )
-
-
-def _finished_message(resume_path: Path, reason: str, trainer: Trainer) -> str:
-    step = trainer.state.step
-    if reason == "end_of_data":
-        return f"{resume_path} is a finished run (its train split is used up at step {step}); nothing to do"
-    limit = f"train.{reason}"
-    return (
-        f"{resume_path} is a finished run (it reached {limit}={getattr(trainer.config, reason)} at step {step}); "
-        f"nothing to do. To train on, raise {limit} and resume=auto"
-    )

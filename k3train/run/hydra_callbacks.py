@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from k3train.observe.sweep_table import write_sweep_summary
 from k3train.run import rundir
-from k3train.run.build import resolve_resume
+from k3train.run.resume import resolve_resume
 from k3train.run.runner import USER_ERRORS, describe_error, fail
 from k3train.runtime import slurm
 from k3train.runtime.distributed import current_world

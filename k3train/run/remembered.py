@@ -1,6 +1,8 @@
 """A resume remembers how its run was started: `python -m k3train hydra.run.dir=DIR resume=auto` (or `resume=DIR`)
 composes the overrides the run was started with, then the ones given now, which win key by key. So
 `train.max_steps=400` is all a longer run needs, and forgetting `model=k3_small` no longer builds another model.
+What the run is (model, optim, data, schedule, precision, the recipe) is remembered; how a session runs (the
+parallel layout, device, threads, compile, a time slice's stop_after: SESSION_KEYS) is each session's own.
 
 This runs on the command line before Hydra composes (`remember_run_overrides`), so the composed config, `--cfg job`
 and the .hydra/overrides.yaml that Hydra writes for the new session all hold the whole list. The overrides come
@@ -23,7 +25,21 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 
 from k3train.checkpoint.latest import LATEST_NAMES, newest_checkpoint
+from k3train.config import RESUME_MAY_CHANGE_MODEL
 from k3train.observe.run_manifest import RUN_JSON, read_run_json
+
+# How a session runs, not what the run is: each session says its own (a run started on 2 ranks with parallel.cp=2
+# may go on in one process, a time slice's train.stop_after is that slice's), so these are never remembered.
+SESSION_KEYS = (
+    "parallel",
+    "train.device",
+    "train.cpu_threads",
+    "train.compile",
+    "train.progress",
+    "train.stop_after",
+    "profile",
+    *(f"model.{field}" for field in RESUME_MAY_CHANGE_MODEL),  # an implementation, not the function
+)
 
 
 @dataclass
@@ -39,6 +55,9 @@ class Remembered:
     def describe(self) -> str:
         started = " ".join(started_with(self.recorded)) or "(no overrides)"
         line = f"k3train: resuming {self.run_dir} with its overrides: {started}"
+        session = [line for line in started_with(self.recorded) if _is_session_key(_key(line))]
+        if session:
+            line += f" (not {' '.join(session)}: how a session runs is each session's own)"
         return line + (f"; given now: {' '.join(self.given)}" if self.given else "")
 
 
@@ -81,7 +100,7 @@ def remember_run_overrides(argv: list[str]) -> tuple[list[str], Remembered | Non
         return argv, None
     given_lines = [replace.get(line, line) for line in args.overrides] + ([replace[""]] if "" in replace else [])
     given_keys = {override.key_or_group for override in given} | {"hydra.run.dir", "resume"}
-    kept = [line for line in recorded if _key(line) not in given_keys]
+    kept = [line for line in recorded if _key(line) not in given_keys and not _is_session_key(_key(line))]
     flags = list(argv[1:])  # Hydra's own flags (--cfg job, -c ...) stay; the overrides follow them
     for line in args.overrides:
         flags.remove(line)
@@ -106,6 +125,10 @@ def recorded_overrides(run_dir: Path) -> list[str] | None:
 def started_with(recorded: list[str]) -> list[str]:
     """The recorded overrides that say what the run is (not where it lives, nor that it was itself a resume)."""
     return [line for line in recorded if _key(line) not in ("resume", "hydra.run.dir")]
+
+
+def _is_session_key(key: str | None) -> bool:
+    return key is not None and any(key == k or key.startswith(f"{k}.") for k in SESSION_KEYS)
 
 
 def _is_run_dir(path: Path) -> bool:

@@ -26,18 +26,20 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from k3train.checkpoint.checkpointer import CheckpointError
+from k3train.config import TrainConfig, check_known_keys
 from k3train.files import remove_stale_temp_files
 from k3train.models.protocol import takes_document_ids
 from k3train.observe.metrics import MetricsLogger
 from k3train.observe.run_manifest import RunManifest, environment, read_run_json
 from k3train.optim.summary import format_param_groups, summarize_param_groups
 from k3train.run import rundir
-from k3train.run.build import RunFinished, build_parts
+from k3train.run.build import build_parts, set_up_process
 from k3train.run.remembered import config_changes
+from k3train.run.resume import RunFinished, resolve_resume, restore
 from k3train.run.rundir import RunDirError
 from k3train.runtime import distributed, slurm
 from k3train.runtime.cpu import ThreadChoice, cpu_runtime, denormal_setting, malloc_setting
-from k3train.runtime.distributed import current_world
+from k3train.runtime.distributed import current_world, rank_zero_decides
 from k3train.runtime.signals import Interrupted
 from k3train.train.trainer import Trainer, TrainingDiverged
 
@@ -88,7 +90,7 @@ def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bo
         print(f"k3train: job {job.name} was requeued (restart {job.restart_count}): resume=auto", flush=True)
         cfg.resume = "auto"
     try:
-        parts = build_parts(cfg, run_dir)
+        parts = _build_and_restore(cfg, run_dir)
     except BaseException as exc:
         claim.undo()  # nothing of this start stays: .hydra/ back as it was, a new directory removed
         if isinstance(exc, RunFinished):
@@ -112,6 +114,22 @@ def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bo
         )
     with slurm.job_log(run_dir if job and current_world().is_main else None):
         return _train(cfg, run_dir, parts, multirun)
+
+
+def _build_and_restore(cfg: DictConfig, run_dir: Path) -> dict:
+    """Check the settings, resolve the resume, set the process up, build every part and restore the checkpoint:
+    all before anything is written (a refusal anywhere leaves no trace)."""
+    check_known_keys(cfg)
+    train_cfg: TrainConfig = OmegaConf.to_object(cfg.train)  # its checks, before any work
+    world = current_world()
+    resume_path = rank_zero_decides(lambda: resolve_resume(cfg.resume, run_dir))  # one answer, before anyone writes
+    hydra_cfg = HydraConfig.get()
+    launcher = hydra_cfg.launcher if hydra_cfg.mode == RunMode.MULTIRUN else None
+    device, threads = set_up_process(train_cfg, world, launcher)
+    parts = build_parts(cfg, run_dir, device, world, threads, resuming=resume_path is not None)
+    if resume_path is not None:
+        restore(parts["trainer"], resume_path)
+    return {**parts, "resume_path": resume_path, "threads": threads}
 
 
 def _train(cfg: DictConfig, run_dir: Path, parts: dict, multirun: bool) -> str | None:

@@ -22,6 +22,9 @@ def _compose(overrides: tuple[str, ...], return_hydra_config: bool) -> DictConfi
         return compose(config_name="config", overrides=list(overrides), return_hydra_config=return_hydra_config)
 
 
+MODEL_BASES = ("k3_base",)  # conf/model/ options that are a form without sizes (???), what others build on: no model
+
+
 def model_config(name: str) -> DictConfig:
     """conf/model/NAME.yaml as the runner gets it: composed, so a defaults list (k3_mla_only's) is followed."""
     return composed(f"model={name}").model
@@ -30,10 +33,11 @@ def model_config(name: str) -> DictConfig:
 def built_run(monkeypatch, run_dir, data_dir, *overrides: str, model: str = "smoke_test_lm") -> tuple[DictConfig, dict]:
     """build_parts (k3train/run/build.py) on the composed config, as the runner calls it in one process, for `model`
     (the smoke model unless said; overrides may change its fields) on a tiny prepared dataset. Its process-wide CPU
-    set-up (threads, malloc, denormals) is left out."""
-    from hydra.core.hydra_config import HydraConfig
+    set-up (threads, malloc, denormals) is left out; no Hydra state is needed."""
+    from omegaconf import OmegaConf
 
     from k3train.run import build
+    from k3train.runtime.distributed import World
 
     cfg = composed(
         f"model={model}",
@@ -47,6 +51,6 @@ def built_run(monkeypatch, run_dir, data_dir, *overrides: str, model: str = "smo
     )
     monkeypatch.setattr(build, "apply_threads", lambda choice: None)
     monkeypatch.setattr(build, "prepare_cpu_training", lambda: {})
-    monkeypatch.setattr(HydraConfig.instance(), "cfg", None)  # put back after the test
-    HydraConfig.instance().set_config(cfg)
-    return cfg, build.build_parts(cfg, run_dir)
+    world = World()
+    device, threads = build.set_up_process(OmegaConf.to_object(cfg.train), world)
+    return cfg, build.build_parts(cfg, run_dir, device, world, threads, resuming=False)
