@@ -81,3 +81,14 @@ def test_cli_refuses_an_unknown_key_in_one_line_and_writes_nothing(run_cli, tmp_
     assert len(lines) == 1 and lines[0].startswith("k3train: error: unknown key "), proc.stderr
     assert "did you mean" in lines[0] and "Error" not in lines[0] and "0x" not in lines[0]
     assert not run_dir.exists()
+
+
+def test_an_extensions_search_path_is_composed_with_its_own_options_and_keys(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "bigram.yaml").write_text("_target_: bigram.Bigram\nwidth: 8\n")
+    search = f"hydra.searchpath=[file://{tmp_path}]"
+    assert error("model=bigram", "model.width=4", search) is None
+    assert error("model=bigram", "model.widht=4", search).startswith(
+        "unknown key model.widht: did you mean model.width"
+    )
+    assert error("--config-dir", str(tmp_path), "model=bigram") is None  # Hydra judges another config folder

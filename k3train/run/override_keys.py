@@ -4,9 +4,10 @@ Hydra refuses a misspelt key (`optim.lrr=1e-3`) over several lines that advise a
 appended that way reaches the `_target_` it configures as an unexpected argument. `unknown_key_error` checks every
 override's key against the config the command's own group choices compose (model=..., optim=..., experiment=...)
 and names the closest keys that exist, with or without `+`/`++`/`~`, in every group; a group option that does not
-exist (`model=k3_smal`) is named with its closest options. `callbacks` and `logger` hold entries by name, so adding
-a new one there (`+callbacks.mine._target_=...`) is allowed; the keys inside an existing one are checked. Values,
-types and `hydra.*` keys are left to Hydra and to the schema (k3train/config.py).
+exist (`model=k3_smal`) is named with its closest options (unless hydra.searchpath adds folders, whose options
+Hydra finds; --config-dir and another primary config are left to Hydra). `callbacks` and `logger` hold entries by
+name, so adding a new one there (`+callbacks.mine._target_=...`) is allowed; the keys inside an existing one are
+checked. Values, types and `hydra.*` keys are left to Hydra and to the schema (k3train/config.py).
 """
 
 from __future__ import annotations
@@ -32,16 +33,20 @@ def unknown_key_error(argv: list[str]) -> str | None:
     args, _ = get_args_parser().parse_known_args(argv[1:])
     if args.help or args.hydra_help or args.shell_completion or args.info or not args.overrides:
         return None
+    if args.config_dir or args.config_path or args.config_name:
+        return None  # another primary config or its folder: Hydra judges what it holds
     try:
         overrides = OverridesParser.create().parse_overrides(args.overrides)
     except HydraException:
         return None
     groups = config_groups()
-    choices, swept = [], set()
+    # hydra.searchpath adds config folders (an extension's conf/model/mine.yaml): its options are composed, not listed
+    search_path = [o.input_line for o in overrides if o.key_or_group == "hydra.searchpath"]
+    choices, swept = list(search_path), set()
     for override in overrides:
         if override.key_or_group not in groups:
             continue
-        problem = _unknown_option(override, groups[override.key_or_group])
+        problem = None if search_path else _unknown_option(override, groups[override.key_or_group])
         if problem:
             return problem
         if override.is_sweep_override():
