@@ -306,16 +306,16 @@ def install_counters() -> None:
     """Wrap the collectives k3train calls (in this process only)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: F401 - loaded before patching
 
-    from k3train.models.k3 import expert_parallel
-    from k3train.models.k3 import moe as moe_module
+    from k3train.models.k3.moe import balancing, experts
+    from k3train.models.k3.moe import dispatch as expert_parallel
 
     expert_parallel.all_to_all_single_autograd = timed_all_to_all_autograd(expert_parallel.all_to_all_single_autograd)
     dist.all_to_all_single = timed_all_to_all_single(dist.all_to_all_single)
     setattr(dist, AG_NAME, timed_fsdp(getattr(dist, AG_NAME), "all-gather", "output_tensor"))
     setattr(dist, RS_NAME, timed_fsdp(getattr(dist, RS_NAME), "reduce-scatter", "input"))
-    moe_module._all_gather_single = timed_qb_gather(moe_module._all_gather_single)
-    moe_module._all_to_all_single = timed_qb_all_to_all(moe_module._all_to_all_single)
-    moe_module.GroupedSwiGLU = timed_grouped_swiglu(moe_module.GroupedSwiGLU)  # RoutedExperts.forward calls it
+    balancing._all_gather_single = timed_qb_gather(balancing._all_gather_single)
+    balancing._all_to_all_single = timed_qb_all_to_all(balancing._all_to_all_single)
+    experts.GroupedSwiGLU = timed_grouped_swiglu(experts.GroupedSwiGLU)  # RoutedExperts.forward calls it
 
 
 def counting_ddp_hook(process_group, bucket):

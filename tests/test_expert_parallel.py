@@ -48,7 +48,7 @@ def run(moe: MoE, x: torch.Tensor, grad: torch.Tensor) -> dict:
 
 
 def _rank_main(rank: int, world_size: int) -> dict:
-    from k3train.models.k3.expert_parallel import shard_experts
+    from k3train.models.k3.moe import shard_experts
 
     out = {}
     for case in CASES:
@@ -88,7 +88,7 @@ def test_two_ranks_with_half_the_experts_each_equal_one_process(two_ranks: list[
 
 
 def test_experts_that_do_not_split_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from k3train.models.k3.expert_parallel import shard_experts
+    from k3train.models.k3.moe import shard_experts
 
     # a stand-in group of 3 ranks: the check comes before any communication
     monkeypatch.setattr(dist, "get_world_size", lambda group: 3)

@@ -455,3 +455,27 @@ def test_moe_macs_counts_the_latent_moe():
         with FlopCounterMode(display=False) as counter, torch.no_grad():
             moe(x)
         assert counter.get_total_flops() == 2 * 20 * moe_macs(config), (latent_dim, n_shared)
+
+
+def test_the_moe_sends_its_slots_through_the_dispatcher_it_is_given() -> None:
+    """use_dispatcher's seam: a dispatcher wrapping LocalDispatch sees every slot once and changes no bit; and
+    assigning process_group is balance_over."""
+    from k3train.models.k3.moe import LocalDispatch
+
+    class Counting(LocalDispatch):
+        def dispatch(self, x, weights, experts):
+            slots = super().dispatch(x, weights, experts)
+            seen.append(int(slots.counts.sum()))
+            return slots
+
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(3))
+    want = make_moe().eval()(x)
+    moe = make_moe().eval()
+    seen: list[int] = []
+    moe.use_dispatcher(Counting(N_EXP))
+    assert torch.equal(moe(x), want) and seen == [2 * 5 * K]
+    assert moe.process_group is None
+    moe.process_group = "group"
+    assert moe.balancer.group == "group" and moe.process_group == "group"
+    moe.balance_over(None)
+    assert moe.process_group is None

@@ -241,7 +241,7 @@ def test_uneven_token_counts_are_refused_on_every_rank(ranks):
 
 def _three_rank_quantiles(rank: int, world_size: int) -> dict:
     """global_quantile_bias on 3 ranks, each its third of a fixed r, with what each rank received in the all-to-all."""
-    from k3train.models.k3 import moe as moe_module
+    from k3train.models.k3.moe import balancing as moe_module
     from k3train.models.k3.moe import global_quantile_bias
 
     received = []

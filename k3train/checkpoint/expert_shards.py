@@ -1,6 +1,6 @@
 """Routed experts in a checkpoint under expert parallelism: written by the ranks that hold them, read at any ep.
 
-Each rank holds 1/ep of every routed-expert weight (k3train/models/k3/expert_parallel.py), and FSDP2 may split that
+Each rank holds 1/ep of every routed-expert weight (MoE.shard_experts), and FSDP2 may split that
 again over expert_dp. In a checkpoint each such weight, and each optimizer state tensor shaped like it (Muon's
 momentum), is the whole [E, ...] tensor it is part of: a DTensor over the run's expert mesh (ParallelDims.
 expert_mesh, ep then expert_dp), whose local part is this rank's experts, no copy. DCP writes every rank's own
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from k3train.models.k3.expert_parallel import expert_shards
+from k3train.models.k3.moe import expert_shards
 from k3train.runtime.parallel_dims import ParallelDims
 
 

@@ -25,8 +25,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.nn.parallel import DistributedDataParallel
 
-from k3train.models.k3.expert_parallel import expert_shards, shard_experts
-from k3train.models.k3.moe import MoE
+from k3train.models.k3.moe import MoE, expert_shards
 from k3train.runtime.parallel_dims import ParallelDims
 
 
@@ -61,12 +60,12 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
 
 
 def split_experts(model: nn.Module, dims: ParallelDims) -> None:
-    """Each MoE of `model` keeps this rank's 1/ep of its routed experts (expert_parallel.shard_experts)."""
+    """Each MoE of `model` keeps this rank's 1/ep of its routed experts (MoE.shard_experts)."""
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     if not moes:
         raise ValueError(f"parallel.ep={dims.ep}: {type(model).__name__} has no MoE layer to split")
     for moe in moes:
-        shard_experts(moe, dims.ep_group)
+        moe.shard_experts(dims.ep_group)
 
 
 def average_expert_gradients(model: nn.Module, dims: ParallelDims) -> None:
@@ -82,11 +81,11 @@ def average_expert_gradients(model: nn.Module, dims: ParallelDims) -> None:
 
 
 def hand_data_parallel_group(model: nn.Module, dims: ParallelDims) -> None:
-    """Give every module that reduces over the data-parallel ranks (a `process_group` attribute: the MoE's Quantile
-    Balancing) the run's group; None in one process."""
+    """Give every MoE (its Quantile Balancing reduces over the data-parallel ranks: MoE.balance_over) the run's group;
+    None in one process."""
     for module in model.modules():
-        if hasattr(module, "process_group"):
-            module.process_group = dims.dp_group
+        if isinstance(module, MoE):
+            module.balance_over(dims.dp_group)
 
 
 _DDP_OPTIONS = inspect.signature(DistributedDataParallel.__init__).parameters
