@@ -285,6 +285,110 @@ def test_activation_checkpointing_passes_the_documents_through(mode) -> None:
         torch.testing.assert_close(results[mode][1][key], grad, rtol=0, atol=1e-12, msg=key)
 
 
+# ---- the documents' forms, made once per forward ------------------------------------------------------------------
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+
+
+def host_reads_and_masks(monkeypatch, model, x, y, ids) -> tuple[int, int]:
+    """(host reads of a tensor's values, block-causal masks built) in one training forward + backward."""
+    import k3train.models.documents as documents_module
+    import k3train.models.k3.mla as mla_module
+
+    counts = {"reads": 0, "masks": 0}
+
+    def counting(fn, key):
+        def counted(*args, **kwargs):
+            counts[key] += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    with monkeypatch.context() as patch:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name), "reads"))
+        for name in ("nonzero", "unique_consecutive"):
+            patch.setattr(torch, name, counting(getattr(torch, name), "reads"))
+        for module in (mla_module, documents_module):
+            if hasattr(module, "block_causal_mask"):
+                patch.setattr(module, "block_causal_mask", counting(module.block_causal_mask, "masks"))
+        _, loss = model(x, targets=y, document_ids=ids)
+        loss.backward()
+    return counts["reads"], counts["masks"]
+
+
+@pytest.mark.parametrize("mode", ["none", "selective"])
+def test_host_reads_and_masks_per_forward_do_not_grow_with_the_layers(monkeypatch, mode) -> None:
+    """The forms a layer reads (MLA's tiles and their masks, FLA's cu_seqlens) come from one Documents per forward:
+    the host reads that documents add (those with ids less those without: the MoE and KDA's chunked kernel read
+    their own, per layer, either way), and the masks built, are the same at 2 and 4 layers of each kind, and a
+    recompute under selective checkpointing makes none again."""
+    gen = torch.Generator().manual_seed(3)
+    x, y = (torch.randint(0, V, (2, T), generator=gen) for _ in range(2))
+    ids = ids_of(LENGTHS)
+    added, masks = [], []
+    for n_layers in (4, 8):
+        model = tiny_model(0, **{**K3_PARTS, "kda_mla_ratio": "1:1", "n_layers": n_layers})
+        model.set_activation_checkpointing(mode)
+        with_ids = host_reads_and_masks(monkeypatch, model, x, y, ids)
+        without = host_reads_and_masks(monkeypatch, model, x, y, None)
+        added.append(with_ids[0] - without[0])
+        masks.append(with_ids[1])
+    assert added[0] == added[1] <= 2, added  # cu_seqlens' nonzero and its one tolist: MLA's tiles
+    assert masks[0] == masks[1], masks
+
+
+def test_the_model_builds_one_documents_per_forward_and_every_layer_reads_it(monkeypatch) -> None:
+    from k3train.models.documents import Documents
+
+    built, seen = [], []
+    real_init = Documents.__init__
+
+    def init(self, *args, **kwargs):
+        built.append(self)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Documents, "__init__", init)
+    model = tiny_model(0, **K3_PARTS)
+    for layer in model.layers:
+        layer.mixer.register_forward_pre_hook(lambda module, args: seen.append(args[1]))
+    model.set_activation_checkpointing("block")  # the recompute in the backward reads the same one
+    gen = torch.Generator().manual_seed(4)
+    x, y = (torch.randint(0, V, (2, T), generator=gen) for _ in range(2))
+    _, loss = model(x, targets=y, document_ids=ids_of(LENGTHS))
+    loss.backward()
+    assert len(built) == 1 and torch.equal(built[0].ids, ids_of(LENGTHS))
+    assert len(seen) == 2 * len(model.layers) and all(documents is built[0] for documents in seen)
+    assert built[0].lengths == LENGTHS
+
+
+def test_under_context_parallelism_the_ids_are_gathered_once_per_forward() -> None:
+    """Every rank's ids are exchanged once, by the forward's Documents, not by each layer (MLA's keys, KDA's conv
+    windows and slice ends all read them); a rank of 2 in one process, its peer's share a copy of its own."""
+    from dataclasses import dataclass
+
+    from k3train.models.context_parallel import ContextParallel, set_context_parallel
+
+    gathered = []
+
+    @dataclass(frozen=True)
+    class SecondOfTwo(ContextParallel):
+        rank: int = 1
+        size: int = 2
+
+        def gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+            if not t.is_floating_point():
+                gathered.append(t)
+            return [t.clone(), t]
+
+    for n_layers in (4, 8):
+        gathered.clear()
+        model = tiny_model(0, **{**K3_PARTS, "kda_mla_ratio": "1:1", "n_layers": n_layers})
+        assert set_context_parallel(model, SecondOfTwo(None))
+        with torch.no_grad():
+            model(torch.zeros(2, T // 2, dtype=torch.long), document_ids=ids_of(LENGTHS)[:, T // 2 :])
+        assert len(gathered) == 1, n_layers
+
+
 def test_with_rope_a_packed_document_keeps_its_row_positions_and_attends_as_alone() -> None:
     """Positions count from the row's start, not the document's: rotary scores depend on i - j only, so a document
     attends as it would alone, up to the rounding of the rotary table's angles (fp32) at other positions."""

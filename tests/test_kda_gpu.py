@@ -126,7 +126,7 @@ def test_fla_layer_matches_chunk_layer(autocast, form):
     outputs, grads = [], []
     for module in (layer, reference):
         with torch.autocast("cuda", dtype=autocast) if autocast else contextlib.nullcontext():
-            y = module(x, document_ids=document_ids)
+            y = module(x, documents=document_ids)
         y.float().square().mean().backward()
         outputs.append(y.detach())
         grads.append(torch.cat([p.grad.flatten() for p in module.parameters()]))

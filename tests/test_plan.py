@@ -290,7 +290,7 @@ def _count_collectives(monkeypatch_targets: dict) -> tuple[dict, dict]:
     import torch.distributed._functional_collectives as funcol
     from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 
-    from k3train.models.k3 import moe
+    from k3train.models.k3.moe import balancing as moe
     from k3train.optim import muon_distributed
 
     counts: dict[str, float] = collections.defaultdict(float)
@@ -444,8 +444,7 @@ def test_collective_bytes_equal_a_two_rank_gloo_run(two_rank_counts: list[dict],
 def _expert_parallel_rank_main(rank: int, world_size: int) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from k3train.models.k3.expert_parallel import shard_experts
-    from k3train.models.k3.moe import MoE
+    from k3train.models.k3.moe import MoE, shard_experts
 
     class AllToAllBytes(TorchDispatchMode):
         """Each all-to-all's input bytes (what this rank sends), the backward's too."""
@@ -500,10 +499,11 @@ CP_SMALL = [*SMALL, "train.seq_len=40", "train.batch_size=2"]
 
 
 def _cp_kind(t: torch.Tensor, n: int) -> str:
-    """Which cp exchange a collective's tensor belongs to, from its shape: KDA's summaries [B, H, K, K + V] (and
-    the slice's first and last document ids [B, 2]), the conv tails [B, n, 3W] (ids [B, n]), MLA's latent
-    [B, T, r + dr] (ids [B, T])."""
-    if t.ndim == 4 or (t.dtype == torch.long and t.shape[1] == 2):
+    """Which cp exchange a collective's tensor belongs to, from its shape: the document ids [B, T] (int64, once a
+    forward), KDA's summaries [B, H, K, K + V], the conv tails [B, n, 3W], MLA's latent [B, T, r + dr]."""
+    if t.dtype == torch.long:
+        return "CP document ids"
+    if t.ndim == 4:
         return "CP KDA state"
     return "CP conv tails" if t.shape[1] == n else "CP MLA latent"
 
@@ -511,7 +511,7 @@ def _cp_kind(t: torch.Tensor, n: int) -> str:
 def _context_parallel_rank_main(rank: int, world_size: int) -> dict:
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from k3train.models.k3 import moe
+    from k3train.models.k3.moe import balancing as moe
 
     class CollectiveBytes(TorchDispatchMode):
         """The functional collectives' payloads (an all-gather's output, a reduce-scatter's input), by cp kind."""
@@ -593,7 +593,8 @@ def test_context_parallel_bytes_equal_a_two_rank_split(context_parallel_counts: 
     want = {k: v for k, v in planned(spec, Mesh(2, 1, 1, 2)).items() if k.startswith(("CP", "balancing"))}
     kinds = ("KDA state", "conv tails", "MLA latent")
     cp = {f"CP {k} {op}" for k in kinds for op in ("all-gather", "reduce-scatter")}
-    assert set(want) == cp | {"balancing", "balancing all-to-all"}
+    ids = {"CP document ids all-gather"} if documents else set()
+    assert set(want) == cp | ids | {"balancing", "balancing all-to-all"}
     c, act = spec.model, spec.act_bytes
     for rank, counts in enumerate(context_parallel_counts):
         assert counts[case]["comm"] == pytest.approx(want, rel=1e-12), f"rank {rank}"
@@ -603,7 +604,8 @@ def test_context_parallel_bytes_equal_a_two_rank_split(context_parallel_counts: 
 
 def test_context_parallel_comm_by_hand() -> None:
     """k3_tiny at seq 4096 over cp 4, bf16, document masking: each kind's all-gather moves the whole row's share of
-    every rank, its reduce-scatter the same without the ids; a recompute gathers again."""
+    every rank, its reduce-scatter the same; a recompute gathers again; the document ids go once a forward, for
+    every layer, and not again in a recompute."""
     for mode, forwards in (("none", 1), ("block", 2)):
         spec = spec_of(
             *TINY, "precision=bf16", "train.batch_size=2", "train.seq_len=4096", "data.document_masking=true",
@@ -614,12 +616,14 @@ def test_context_parallel_comm_by_hand() -> None:
         W, K, n, T = c.kda_n_heads * c.kda_head_dim, c.kda_head_dim, c.kda_conv_size - 1, 1024
         got = {x.kind: x for x in plan_comm(spec, Mesh(1, 8, 1, 4))}
         want = {
-            "CP KDA state": (kda, 4 * 2 * W * 2 * K * 4, 4 * 2 * 2 * 8),
-            "CP conv tails": (kda, 4 * 2 * n * 3 * W * 2, 4 * 2 * n * 8),
-            "CP MLA latent": (mla, 4 * 2 * T * (c.kv_lora_rank + c.qk_rope_head_dim) * 2, 4 * 2 * T * 8),
+            "CP KDA state": (kda, 4 * 2 * W * 2 * K * 4),
+            "CP conv tails": (kda, 4 * 2 * n * 3 * W * 2),
+            "CP MLA latent": (mla, 4 * 2 * T * (c.kv_lora_rank + c.qk_rope_head_dim) * 2),
         }
-        for kind, (layers, values, ids) in want.items():
-            assert got[f"{kind} all-gather"].payload == layers * forwards * (values + ids)
+        ids = got["CP document ids all-gather"]
+        assert (ids.payload, ids.calls, ids.wire) == (4 * 2 * T * 8, 1, 4 * 2 * T * 8 * 3 / 4)
+        for kind, (layers, values) in want.items():
+            assert got[f"{kind} all-gather"].payload == layers * forwards * values
             assert got[f"{kind} reduce-scatter"].payload == layers * values
             assert got[f"{kind} all-gather"].wire == got[f"{kind} all-gather"].payload * 3 / 4
             assert got[f"{kind} all-gather"].ranks == 4 and not got[f"{kind} all-gather"].overlapped

@@ -17,7 +17,8 @@ attention projections carry `head_split`, so Muon orthogonalises them per head a
 (k3train/optim/param_groups.py); there is no QK-Clip here (nothing measures this attention's max logits).
 
 Document masking (forward's document_ids, k3train/models/documents.py): attention is causal within each document
-(block-diagonal causal, MLA's document_attention). RoPE scores depend only on the distance between two positions,
+(block-diagonal causal, MLA's document_attention), every layer reading one Documents built by forward (its mask or
+tiles made once). RoPE scores depend only on the distance between two positions,
 so a document packed after others gets the outputs it would get alone. Without document_ids each row is one
 sequence and attention is plain F.scaled_dot_product_attention(is_causal=True).
 """
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from k3train.models.documents import Documents
 from k3train.models.k3.mla import RotaryEmbedding, document_attention
 from k3train.models.k3.moe import SwiGLU
 from k3train.models.loss import linear_cross_entropy
@@ -91,16 +93,16 @@ class CausalSelfAttention(nn.Module):
         self.o_proj.weight.head_split = (H, 1)
         self.rotary = RotaryEmbedding(self.head_dim, config.max_seq_len, config.rope_theta)
 
-    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, documents: Documents | torch.Tensor | None = None) -> torch.Tensor:
         B, T, d = x.shape
         heads = (B, T, self.n_heads, self.head_dim)
         q = self.rotary(self.q_proj(x).view(heads)).transpose(1, 2)  # [B, H, T, dh]
         k = self.rotary(self.k_proj(x).view(heads)).transpose(1, 2)
         v = self.v_proj(x).view(heads).transpose(1, 2)
-        if document_ids is None:
+        if documents is None:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            o = document_attention(q, k, v, self.head_dim**-0.5, document_ids)
+            o = document_attention(q, k, v, self.head_dim**-0.5, documents)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, d))
 
 
@@ -112,8 +114,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.d_model, eps=config.norm_eps)
         self.ffn = SwiGLU(config.d_model, config.ffn_dim)
 
-    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), document_ids)
+    def forward(self, x: torch.Tensor, documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), documents)
         return x + self.ffn(self.ffn_norm(x))
 
 
@@ -159,9 +161,10 @@ class DenseTransformer(nn.Module):
         """x [B, T] token ids -> (logits [B, T, V], None); with targets [B, T] (x shifted by one) -> (None, the
         mean next-token cross-entropy over all B*T positions in fp32), through linear_cross_entropy as KimiK3
         computes it (the logits never built whole). document_ids [B, T]: attention within each document."""
+        documents = None if document_ids is None else Documents(document_ids)  # one for every layer
         h = self.embed_tokens(x)
         for layer in self.layers:
-            h = layer(h, document_ids)
+            h = layer(h, documents)
         h = self.norm(h)
         if targets is None:
             return self.lm_head(h), None

@@ -34,8 +34,9 @@ tokens that leave it.
   reduce-scatters a tensor of the same size: KDA's slice summaries [M | F], B x heads x K x (K + V) fp32 a rank
   (k3train/models/kda/context_parallel.py); its short convs' tails, the last conv_size - 1 positions of q, k, v
   side by side (B x (conv_size - 1) x 3 heads x K in the activation dtype); MLA's latent, B x T_l x (kv_lora_rank +
-  rope) in the activation dtype. With document masking the ids travel too (int64, forward only): each slice's first
-  and last (KDA), the conv tail's and all of MLA's keys'.
+  rope) in the activation dtype. With document masking the ids travel too (int64, no gradient), once a micro-batch:
+  the forward's Documents gathers every rank's B x T_l ids for all the layers, a recompute reads them again
+  (k3train/models/documents.py).
 Not counted: scalars (the loss, the gradient norm, QK-Clip's per-head maxima, Muon's weight norms).
 """
 
@@ -147,21 +148,23 @@ def context_parallel_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
     c, A, G, act = spec.model, spec.accumulation, mesh.cp, spec.act_bytes
     B, T = spec.batch_size, spec.seq_len // mesh.cp
     forwards = 2 if spec.checkpointing != "none" else 1  # checkpointing recomputes the mixers, exchanges included
-    ids = 8 if spec.documents else 0  # int64 document ids, gathered beside (no gradient)
     kda = sum(1 for kind in c.layer_pattern if kind == "kda")
     mla = len(c.layer_pattern) - kda
     H, K, n = c.kda_n_heads, c.kda_head_dim, c.kda_conv_size - 1
-    kinds = [  # name, layers, a rank's share per call (the backward returns as much), its ids, gathers a forward
-        ("CP KDA state", kda, H * K * 2 * K * F32 * B, 2 * B * ids, 1 + bool(ids)),
-        ("CP conv tails", kda, n * 3 * H * K * act * B, n * B * ids, 1 + bool(ids)),
-        ("CP MLA latent", mla, T * (c.kv_lora_rank + c.qk_rope_head_dim) * act * B, T * B * ids, 1 + bool(ids)),
+    kinds = [  # name, layers, a rank's share per call (the backward returns as much)
+        ("CP KDA state", kda, H * K * 2 * K * F32 * B),
+        ("CP conv tails", kda, n * 3 * H * K * act * B),
+        ("CP MLA latent", mla, T * (c.kv_lora_rank + c.qk_rope_head_dim) * act * B),
     ]
     out = []
-    for name, layers, sent, sent_ids, gathers in kinds:
+    if spec.documents:  # int64 [B, T_l] a rank, once a micro-batch for every layer (no gradient, no recompute)
+        payload = A * G * B * T * 8
+        out.append(Collective("CP document ids all-gather", payload, ring(payload, G), G, A, False))
+    for name, layers, sent in kinds:
         if not layers:
             continue
-        payload = A * layers * G * (forwards * (sent + sent_ids))
-        calls = A * layers * forwards * gathers
+        payload = A * layers * G * forwards * sent
+        calls = A * layers * forwards
         out.append(Collective(f"{name} all-gather", payload, ring(payload, G), G, calls, False))
         payload = A * layers * G * sent
         out.append(Collective(f"{name} reduce-scatter", payload, ring(payload, G), G, A * layers, False))

@@ -151,7 +151,7 @@ def chunk_and_fla_layers_on_this_rank(rank: int, world_size: int) -> dict:
         layer.context_parallel = ContextParallel(dist.group.WORLD)
         assert not layer._fla_kernels_take(x_all)  # k3train's conv and norm around FLA's two passes
         x = x_all[:, mine].clone().requires_grad_()
-        y = layer(x, document_ids=ids[:, mine])
+        y = layer(x, documents=ids[:, mine])
         (y * upstream[:, mine]).sum().backward()
         results[name] = {"y": y.detach(), "dx": x.grad, **{p: w.grad for p, w in layer.named_parameters()}}
     return relative_errors(results["fla"], results["chunk"])

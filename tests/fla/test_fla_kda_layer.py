@@ -34,7 +34,7 @@ def forward_backward(layer: KimiDeltaAttention, x: torch.Tensor, document_ids=No
     """y, dx and every parameter's gradient under a fixed random upstream gradient."""
     layer.zero_grad()
     x = x.clone().requires_grad_()
-    y = layer(x, document_ids=document_ids)
+    y = layer(x, documents=document_ids)
     (y * torch.randn(y.shape, generator=torch.Generator().manual_seed(2))).sum().backward()
     return {"y": y.detach(), "dx": x.grad, **{name: p.grad for name, p in layer.named_parameters()}}
 

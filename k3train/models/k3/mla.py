@@ -19,10 +19,12 @@ https://github.com/NVIDIA-NeMo/Automodel/blob/9a9b020c389454efdc58e6f39b15eedc82
 (KimiMLAAttention: g_proj [H * dv, d] without bias, sigmoid, elementwise before o_proj; its latent norms keep
 their own 1e-6 default rather than rms_norm_eps).
 
-Documents packed into a row (document_ids, k3train/models/documents.py): each position attends causally within its
-own document only (block-diagonal causal), and QK-Clip's max logit counts only those pairs. How, on a CPU, is
-document_attention's choice (docs/decisions/document-masking.md): rows cut into tiles of whole documents, each
-tile one SDPA call. Decoding (forward_cached) is one document and unaffected.
+Documents packed into a row (a Documents, k3train/models/documents.py, built once per forward by the model): each
+position attends causally within its own document only (block-diagonal causal), and QK-Clip's max logit counts only
+those pairs. How, on a CPU, is document_attention's choice (docs/decisions/document-masking.md): rows cut into tiles
+of whole documents, each tile one SDPA call; the tiles and their masks, like a GPU's [B, T, T] mask, are made by the
+first MLA layer of a forward and read by the others from the Documents. Decoding (forward_cached) is one document
+and unaffected.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from k3train.models.context_parallel import ContextParallel
-from k3train.models.documents import document_lengths
+from k3train.models.documents import Documents, block_causal_mask
 from k3train.models.k3.cache import MLACache
 from k3train.models.norm import RMSNorm
 
@@ -136,20 +138,21 @@ class MultiHeadLatentAttention(nn.Module):
         """The projection whose rows are per head [q_nope | q_rope]: q_proj, or q_b_proj with query compression."""
         return self.q_proj if hasattr(self, "q_proj") else self.q_b_proj
 
-    def forward(self, x: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, T, d] -> [B, T, d], causal; with document_ids [B, T], causal within each document. Split over ranks
-        (context_parallel), x is this rank's slice of the rows and the keys are every position up to its last."""
+    def forward(self, x: torch.Tensor, documents: Documents | torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, T, d] -> [B, T, d], causal; with documents (a Documents, or document_ids [B, T]), causal within each
+        document. Split over ranks (context_parallel), x is this rank's slice of the rows and the keys are every
+        position up to its last (their document ids: the Documents', gathered once per forward)."""
         B, T, _ = x.shape
         H, dn, dr, dv = self.n_heads, self.dn, self.dr, self.dv
         cp = self.context_parallel
+        documents = Documents.of(documents, cp)
+        document_ids = None if documents is None else documents.ids
+        key_ids = None if documents is None else documents.key_ids
         start = 0 if cp is None else cp.offset(T)
         q = self._query(x).view(B, T, H, dn + dr)
         latent = self.kv_a_proj(x)  # [B, T, r + dr]: [c_kv | k_rope]
-        key_ids = document_ids
         if cp is not None:  # the latent is what moves (kv_lora_rank + dr a position), keys and values are made here
             latent = torch.cat(cp.gather(latent)[: cp.rank + 1], dim=1)  # [B, start + T, r + dr]
-            if document_ids is not None:
-                key_ids = torch.cat(cp.gather(document_ids)[: cp.rank + 1], dim=1)
         S = latent.shape[1]  # keys: every position up to this rank's last
         c_kv, k_rope = latent.split([self.kv_lora_rank, dr], dim=-1)  # [B, S, r], [B, S, dr]
         kv = self.kv_b_proj(self.kv_a_norm(c_kv)).view(B, S, H, dn + dv)
@@ -161,7 +164,14 @@ class MultiHeadLatentAttention(nn.Module):
         k = torch.cat((k_nope, k_rope.expand(B, S, H, dr)), dim=-1)  # [B, S, H, dn+dr]
 
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T or S, D]
-        visible = None if cp is None else visible_keys(T, start, document_ids, key_ids, x.device)
+        visible = None
+        if cp is not None and documents is None:
+            visible = visible_keys(T, start, None, None, x.device)
+        elif cp is not None:  # the same for every MLA layer of the forward
+            visible = documents.cached(
+                ("mla_visible_keys", T, start, x.device),
+                lambda: visible_keys(T, start, document_ids, key_ids, x.device),
+            )
         if self.track_max_logit and self.training:
             # A running max until QK-Clip reads and resets it: gradient-accumulated micro-batches all count.
             with torch.autocast(q.device.type, enabled=False):  # fp16 would overflow past 65504, bf16 round
@@ -169,10 +179,10 @@ class MultiHeadLatentAttention(nn.Module):
             self.max_logit = step_max if self.max_logit is None else torch.maximum(self.max_logit, step_max)
         if visible is not None:
             o = causal_attention(q, k, v, self.scale, visible.unsqueeze(1))
-        elif document_ids is None:
+        elif documents is None:
             o = causal_attention(q, k, v, self.scale)  # [B, H, T, dv]
         else:
-            o = document_attention(q, k, v, self.scale, document_ids)
+            o = document_attention(q, k, v, self.scale, documents)
         return self._output(o.transpose(1, 2).reshape(B, T, H * dv), x)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -284,10 +294,12 @@ def document_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     scale: float,
-    document_ids: torch.Tensor,
+    documents: Documents | torch.Tensor,
     min_tile: int = MIN_DOCUMENT_TILE,
 ) -> torch.Tensor:
-    """causal_attention within each document: q, k [B, H, T, dk], v [B, H, T, dv], document_ids [B, T].
+    """causal_attention within each document: q, k [B, H, T, dk], v [B, H, T, dv], documents a Documents (or
+    document_ids [B, T]), whose mask (a GPU's) or tiles with their masks (a CPU's) are made once and kept there for
+    the forward's other attention layers.
 
     On a CPU each row is cut into tiles of whole consecutive documents holding at least min_tile positions (the last
     may hold fewer); a tile of one document is plain causal attention, one of several gets their block-diagonal
@@ -297,17 +309,26 @@ def document_attention(
     has no CPU backward; why tiles, with numbers: docs/decisions/document-masking.md.
     https://github.com/pytorch/torchtitan/blob/0012170a0708b751408e6085f970082ecd678d2b/torchtitan/models/attention.py
     """
+    documents = Documents.local(documents)
     if q.device.type != "cpu":
-        return causal_attention(q, k, v, scale, block_causal_mask(document_ids).unsqueeze(1))
+        return causal_attention(q, k, v, scale, documents.block_causal_mask.unsqueeze(1))
     rows = []
-    for b, lengths in enumerate(document_lengths(document_ids)):
-        tiles = []
-        for start, stop, documents in _document_tiles(lengths, min_tile):
-            ids = document_ids[b : b + 1, start:stop]
-            visible = None if documents == 1 else block_causal_mask(ids).unsqueeze(1)  # [1, 1, n, n]
-            tiles.append(causal_attention(*(x[b : b + 1, :, start:stop] for x in (q, k, v)), scale, visible))
-        rows.append(torch.cat(tiles, dim=2))
+    for b, tiles in enumerate(documents.cached(("mla_tiles", min_tile), lambda: _row_tiles(documents, min_tile))):
+        outputs = [causal_attention(*(x[b : b + 1, :, i:j] for x in (q, k, v)), scale, mask) for i, j, mask in tiles]
+        rows.append(torch.cat(outputs, dim=2))
     return torch.cat(rows, dim=0)
+
+
+def _row_tiles(documents: Documents, min_tile: int) -> list[list[tuple[int, int, torch.Tensor | None]]]:
+    """Per row, document_attention's tiles: (start, stop, the tile's [1, 1, n, n] block-causal mask, or None for a
+    tile of one document: plain causal)."""
+    rows = []
+    for b, lengths in enumerate(documents.lengths):
+        rows.append([])
+        for start, stop, count in _document_tiles(lengths, min_tile):
+            ids = documents.ids[b : b + 1, start:stop]
+            rows[-1].append((start, stop, None if count == 1 else block_causal_mask(ids).unsqueeze(1)))
+    return rows
 
 
 def _document_tiles(lengths: list[int], min_tile: int) -> list[tuple[int, int, int]]:
@@ -323,11 +344,6 @@ def _document_tiles(lengths: list[int], min_tile: int) -> list[tuple[int, int, i
             tiles.append((start, stop, documents))
             start, documents = stop, 0
     return tiles + [(start, stop, documents)] if documents else tiles
-
-
-def block_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """document_ids [B, T] -> [B, T, T] bool: True where query i may attend key j, i.e. j <= i in the same document."""
-    return (document_ids[:, :, None] == document_ids[:, None, :]).tril_()
 
 
 @torch.no_grad()

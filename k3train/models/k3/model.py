@@ -35,7 +35,11 @@ chose and leaves the bias alone (MoE.route): the recompute is the forward, bit f
 Document masking (forward's document_ids, k3train/models/documents.py): each row may hold several documents, and
 only the mixers read across positions, so only they take the boundaries: KDA restarts its state and short convs at
 each document start, MLA attends within the document. Everything else is per token. The routing's bias update is
-over the batch's tokens either way: balancing, not attention, so documents do not split it.
+over the batch's tokens either way: balancing, not attention, so documents do not split it. forward builds one
+Documents from the ids (with the context-parallel group, whose ranks' ids it gathers once) and hands it to every
+Block's mixer, which reads the form it needs (cu_seqlens, masks, tiles), made by the first layer that asks: one
+host read and one mask per forward, not one per layer, and a recompute under activation checkpointing reads the
+same.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from k3train.models.context_parallel import ContextParallel
+from k3train.models.documents import Documents
 from k3train.models.k3.attn_res import attn_res_mix
 from k3train.models.k3.cache import MLACache
 from k3train.models.k3.config import KimiK3Config
@@ -153,16 +159,17 @@ class Block(nn.Module):
         return self.attn_res_block_size is not None and self.layer_idx % self.attn_res_block_size == 0
 
     def forward(
-        self, x: torch.Tensor, blocks: tuple[torch.Tensor, ...] = (), document_ids: torch.Tensor | None = None
+        self, x: torch.Tensor, blocks: tuple[torch.Tensor, ...] = (), documents: Documents | None = None
     ) -> torch.Tensor:
         """x [B, T, d] the previous layer's output (the embedding at layer 0) -> this layer's output [B, T, d].
 
         blocks: with attention residuals, the finished blocks' sums before this layer, the embedding first (the
         caller appends x after a layer that starts_block). Without: unused, the output is x + f(x).
-        document_ids [B, T]: the documents in each row, for the mixer (module docstring); None: one per row."""
+        documents: the documents in each row, the forward's one Documents, for the mixer (module docstring); None:
+        one per row."""
 
         def mixer(y: torch.Tensor) -> torch.Tensor:
-            return self.mixer(y, document_ids)
+            return self.mixer(y, documents)
 
         if self.checkpointing == "block" and torch.is_grad_enabled():
             routes: dict = {}  # the experts the forward chose, for the recompute to replay (MoE.route)
@@ -178,7 +185,7 @@ class Block(nn.Module):
 
             def recomputed_mixer(y: torch.Tensor) -> torch.Tensor:
                 with measured_once(self.mixer, passes):
-                    return self.mixer(y, document_ids)
+                    return self.mixer(y, documents)
 
             return self._forward(x, blocks, lambda y: checkpoint(recomputed_mixer, y, use_reentrant=False))
         return self._forward(x, blocks, mixer)
@@ -288,18 +295,24 @@ class KimiK3(nn.Module):
         """x [B, T] token ids -> (logits [B, T, V], None); with targets [B, T] -> (None, the mean next-token
         cross-entropy over all B*T positions in fp32) (targets are already shifted: targets[:, t] follows x[:, t]).
         document_ids [B, T] (k3train/models/documents.py): the documents packed in each row, each then seen as if
-        alone (module docstring); None: each row is one sequence. The loss still averages over every position.
+        alone (module docstring), read by every layer from one Documents built here; None: each row is one sequence.
+        The loss still averages over every position.
 
         With targets the logits are never built whole: linear_cross_entropy (k3train/models/loss.py) runs the LM
         head and the loss together over row chunks, the same matmuls as lm_head + F.cross_entropy."""
+        documents = None if document_ids is None else Documents(document_ids, self._context_parallel())
         h = self.embed_tokens(x)
         blocks: tuple[torch.Tensor, ...] = ()
         for layer in self.layers:
-            h, blocks = layer(h, blocks, document_ids), self._blocks_after(layer, h, blocks)
+            h, blocks = layer(h, blocks, documents), self._blocks_after(layer, h, blocks)
         h = self.norm(self._output_mix(h, blocks))
         if targets is None:
             return self.lm_head(h), None
         return None, linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
+
+    def _context_parallel(self) -> ContextParallel | None:
+        """The group the mixers split the sequence over (set_context_parallel hands every one the same), or None."""
+        return next((layer.mixer.context_parallel for layer in self.layers), None)
 
     def empty_cache(self, batch: int, capacity: int) -> list[KDAState | MLACache]:
         """One decoding cache per layer for `batch` sequences of up to `capacity` positions (prompt + new tokens):

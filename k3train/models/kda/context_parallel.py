@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from k3train.models.context_parallel import ContextParallel
+from k3train.models.documents import Documents
 from k3train.models.kda.chunk import chunk_kda
 from k3train.models.kda.fla import fla_chunk_kda
 
@@ -41,14 +42,17 @@ def slice_summary(
     g: Tensor,
     beta: Tensor,
     chunk_size: int,
-    document_ids: Tensor | None = None,
+    document_ids: Documents | Tensor | None = None,
     implementation: str = "chunk",
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """One slice from a zero state and from the identity: (o(0) [B, T, HV, V], Q [B, T, HV, K], M [B, HV, K, K],
     F [B, HV, K, V]); shapes as chunk_kda's. implementation: "chunk" (k3train's chunk_kda, chunk_size) or "fla"
-    (FLA's, whose chunk size is its own)."""
+    (FLA's, whose chunk size is its own). document_ids: raw [B, T] or this slice's Documents (whose cu_seqlens FLA's
+    varlen form reads, made once per forward)."""
     if implementation == "chunk":
         kernel = partial(chunk_kda, chunk_size=chunk_size)
+        if isinstance(document_ids, Documents):
+            document_ids = document_ids.ids
     elif implementation == "fla":
         kernel = fla_chunk_kda
     else:
@@ -79,26 +83,24 @@ def context_parallel_chunk_kda(
     beta: Tensor,
     cp: ContextParallel,
     chunk_size: int = 64,
-    document_ids: Tensor | None = None,
+    document_ids: Documents | Tensor | None = None,
     implementation: str = "chunk",
 ) -> Tensor:
     """chunk_kda's output for this rank's slice of rows split over `cp` (every rank calls it: a collective);
     document_ids: this slice of the rows' ids (global numbering, so a slice can tell whether it continues the
-    document the previous slice ended in); implementation: the kernel of the two passes, "chunk" or "fla"
-    (slice_summary)."""
-    o0, Q, M, F = slice_summary(q, k, v, g, beta, chunk_size, document_ids, implementation)
+    document the previous slice ended in), as a Documents over `cp` (the layer's: every rank's ids gathered once
+    per forward) or raw [B, T]; implementation: the kernel of the two passes, "chunk" or "fla" (slice_summary)."""
+    documents = Documents.of(document_ids, cp)
+    o0, Q, M, F = slice_summary(q, k, v, g, beta, chunk_size, documents, implementation)
     K = M.shape[-1]
     # one exchange of both; every rank's result depends on all of it (the first rank's with weight 0), so every
     # rank takes part in its backward, the collective that returns the gradients
     summaries = cp.gather(torch.cat([M, F], dim=-1))
     transitions, finals = [s[..., :K] for s in summaries], [s[..., K:] for s in summaries]
-    if document_ids is None:
+    if documents is None:
         continues = [torch.ones(q.shape[0], device=q.device)] * cp.size
     else:
-        ends = cp.gather(torch.stack([document_ids[:, 0], document_ids[:, -1]], dim=1))  # [B, 2] each
-        continues = [torch.zeros(q.shape[0], device=q.device)] + [
-            (ends[j][:, 0] == ends[j - 1][:, 1]).float() for j in range(1, cp.size)
-        ]
+        continues = documents.slice_continues()
     S_in = entering_states(transitions, finals, continues, cp.rank)
     S_in = S_in + 0 * sum(s.sum() for s in summaries)
     return o0 + torch.einsum("bthk,bhkv->bthv", Q.to(S_in.dtype), S_in).to(o0.dtype)

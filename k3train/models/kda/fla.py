@@ -31,7 +31,7 @@ from collections.abc import Callable
 
 from torch import Tensor
 
-from k3train.models.documents import cu_seqlens, document_starts
+from k3train.models.documents import Documents
 from k3train.models.kda.naive import check_kda_inputs
 
 # The eps of chunk_kda's in-kernel q/k L2 norm (use_qk_l2norm_in_kernel): l2norm_fwd's default, which chunk_kda gives
@@ -77,11 +77,12 @@ def fla_chunk_kda(
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
-    document_ids: Tensor | None = None,
+    document_ids: Documents | Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """FLA's chunk_kda on CUDA tensors: o [B, T, HV, V] and the final state [B, HV, K, V] (or None); document_ids
-    [B, T] restart the state at each document start (module docstring), a row's first document continuing
-    initial_state as chunk_kda's does (_fla_chunk_kda_documents)."""
+    [B, T] (or their Documents, whose varlen form is made once per forward) restart the state at each document start
+    (module docstring), a row's first document continuing initial_state as chunk_kda's does
+    (_fla_chunk_kda_documents)."""
     check_kda_inputs(q, k, v, g, beta, initial_state)
     chunk_kda = require_fla()
     _require_fla_device(q)
@@ -104,7 +105,7 @@ def _fla_chunk_kda_documents(
     scale: float | None,
     initial_state: Tensor | None,
     output_final_state: bool,
-    document_ids: Tensor,
+    document_ids: Documents | Tensor,
 ) -> tuple[Tensor, Tensor | None]:
     """chunk_kda over the rows flattened into one varlen row, one sequence per document; o back as [B, T, HV, V],
     the final state as each row's last document's [B, HV, K, V].
@@ -112,14 +113,15 @@ def _fla_chunk_kda_documents(
     FLA takes one initial state per sequence ([N, HV, K, V] for N documents): initial_state [B, HV, K, V] goes to
     each row's FIRST document and every other document starts from zero, so a row reads as chunk_kda with
     document_ids has it (its first document continues initial_state, each later one starts afresh). The gradient
-    reaches initial_state through its rows' first documents alone."""
+    reaches initial_state through its rows' first documents alone. N is cu_seqlens' length less one: no host read."""
     B, T = q.shape[:2]
+    documents = Documents.local(document_ids)
     flat = {name: x.reshape(1, B * T, *x.shape[2:]) for name, x in dict(q=q, k=k, v=v, g=g, beta=beta).items()}
-    documents_per_row = document_starts(document_ids).sum(dim=1) + 1
+    documents_per_row = documents.documents_per_row
     last_documents = documents_per_row.cumsum(0) - 1  # each row's last document among all N, in order
     if initial_state is not None:
         first_documents = last_documents - documents_per_row + 1
-        initial_state = initial_state.new_zeros(int(documents_per_row.sum()), *initial_state.shape[1:]).index_copy(
+        initial_state = initial_state.new_zeros(documents.count, *initial_state.shape[1:]).index_copy(
             0, first_documents, initial_state
         )
     o, final_state = chunk_kda(
@@ -127,7 +129,7 @@ def _fla_chunk_kda_documents(
         scale=scale,
         initial_state=initial_state,
         output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens(document_ids),
+        cu_seqlens=documents.cu_seqlens,
     )
     if final_state is not None:  # [N, HV, K, V] over all documents in order: each row's last one
         final_state = final_state[last_documents]

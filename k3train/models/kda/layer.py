@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 from k3train.models.context_parallel import ContextParallel
-from k3train.models.documents import cu_seqlens, same_document
+from k3train.models.documents import Documents
 from k3train.models.kda.chunk import chunk_kda
 from k3train.models.kda.context_parallel import IMPLEMENTATIONS as CONTEXT_PARALLEL_IMPLEMENTATIONS
 from k3train.models.kda.context_parallel import context_parallel_chunk_kda
@@ -157,20 +157,22 @@ class KimiDeltaAttention(nn.Module):
             f"qk_norm_eps={self.qk_norm_eps}"
         )
 
-    def forward(self, x: Tensor, document_ids: Tensor | None = None) -> Tensor:
-        """x [B, T, d_model] -> [B, T, d_model]; causal. document_ids [B, T] (k3train/models/documents.py): the
-        short convs and the recurrent state start afresh at each document start, as if each document ran alone."""
+    def forward(self, x: Tensor, documents: Documents | Tensor | None = None) -> Tensor:
+        """x [B, T, d_model] -> [B, T, d_model]; causal. documents (a Documents, k3train/models/documents.py, or
+        document_ids [B, T]): the short convs and the recurrent state start afresh at each document start, as if
+        each document ran alone."""
+        documents = Documents.of(documents, self.context_parallel)
         if self._fla_kernels_take(x):
-            return self._forward_fla(x, document_ids)
+            return self._forward_fla(x, documents)
         B, T, _ = x.shape
         H, HV, K = self.n_heads, self.n_value_heads, self.head_dim
         qkv, f_a, g_in, b = self._input_projections(x)
         # one conv over q, k and v side by side (the three depthwise convs' weights concatenated)
         conv_weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])
-        q, k, v = self._short_conv(qkv, conv_weight, document_ids).split(self._qkv_widths(), dim=-1)
+        q, k, v = self._short_conv(qkv, conv_weight, documents).split(self._qkv_widths(), dim=-1)
         q, k = self._qk_normalize(q.view(B, T, H, K)), self._qk_normalize(k.view(B, T, H, K))
         g, beta = self._forget_gate(f_a), b.sigmoid()
-        o = self._recurrence(q, k, v.view(B, T, HV, K), g, beta, document_ids)  # in v's dtype
+        o = self._recurrence(q, k, v.view(B, T, HV, K), g, beta, documents)  # in v's dtype
         return self._gated_output(g_in, o)
 
     def _fla_kernels_take(self, x: Tensor) -> bool:
@@ -179,15 +181,15 @@ class KimiDeltaAttention(nn.Module):
         fla_chunk_kda: under cp its two passes per slice; off CUDA it then refuses the CPU tensors."""
         return self.implementation == "fla" and self.context_parallel is None and fla_runs_on(x)
 
-    def _forward_fla(self, x: Tensor, document_ids: Tensor | None) -> Tensor:
+    def _forward_fla(self, x: Tensor, documents: Documents | None) -> Tensor:
         """forward() with its elementwise steps in FLA's kernels (the class docstring says which, and what changes).
         Documents go through FLA's varlen form: the rows flattened into one of B*T steps, one sequence per document
-        (cu_seqlens), for the short conv as for chunk_kda."""
+        (cu_seqlens, the Documents' own: made once per forward), for the short conv as for chunk_kda."""
         B, T, _ = x.shape
         HV, K = self.n_value_heads, self.head_dim
         qkv, f_a, g_in, b = self._input_projections(x)
-        rows, steps = (B, T) if document_ids is None else (1, B * T)
-        sequences = None if document_ids is None else cu_seqlens(document_ids)
+        rows, steps = (B, T) if documents is None else (1, B * T)
+        sequences = None if documents is None else documents.cu_seqlens
         conv_weight = torch.cat([self.q_conv.weight, self.k_conv.weight, self.v_conv.weight])
         qkv = fla_short_conv_silu(qkv.reshape(rows, steps, -1), conv_weight, sequences)
         q, k, v = (t.view(rows, steps, -1, K) for t in qkv.split(self._qkv_widths(), dim=-1))
@@ -222,17 +224,16 @@ class KimiDeltaAttention(nn.Module):
             )
         self._context_parallel = cp
 
-    def _short_conv(self, qkv: Tensor, weight: Tensor, document_ids: Tensor | None) -> Tensor:
+    def _short_conv(self, qkv: Tensor, weight: Tensor, documents: Documents | None) -> Tensor:
         """The causal depthwise conv + SiLU over q, k, v side by side; split over ranks, the first positions read
-        the previous rank's last conv_size - 1 inputs (and their documents), the first rank's zeros."""
+        the previous rank's last conv_size - 1 inputs (and their documents: Documents.window), the first rank's
+        zeros."""
         cp = self.context_parallel
         if cp is None:
-            return CausalConvSiLU.apply(qkv, weight, document_ids)
+            return CausalConvSiLU.apply(qkv, weight, documents)
         n = self.conv_size - 1
         window = torch.cat([cp.previous_tail(qkv, n), qkv], dim=1)
-        if document_ids is not None:
-            document_ids = torch.cat([cp.previous_tail(document_ids, n), document_ids], dim=1)
-        return CausalConvSiLU.apply(window, weight, document_ids)[:, n:]
+        return CausalConvSiLU.apply(window, weight, None if documents is None else documents.window(n))[:, n:]
 
     def _input_projections(self, x: Tensor, fused: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """q, k, v side by side [..., 2 H K + HV K], the forget gate's low-rank input f_a, the output gate's input
@@ -335,17 +336,19 @@ class KimiDeltaAttention(nn.Module):
         return self.gate_lower_bound * torch.sigmoid(rate * f)
 
     def _recurrence(
-        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, document_ids: Tensor | None
+        self, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, documents: Documents | None
     ) -> Tensor:
         if self.context_parallel is not None:
             return context_parallel_chunk_kda(
-                q, k, v, g, beta, self.context_parallel, self.chunk_size, document_ids, self.implementation
+                q, k, v, g, beta, self.context_parallel, self.chunk_size, documents, self.implementation
             )
+        if self.implementation == "fla":
+            return fla_chunk_kda(q, k, v, g, beta, document_ids=documents)[0]
+        document_ids = None if documents is None else documents.ids
         if self.implementation == "chunk":
             return chunk_kda(q, k, v, g, beta, chunk_size=self.chunk_size, document_ids=document_ids)[0]
         if self.implementation == "recurrent":
             return naive_recurrent_kda(q, k, v, g, beta, document_ids=document_ids)[0]
-        return fla_chunk_kda(q, k, v, g, beta, document_ids=document_ids)[0]
 
 
 def causal_depthwise_conv(window: Tensor, weight: Tensor) -> Tensor:
@@ -371,20 +374,21 @@ class CausalConvSiLU(torch.autograd.Function):
     The layer runs q, k and v through one call (D = 2 H K + HV K, their weights concatenated). Timings:
     docs/decisions/kda-layer.md.
 
-    document_ids [B, T] (or None): a tap that would reach back across a document start reads zero instead, the
-    padding the document would see at the start of a row of its own (FLA's short conv does the same per cu_seqlens
-    sequence).
+    documents (a Documents over x's positions, document_ids [B, T], or None): a tap that would reach back across a
+    document start reads zero instead, the padding the document would see at the start of a row of its own (FLA's
+    short conv does the same per cu_seqlens sequence); the taps' masks are the Documents', shared by every layer.
     """
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, document_ids: Tensor | None = None) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, documents: Documents | Tensor | None = None) -> Tensor:
+        documents = Documents.local(documents)
         W, T = weight.shape[-1], x.shape[1]
         w = weight[:, 0]  # [D, W]; out[t] = sum_s w[:, W - 1 - s] * x[t - s]: no padded copy of x
         pre = x * w[:, W - 1]
         for s in range(1, min(W, T)):
-            pre[:, s:].addcmul_(_same_document_only(x[:, : T - s], document_ids, s), w[:, W - 1 - s])
+            pre[:, s:].addcmul_(_same_document_only(x[:, : T - s], documents, s), w[:, W - 1 - s])
         ctx.save_for_backward(x, weight, pre)
-        ctx.document_ids = document_ids
+        ctx.documents = documents
         return F.silu(pre)
 
     @staticmethod
@@ -399,16 +403,16 @@ class CausalConvSiLU(torch.autograd.Function):
         grad_w = torch.empty(weight.shape, dtype=acc, device=weight.device)
         grad_w[:, 0, W - 1] = (grad_pre * x).sum((0, 1), dtype=acc)
         for s in range(1, min(W, T)):
-            grad_tap = _same_document_only(grad_pre[:, s:], ctx.document_ids, s)  # the taps the forward kept
+            grad_tap = _same_document_only(grad_pre[:, s:], ctx.documents, s)  # the taps the forward kept
             grad_x[:, : T - s].addcmul_(grad_tap, w[:, W - 1 - s])
             grad_w[:, 0, W - 1 - s] = (grad_tap * x[:, : T - s]).sum((0, 1), dtype=acc)
         grad_w[:, 0, : max(W - T, 0)] = 0  # taps that only ever saw the padding
         return grad_x.to(x.dtype), grad_w.to(weight.dtype), None
 
 
-def _same_document_only(tap: Tensor, document_ids: Tensor | None, shift: int) -> Tensor:
+def _same_document_only(tap: Tensor, documents: Documents | None, shift: int) -> Tensor:
     """tap [B, T - shift, D], the pairs (t, t + shift) of a conv tap: zeroed where a document starts between them
-    (tap itself, untouched, without document_ids)."""
-    if document_ids is None:
+    (tap itself, untouched, without documents)."""
+    if documents is None:
         return tap
-    return tap * same_document(document_ids, shift).to(tap.dtype)
+    return tap * documents.same_document(shift, tap.dtype)
