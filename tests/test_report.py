@@ -4,6 +4,7 @@ resumed), a sweep's table and overlay, and one clear line for a path it cannot u
 import base64
 import fcntl
 import json
+import math
 import os
 import re
 import subprocess
@@ -13,7 +14,18 @@ import pytest
 
 from k3train.observe.metrics import read_metrics
 from k3train.report.cli import main, write_report
-from k3train.report.figures import RUN_CHARTS, throughput_chart
+from k3train.report.figures import (
+    RUN_CHARTS,
+    grad_norm_chart,
+    loss_chart,
+    lr_chart,
+    moe_chart,
+    optimizer_chart,
+    overlay_chart,
+    qk_clip_chart,
+    run_charts,
+    throughput_chart,
+)
 from k3train.report.runs import load_run, series
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -197,6 +209,200 @@ def test_without_matplotlib_the_report_says_how_to_install_it_and_training_never
 
 def test_every_chart_is_listed_once():
     assert [chart.__name__.removesuffix("_chart") for chart in RUN_CHARTS] == CHART_NAMES
+
+
+# ---- each figure checked by its data: Chart.panels, read back from the drawn figure, against the events written ----
+# A run logged every 10 steps at 4096 tokens a step (so steps, tokens and event indices all differ), every figure
+# varying from step to step and from line to line: a figure that plotted tokens for steps, dropped or swapped a
+# line, or scaled a value other than as the PNG says fails here.
+STEPS = [10, 20, 30, 40, 50]
+GRAD_NORMS = [0.8, 1.5, 2.5, 0.9, 4.0]
+CLIP, TAU = 2.0, 60.0
+GROUPS = ["muon_hidden", "adamw_embed", "adamw_head"]
+LAYERS = ["1", "3"]
+MODULES = ["layers.3.mixer", "layers.7.mixer"]
+
+
+def _known_train(i, step, grad_norm, loss_shift):
+    return {
+        "event": "train",
+        "step": step,
+        "tokens": 4096 * step,
+        "loss": 6.0 - 0.5 * i + loss_shift,
+        "grad_norm": grad_norm,
+        "grad_norm_max": 1.5 * grad_norm,
+        "tokens_per_s": 1000.0 + 10 * i,
+        "mfu": 0.1 + 0.01 * i,
+        "lr": {group: (g + 1) * 0.01 * (i + 1) for g, group in enumerate(GROUPS)},
+        "model": {
+            f"moe/{layer}/{metric}": 1.0 + sign * (j + 1) * 0.05 * (i + 1)
+            for j, layer in enumerate(LAYERS)
+            for metric, sign in (("load_max", 1), ("load_min", -1))
+        },
+        "optimizer": {
+            **{f"{group}/update_rms": (g + 1) * 1e-3 * (i + 1) for g, group in enumerate(GROUPS[:2])},
+            **{f"{group}/weight_norm": 10.0 * (g + 1) + i for g, group in enumerate(GROUPS[:2])},
+            "muon_hidden/lr": 0.5,  # the lr has its own figure: not drawn here
+        },
+        "qk_clip": {
+            "max_logit": {module: 20.0 * (m + 1) + 5 * i for m, module in enumerate(MODULES)},
+            "n_clipped": [0, 1, 0, 2, 0][i],
+            "clipped_heads": {},
+        },
+    }
+
+
+def _known_run(path, *, grad_norms=GRAD_NORMS, grad_clip=CLIP, mfu=True, loss_shift=0.0):
+    """Five train events, two evals and a skipped update, as the trainer writes them; returns (run_dir, events)."""
+    path.mkdir(parents=True)
+    train = [_known_train(i, step, g, loss_shift) for i, (step, g) in enumerate(zip(STEPS, grad_norms))]
+    if not mfu:
+        for e in train:
+            del e["mfu"]
+    evals = [
+        {"event": "eval", "step": s, "tokens": 4096 * s, "loss": 5.5 - 0.3 * k + loss_shift}
+        for k, s in enumerate([20, 40])
+    ]
+    skip = {"event": "skip", "step": 25, "tokens": 4096 * 25, "loss": "nan", "grad_norm": "inf"}
+    events = [{"event": "session", "session": 0, "step": 0}, *train[:2], evals[0], skip, *train[2:4], evals[1]]
+    events.append(train[4])
+    (path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    config = {"train": {"grad_clip": grad_clip}, "callbacks": {"qk_clip": {"tau": TAU}}}
+    (path / "run.json").write_text(json.dumps({"config": config, "sessions": [{"session": 0, "overrides": []}]}))
+    return path, events
+
+
+def _of(events, kind, *path):
+    """Straight from the events written: the value at path of each event of one kind, in order."""
+    values = []
+    for e in events:
+        if e["event"] == kind:
+            for key in path:
+                e = e[key]
+            values.append(e)
+    return values
+
+
+def _chart_of(tmp_path, chart, **kwargs):
+    run_dir, events = _known_run(tmp_path / "run", **kwargs)
+    return chart(load_run(run_dir)), events
+
+
+def test_the_loss_figure_draws_train_and_val_loss_against_tokens(tmp_path):
+    chart, events = _chart_of(tmp_path, loss_chart)
+    (panel,) = chart.panels
+    assert (panel.xlabel, panel.ylabel, panel.yscale) == ("tokens", "loss", "linear")
+    assert panel.data() == {
+        "train (mean since the last log line)": (_of(events, "train", "tokens"), _of(events, "train", "loss")),
+        "val": (_of(events, "eval", "tokens"), _of(events, "eval", "loss")),
+    }
+
+
+def test_the_lr_figure_draws_every_param_group_against_steps(tmp_path):
+    chart, events = _chart_of(tmp_path, lr_chart)
+    (panel,) = chart.panels
+    assert (panel.xlabel, panel.ylabel, panel.yscale) == ("step", "lr", "linear")
+    assert panel.data() == {group: (STEPS, _of(events, "train", "lr", group)) for group in GROUPS}
+
+
+def test_the_grad_norm_figure_draws_norms_the_clip_and_skipped_updates_on_a_log_axis(tmp_path):
+    chart, events = _chart_of(tmp_path, grad_norm_chart)
+    (panel,) = chart.panels
+    assert (panel.xlabel, panel.ylabel, panel.yscale, chart.note) == ("step", "grad norm", "log", "")
+    peak = _of(events, "train", "grad_norm_max")
+    assert panel.data() == {
+        "before clipping: mean over the updates since the last log line": (STEPS, GRAD_NORMS),
+        "before clipping: max": (STEPS, peak),
+        "after clipping: max": (STEPS, [min(y, CLIP) for y in peak]),
+    }
+    assert min(peak) < CLIP < max(peak)  # the clipped line differs from the unclipped one
+    assert panel.line("train.grad_clip 2").ys == [CLIP] and panel.line("train.grad_clip 2").kind == "hline"
+    assert panel.line("skipped update (non-finite)") == panel.lines[-1]
+    assert [(line.kind, line.xs) for line in panel.lines if line.kind == "vline"] == [("vline", [25.0])]
+
+
+def test_a_grad_norm_of_zero_keeps_the_axis_linear_and_no_clip_draws_no_clipped_line(tmp_path):
+    chart, _ = _chart_of(tmp_path, grad_norm_chart, grad_norms=[0.0, *GRAD_NORMS[1:]], grad_clip=0)
+    (panel,) = chart.panels
+    assert panel.yscale == "linear"  # a log axis cannot show 0
+    assert list(panel.data()) == [
+        "before clipping: mean over the updates since the last log line",
+        "before clipping: max",
+    ]
+    assert [line.kind for line in panel.lines] == ["data", "data", "vline"]
+    assert chart.note == "clipping is off (train.grad_clip 0 or null)"
+
+
+@pytest.mark.parametrize("mfu", [True, False])
+def test_the_throughput_figure_draws_tokens_per_second_and_mfu_in_percent(tmp_path, mfu):
+    chart, events = _chart_of(tmp_path, throughput_chart, mfu=mfu)
+    top, bottom = chart.panels
+    assert (top.ylabel, top.yscale, bottom.xlabel, bottom.ylabel) == ("tokens/s", "linear", "step", "MFU (%)")
+    assert top.data() == {"tokens/s": (STEPS, _of(events, "train", "tokens_per_s"))}
+    if mfu:
+        assert bottom.data() == {"MFU": (STEPS, [100 * y for y in _of(events, "train", "mfu")])}
+        assert (bottom.texts, chart.note) == ([], "")
+    else:
+        assert (bottom.lines, bottom.texts) == ([], ["no mfu"])
+
+
+def test_the_moe_figure_draws_a_panel_per_metric_and_a_line_per_layer_with_balance_at_1(tmp_path):
+    chart, events = _chart_of(tmp_path, moe_chart)
+    assert [(p.ylabel, p.yscale) for p in chart.panels] == [("load_max", "linear"), ("load_min", "linear")]
+    assert chart.panels[-1].xlabel == "step"
+    for panel in chart.panels:
+        assert panel.data() == {
+            f"layer {layer}": (STEPS, _of(events, "train", "model", f"moe/{layer}/{panel.ylabel}")) for layer in LAYERS
+        }
+        assert [(line.kind, line.ys) for line in panel.lines if line.kind != "data"] == [("hline", [1.0])]
+
+
+def test_the_qk_clip_figure_draws_each_modules_max_logit_on_a_log_axis_under_tau_and_the_clipped_heads(tmp_path):
+    chart, events = _chart_of(tmp_path, qk_clip_chart)
+    top, bottom = chart.panels
+    assert (top.ylabel, top.yscale) == ("max logit", "log")
+    assert top.data() == {m: (STEPS, _of(events, "train", "qk_clip", "max_logit", m)) for m in MODULES}
+    assert top.line("tau 60").kind == "hline" and top.line("tau 60").ys == [TAU]
+    assert (bottom.xlabel, bottom.yscale) == ("step", "linear")
+    assert bottom.data() == {"clipped heads": (STEPS, _of(events, "train", "qk_clip", "n_clipped"))}
+
+
+def test_the_optimizer_figure_draws_update_rms_first_then_weight_norm_per_group_on_log_axes(tmp_path):
+    chart, events = _chart_of(tmp_path, optimizer_chart)
+    assert [(p.ylabel, p.yscale) for p in chart.panels] == [("update_rms", "log"), ("weight_norm", "log")]
+    assert chart.panels[-1].xlabel == "step"
+    for panel in chart.panels:
+        assert panel.data() == {
+            group: (STEPS, _of(events, "train", "optimizer", f"{group}/{panel.ylabel}")) for group in GROUPS[:2]
+        }
+
+
+def test_the_overlay_draws_each_runs_val_and_train_loss_against_tokens(tmp_path):
+    (a, events_a), (b, events_b) = _known_run(tmp_path / "a"), _known_run(tmp_path / "b", loss_shift=1.25)
+    top, bottom = overlay_chart([load_run(a, label="run a"), load_run(b, label="run b")]).panels
+    assert (top.ylabel, bottom.ylabel, bottom.xlabel) == ("val loss", "train loss", "tokens")
+    for panel, kind in ((top, "eval"), (bottom, "train")):
+        assert panel.data() == {
+            label: (_of(events, kind, "tokens"), _of(events, kind, "loss"))
+            for label, events in (("run a", events_a), ("run b", events_b))
+        }
+
+
+def test_the_report_writes_the_pngs_whose_data_the_charts_carry(tmp_path):
+    run_dir, events = _known_run(tmp_path / "run")
+    write_report([run_dir], tmp_path / "out")
+    charts = run_charts(load_run(run_dir))
+    assert [chart.name for chart in charts] == CHART_NAMES
+    for chart in charts:
+        assert chart.panels and chart.png == (tmp_path / "out" / f"{chart.name}.png").read_bytes()
+    assert charts[1].panels[0].line("adamw_head").ys == _of(events, "train", "lr", "adamw_head")
+
+
+def test_the_figures_of_a_resumed_torn_run_draw_the_later_sessions_values(tmp_path):
+    charts = {chart.name: chart for chart in run_charts(load_run(_run_dir(tmp_path / "run")))}
+    xs, ys = charts["loss"].panels[0].data()["train (mean since the last log line)"]
+    assert xs == [64, 128, 192, 256] and ys[:3] == [5.0, 4.0, 3.5] and math.isnan(ys[3])  # not step 3's 9.0
+    assert charts["lr"].panels[0].data()["adamw_embed"] == ([1, 2, 3, 4], [0.003] * 4)
 
 
 # ---- in CI: the report on a real quickstart run and a real 4-job sweep ------------------------------------------

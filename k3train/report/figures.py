@@ -1,6 +1,8 @@
 """The report's figures, one PNG per aspect of a run, drawn on matplotlib's Agg canvas (no pyplot, no display).
 
-matplotlib is imported here only, when a figure is drawn: training and the sweep table never need it.
+matplotlib is imported here only, when a figure is drawn: training and the sweep table never need it. Each Chart
+also carries what its PNG shows, read back from the drawn figure's artists (Chart.panels: per panel its axis
+labels, y scale, lines with their labels and data, reference lines, texts), so a test checks a figure by its data.
 """
 
 from __future__ import annotations
@@ -8,7 +10,7 @@ from __future__ import annotations
 import io
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from k3train.observe.sinks import scalar
 from k3train.report.runs import Run, has_values, keys_of, series
@@ -21,12 +23,47 @@ class MissingMatplotlib(ImportError):
     pass
 
 
+@dataclass(frozen=True)
+class Line:
+    """One line of a panel as drawn: kind "data" (points at xs, ys), "hline" (across the panel at ys[0], xs empty)
+    or "vline" (at xs[0], ys empty). label: the one it was drawn with, None for a line drawn without (matplotlib's
+    "_child0", never in a legend)."""
+
+    kind: str
+    label: str | None
+    xs: list[float]
+    ys: list[float]
+
+
+@dataclass(frozen=True)
+class Panel:
+    """One subplot of a figure, top to bottom. xlabel is set on the bottom panel only (the panels share x)."""
+
+    xlabel: str
+    ylabel: str
+    yscale: str  # "linear" or "log"
+    lines: list[Line]
+    texts: list[str]  # e.g. "no mfu" where a panel has nothing to draw
+
+    def line(self, label: str) -> Line:
+        """The one line labelled `label`; KeyError naming the panel's labels when there is none or several."""
+        found = [line for line in self.lines if line.label == label]
+        if len(found) != 1:
+            raise KeyError(f"{len(found)} lines labelled {label!r}; labels: {[line.label for line in self.lines]}")
+        return found[0]
+
+    def data(self) -> dict[str | None, tuple[list[float], list[float]]]:
+        """label -> (xs, ys) of the data lines, in the order drawn."""
+        return {line.label: (line.xs, line.ys) for line in self.lines if line.kind == "data"}
+
+
 @dataclass
 class Chart:
     name: str  # the PNG's file stem
     title: str
     png: bytes | None  # None: the run has nothing to draw here, and note says why
     note: str = ""
+    panels: list[Panel] = field(default_factory=list)  # what png shows (empty when png is None)
 
 
 def _new_figure(rows: int, title: str):
@@ -41,10 +78,30 @@ def _new_figure(rows: int, title: str):
     return fig, list(fig.subplots(rows, 1, squeeze=False, sharex=True)[:, 0])
 
 
-def _png(fig) -> bytes:
+def _floats(values) -> list[float]:
+    return [float(v) for v in values]
+
+
+def _panel(ax) -> Panel:
+    lines = []
+    for artist in ax.get_lines():
+        label = artist.get_label()
+        label = None if label.startswith("_") else label  # matplotlib's own "_child0": drawn without a label
+        transform = artist.get_transform()
+        if transform is ax.get_yaxis_transform(which="grid"):  # axhline: x across the axes, y in data
+            lines.append(Line("hline", label, [], _floats(artist.get_ydata()[:1])))
+        elif transform is ax.get_xaxis_transform(which="grid"):  # axvline
+            lines.append(Line("vline", label, _floats(artist.get_xdata()[:1]), []))
+        else:
+            lines.append(Line("data", label, _floats(artist.get_xdata()), _floats(artist.get_ydata())))
+    return Panel(ax.get_xlabel(), ax.get_ylabel(), ax.get_yscale(), lines, [t.get_text() for t in ax.texts])
+
+
+def _chart(name: str, title: str, fig, note: str = "") -> Chart:
+    """The Chart of a drawn figure: its PNG and, read back from the same figure, what the PNG shows."""
     out = io.BytesIO()
     fig.savefig(out, format="png", dpi=90)
-    return out.getvalue()
+    return Chart(name, title, out.getvalue(), note, [_panel(ax) for ax in fig.axes])
 
 
 def _line(ax, xs, ys, label, **style) -> None:
@@ -92,7 +149,7 @@ def _per_key_panels(
             ax.axhline(baseline[metric], color="grey", ls=":", lw=1)
         _finish(ax, metric, log=_all_positive(*drawn) and metric in ("update_rms", "weight_norm"))
     axes[-1].set_xlabel("step")
-    return Chart(name, title, _png(fig))
+    return _chart(name, title, fig)
 
 
 def loss_chart(run: Run) -> Chart:
@@ -105,7 +162,7 @@ def loss_chart(run: Run) -> Chart:
     _line(ax, *val, "val", marker="o")
     _finish(ax, "loss")
     ax.set_xlabel("tokens")
-    return Chart("loss", title, _png(fig))
+    return _chart("loss", title, fig)
 
 
 def lr_chart(run: Run) -> Chart:
@@ -119,7 +176,7 @@ def lr_chart(run: Run) -> Chart:
         _line(ax, *series(run.events, "train", "lr", group), group, ls=styles[i % len(styles)])
     _finish(ax, "lr")
     ax.set_xlabel("step")
-    return Chart("lr", title, _png(fig))
+    return _chart("lr", title, fig)
 
 
 def grad_norm_chart(run: Run) -> Chart:
@@ -142,7 +199,7 @@ def grad_norm_chart(run: Run) -> Chart:
         ax.axvline(step, color="red", alpha=0.3, lw=1, label="skipped update (non-finite)" if i == 0 else None)
     _finish(ax, "grad norm", log=_all_positive(mean[1], peak[1]))
     ax.set_xlabel("step")
-    return Chart("grad_norm", title, _png(fig), note)
+    return _chart("grad_norm", title, fig, note)
 
 
 def throughput_chart(run: Run) -> Chart:
@@ -163,7 +220,7 @@ def throughput_chart(run: Run) -> Chart:
         bottom.set_yticks([])
     _finish(bottom, "MFU (%)", legend=False)
     bottom.set_xlabel("step")
-    return Chart("throughput", title, _png(fig), note)
+    return _chart("throughput", title, fig, note)
 
 
 def moe_chart(run: Run) -> Chart:
@@ -202,7 +259,7 @@ def qk_clip_chart(run: Run) -> Chart:
     bottom.yaxis.get_major_locator().set_params(integer=True)
     _finish(bottom, "heads clipped\nsince last log", legend=False)
     bottom.set_xlabel("step")
-    return Chart("qk_clip", title, _png(fig))
+    return _chart("qk_clip", title, fig)
 
 
 def optimizer_chart(run: Run) -> Chart:
@@ -239,4 +296,4 @@ def overlay_chart(runs: list[Run]) -> Chart:
     _finish(top, "val loss")
     _finish(bottom, "train loss", legend=False)
     bottom.set_xlabel("tokens")
-    return Chart("overlay", title, _png(fig))
+    return _chart("overlay", title, fig)
