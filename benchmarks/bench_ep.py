@@ -8,7 +8,7 @@
 
 Both ranks build k3_small (conf/model/k3_small.yaml, vocab 257, fp32, seed 0) and take its first MoE layer:
 - EP=2: `DDP(ep=2).shard` (k3train/train/parallel.py): each rank keeps 32 of the 64 routed experts and sends its
-  token slots to them and back (k3train/models/k3/expert_parallel.py: a counts all-to-all, then the slots at the
+  token slots to them and back (k3train/models/k3/moe/dispatch.py: a counts all-to-all, then the slots at the
   latent width, their gate weights, and the combine; the backward sends the gradients back the same way).
 - FSDP: the layer's routed experts as one fully_shard unit inside the MoE (the root), reshard_after_forward=True as
   conf/parallel/fsdp.yaml: they are all-gathered before the forward and again before the backward, and their
@@ -21,7 +21,7 @@ same random hidden states (seeded per rank and step) and route identically; each
 random cotangent. The two configurations alternate step by step, so the machine's load falls on both alike.
 
 Counting: this process wraps the collectives the code calls, forward and backward: all_to_all_single_autograd and
-dist.all_to_all_single in expert_parallel.py (the backward's all-to-all timed by hooks on its autograd node),
+dist.all_to_all_single in moe/dispatch.py (the backward's all-to-all timed by hooks on its autograd node),
 dist.all_gather_single / reduce_scatter_single (what FSDP2 calls), Quantile Balancing's all-gather, and the DDP
 buckets (a comm hook: bytes only, DDP launches them beside the backward). Bytes are those of the tensor handed to
 torch.distributed, k3train.plan's convention (an all-to-all's or reduce-scatter's input, an all-gather's output),
@@ -69,7 +69,7 @@ MiB = 2**20
 
 AG_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 RS_NAME = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-A2A_LABELS = ("dispatch", "gate weights", "combine")  # the autograd all-to-alls of one dispatch_across_ranks call
+A2A_LABELS = ("dispatch", "gate weights", "combine")  # the autograd all-to-alls of one AllToAllDispatch round
 
 
 # ---- counting: every collective of a timed step, with its bytes and seconds -------------------------------------
@@ -187,12 +187,12 @@ def timed_all_to_all_autograd(real):
 
 
 def timed_all_to_all_single(real):
-    """dist.all_to_all_single: in expert_parallel.py only the slot counts, the first exchange of a dispatch."""
+    """dist.all_to_all_single: in moe/dispatch.py only the slot counts, the first exchange of a dispatch."""
 
     def all_to_all_single(output, input, *args, **kwargs):
         if not REC.active:
             return real(output, input, *args, **kwargs)
-        REC.a2a_seq = 0  # a new dispatch_across_ranks call
+        REC.a2a_seq = 0  # a new dispatch
         group = kwargs.get("group")
         seconds, work = REC.timed(group, lambda: real(output, input, *args, **kwargs))
         ranks = dist.get_world_size(group)
@@ -243,7 +243,7 @@ QB = ("Quantile Balancing all-gather", "Quantile Balancing all-to-all")  # the p
 
 
 def timed_qb_gather(real):
-    """Quantile Balancing's all-gathers (moe.py's _all_gather_single): the loads and the candidate biases."""
+    """Quantile Balancing's all-gathers (moe/balancing.py's _all_gather_single): the loads and the candidate biases."""
 
     def gather(out, local, group=None, async_op=False):
         if not REC.active:
@@ -263,7 +263,8 @@ def timed_qb_gather(real):
 
 
 def timed_qb_all_to_all(real):
-    """Quantile Balancing's all-to-all (moe.py's _all_to_all_single): each rank's candidates to their experts' rank."""
+    """Quantile Balancing's all-to-all (moe/balancing.py's _all_to_all_single): each rank's candidates to their
+    experts' rank."""
 
     def all_to_all(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
         def call():

@@ -1,4 +1,4 @@
-"""Expert parallelism's token exchange (k3train/models/k3/expert_parallel.py) on 2 gloo ranks against one process:
+"""Expert parallelism's token exchange (k3train/models/k3/moe/dispatch.py) on 2 gloo ranks against one process:
 each rank holds half the routed experts and sends its token slots to them by all-to-all. The MoE output of each
 rank's batch, the gradient of every weight it holds and the Quantile-Balancing bias (quantiles over both ranks'
 tokens) equal the one-process MoE's on the same batches, for the plain and the latent (K3) MoE."""

@@ -477,7 +477,7 @@ def _expert_parallel_rank_main(rank: int, world_size: int) -> dict:
 
 @pytest.mark.slow
 def test_expert_parallel_all_to_all_bytes_equal_a_real_run(tmp_path: Path) -> None:
-    """Both ranks of an ep = 2 exchange (k3train/models/k3/expert_parallel.py) together send what the plan says two
+    """Both ranks of an ep = 2 exchange (k3train/models/k3/moe/dispatch.py) together send what the plan says two
     ranks send: each rank sends all its slots out and its experts' results back, forward and backward (and, beside
     them, Quantile Balancing's candidates to the rank taking their experts' block)."""
     counts = spawn_ranks(_expert_parallel_rank_main, tmp_path)

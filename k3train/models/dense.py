@@ -10,7 +10,7 @@ No KDA, no MLA, no MoE, none of Kimi K3's components: a model of the same active
 parts every GPU stack has fast kernels for (F.scaled_dot_product_attention and plain matmuls), so that a K3-shaped
 model's step time over this one's is the cost of KDA, MLA and the MoE (benchmarks/gpu_train_step.py).
 
-Its parts are k3train's own where it has them: RMSNorm (models/norm.py), the SwiGLU FFN (models/k3/moe.py), the
+Its parts are k3train's own where it has them: RMSNorm (models/norm.py), the SwiGLU FFN (models/k3/moe/experts.py), the
 rotary embedding (models/k3/mla.py, half-split pairing), the chunked LM head + loss (models/loss.py) and the weight
 initialisation KimiK3 uses (Normal(init_std), residual-writing projections scaled by 1 / sqrt(2 n_layers)). The
 attention projections carry `head_split`, so Muon orthogonalises them per head as it does MLA's

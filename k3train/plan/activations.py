@@ -1,7 +1,7 @@
 """What a KimiK3 forward keeps for its backward, per layer and per micro-batch, from the model's shapes.
 
 Bytes per token of the tensors autograd saves (each storage once), written out from the code of k3train/models/
-(model.py, kda/layer.py, kda/chunk.py, k3/mla.py, k3/moe.py, norm.py, attn_res.py, loss.py). Notation: d model
+(model.py, kda/layer.py, kda/chunk.py, k3/mla.py, k3/moe/, norm.py, attn_res.py, loss.py). Notation: d model
 width; KDA H heads of K (W = H K), chunk C, projection width P = 3W + K + (W full-rank gate | K low-rank) + H;
 MLA h heads, q/k width q = nope + rope, v width v, latents r_kv, r_q; MoE n experts, top k, expert width f, routed
 width r (the latent, else d), shared width s = n_shared f, dense width f_d. Sizes: f = 4 bytes (fp32 always),

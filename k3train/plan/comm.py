@@ -14,7 +14,7 @@ tokens that leave it.
 - FSDP reduce-scatter: the gradients of every unit once per step (no_sync holds them for the earlier
   micro-batches), fp32; frozen parameters have none.
 - DDP all-reduce: all gradients once per step (no_sync), fp32.
-- EP all-to-all (k3train/models/k3/expert_parallel.py): per MoE layer and micro-batch, dispatch and combine in the
+- EP all-to-all (k3train/models/k3/moe/dispatch.py): per MoE layer and micro-batch, dispatch and combine in the
   forward and their gradients in the backward (4; 6 when checkpointing recomputes the routed experts), each tokens
   x top-k x the routed width (the latent width for a latent MoE: k3train projects before dispatch) x the activation
   bytes; beside them the gate weights (fp32, forward and backward) and the per-expert slot counts (int64). Summed
@@ -24,9 +24,9 @@ tokens that leave it.
   orthogonalised updates (ranks x the largest owner's share, in the Newton-Schulz dtype); under FSDP2 two
   all-to-alls a round, the busiest rank's inputs: its shard of every matrix to the owners, then the whole updates
   of the matrices it owns back to their shards' ranks (routed experts sliced on dim 1: over the ranks holding them).
-- Quantile Balancing (the MoE's router over several ranks, k3train/models/k3/moe.py): per MoE layer and training
-  forward, an all-gather of the loads (n + 1 fp64 per rank); an all-to-all of each rank's m + 1 smallest required
-  biases per expert (fp32; all its tokens once m + 1 exceeds them, m = global tokens x k / n), each expert's to the
+- Quantile Balancing (the MoE's router over several ranks, k3train/models/k3/moe/balancing.py): per MoE layer and
+  training forward, an all-gather of the loads (n + 1 fp64 per rank); an all-to-all of each rank's m + 1 smallest
+  required biases per expert (fp32; all its tokens once m + 1 exceeds them, m = global tokens x k / n), each expert's to the
   rank that takes its block (ceil(n / W) experts); an all-gather of the blocks' biases (fp32, padded to the widest).
   The other routers gather only the loads.
 - Context parallelism (k3train/models/context_parallel.py), per layer and micro-batch over the cp ranks that split

@@ -5,7 +5,7 @@
 dp_replicate ranks hold whole copies of the model (DDP); dp_shard ranks each hold a slice of every parameter
 (FSDP2). A run uses one of the two (`parallel=ddp` or `parallel=fsdp`). ep (parallel.ep) splits the routed
 experts: groups of ep consecutive ranks each hold 1/ep of them and exchange token slots
-(k3train/models/k3/expert_parallel.py); the world / ep ranks holding the same experts (expert_dp) average those
+(k3train/models/k3/moe/dispatch.py); the world / ep ranks holding the same experts (expert_dp) average those
 experts' gradients: DDP keeps a whole copy of its share on each, FSDP2 shards it again over them.
 
     expert_mesh (ep, expert_dp), world 4, ep 2:   ep groups {0, 1} {2, 3};  expert_dp groups {0, 2} {1, 3}

@@ -77,7 +77,7 @@ class KimiK3Config:
     router: str = "quantile_balancing"
     routed_scaling_factor: float = 1.0
     aux_free_bias_rate: float = 1e-3
-    # how the routed experts' matmuls run (moe.py RoutedExperts): "auto" (grouped_mm for bf16 on CUDA, else loop)
+    # how the routed experts' matmuls run (moe/experts.py): "auto" (grouped_mm for bf16 on CUDA, else loop)
     expert_implementation: str = "auto"
 
     # Kimi K3's components; each at its default is the Kimi Linear form.

@@ -81,7 +81,7 @@ def moe_macs(c: KimiK3Config) -> float:
     """Per token: the router over every routed expert (at d), then the gated FFN (3 matmuls; SwiGLU or SiTU-GLU
     alike) in the k chosen and the shared ones. A latent MoE (expert_latent_dim = r) runs the routed experts at
     width r and adds its two projections, latent_down d -> r and latent_up r -> d: 2 d r; the shared ones stay at
-    d (k3train/models/k3/moe.py)."""
+    d (k3train/models/k3/moe/)."""
     d, f = c.d_model, c.expert_ffn_dim
     routed_width = d if c.expert_latent_dim is None else c.expert_latent_dim
     latent = 0 if c.expert_latent_dim is None else 2 * d * c.expert_latent_dim
