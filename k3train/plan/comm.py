@@ -26,8 +26,9 @@ tokens that leave it.
   of the matrices it owns back to their shards' ranks (routed experts sliced on dim 1: over the ranks holding them).
 - Quantile Balancing (the MoE's router over several ranks, k3train/models/k3/moe/balancing.py): per MoE layer and
   training forward, an all-gather of the loads (n + 1 fp64 per rank); an all-to-all of each rank's m + 1 smallest
-  required biases per expert (fp32; all its tokens once m + 1 exceeds them, m = global tokens x k / n), each expert's to the
-  rank that takes its block (ceil(n / W) experts); an all-gather of the blocks' biases (fp32, padded to the widest).
+  required biases per expert (fp32; all its tokens once m + 1 exceeds them, m = global tokens x k / n), each
+  expert's to the rank that takes its block (ceil(n / W) experts); an all-gather of the blocks' biases (fp32, padded
+  to the widest).
   The other routers gather only the loads.
 - Context parallelism (k3train/models/context_parallel.py), per layer and micro-batch over the cp ranks that split
   a row, each an all-gather (again in a recompute when checkpointing recomputes the mixer) whose backward
