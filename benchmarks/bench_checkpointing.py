@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "checkpointing.json"
-CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 
 
 def rss_mib() -> float:
@@ -33,10 +32,11 @@ def rss_mib() -> float:
 def probe(mode: str, model_name: str, batch: int, seq: int) -> dict:
     import torch
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
+
+    from k3train.config import model_option
 
     torch.manual_seed(0)
-    cfg = OmegaConf.load(CONF / f"{model_name}.yaml")
+    cfg = model_option(model_name)
     cfg.vocab_size = 32768
     model = instantiate(cfg).train()
     model.set_activation_checkpointing(mode)

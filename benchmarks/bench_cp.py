@@ -55,6 +55,8 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from process_memory import peak_mib, reset_peak, rss_mib  # noqa: E402  benchmarks/, beside this script
 
+from k3train.config import model_option
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results" / "cp.json"
@@ -195,9 +197,8 @@ def install_counters() -> None:
 def build_model(name: str, seq: int):
     """The model as conf/model/<name>.yaml builds it (vocab 257, fp32, seed 0; max_seq_len at least seq)."""
     from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
+    cfg = model_option(name)
     torch.manual_seed(0)
     return instantiate(cfg, vocab_size=VOCAB, max_seq_len=max(seq, cfg.max_seq_len))
 

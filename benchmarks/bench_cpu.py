@@ -32,6 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from k3train.config import model_option
 from k3train.runtime.cpu import configure_openmp
 
 PROBE_MODE = sys.argv[2] if sys.argv[1:2] == ["--probe"] else "k3train"
@@ -53,7 +54,7 @@ VOCAB = 257  # the built-in byte-level corpus
 
 
 def build_model(name: str, **overrides) -> torch.nn.Module:
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
+    cfg = model_option(name)
     cfg.vocab_size = VOCAB
     for key, value in overrides.items():
         cfg[key] = value

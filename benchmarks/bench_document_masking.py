@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 from results_file import write_results  # benchmarks/, beside this script
 
+from k3train.config import model_option
 from k3train.models.k3.mla import (
     MIN_DOCUMENT_TILE,
     block_causal_mask,
@@ -43,7 +43,6 @@ from k3train.models.k3.mla import (
 from k3train.models.kda.chunk import chunk_kda
 from k3train.runtime.cpu import cpu_description, prepare_cpu_training
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 RESULTS = Path(__file__).resolve().parent / "results" / "document_masking.json"
 B = 2
 LAYOUTS = ("one_boundary_mid_row", "every_256", "every_64", "mixed")
@@ -177,7 +176,7 @@ def main() -> None:
     prepare_cpu_training()  # as training on a CPU does
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    cfg = OmegaConf.load(CONF / "k3_small.yaml")
+    cfg = model_option("k3_small")
     T = args.seq_len
     load_before = os.getloadavg()
     sections = {

@@ -33,9 +33,9 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 from results_file import write_results  # benchmarks/, beside this script
 
+from k3train.config import model_option
 from k3train.models.k3 import attn_res
 from k3train.models.k3 import model as k3_model
 from k3train.models.k3.mla import causal_attention
@@ -45,7 +45,6 @@ from k3train.models.loss import linear_cross_entropy
 from k3train.models.norm import RMSNorm
 from k3train.runtime.cpu import prepare_cpu_training
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 RESULTS = Path(__file__).resolve().parent / "results" / "layers.json"
 B, T, VOCAB = 2, 1024, 32768
 
@@ -145,7 +144,7 @@ def main() -> None:
     args = parser.parse_args()
     prepare_cpu_training()  # as training on a CPU does
     torch.manual_seed(0)
-    cfg = OmegaConf.load(CONF / "k3_small.yaml")
+    cfg = model_option("k3_small")
     cfg.vocab_size = VOCAB
     model = instantiate(cfg).train()
     load_before = os.getloadavg()

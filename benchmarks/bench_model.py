@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from results_file import write_results  # benchmarks/, beside this script
 
+from k3train.config import model_option
 from k3train.observe.mfu import calibrate_cpu_matmul
 from k3train.runtime.cpu import prepare_cpu_training
 
@@ -38,7 +39,7 @@ def build_optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer:
 
 def bench_case(name: str, vocab: int, B: int, T: int, steps: int, optimizer: str = "adamw") -> dict:
     torch.manual_seed(0)
-    cfg = OmegaConf.load(CONF / f"{name}.yaml")
+    cfg = model_option(name)
     cfg.vocab_size = vocab
     model = instantiate(cfg).train()
     model.check_data(vocab, T)

@@ -24,6 +24,7 @@ import torch
 from omegaconf import OmegaConf
 from results_file import write_results  # benchmarks/, beside this script
 
+from k3train.config import model_option
 from k3train.optim.muon import MuonAdamW, as_matrices
 from k3train.optim.summary import format_param_groups
 
@@ -75,7 +76,7 @@ def main() -> None:
 def muon_share(model_name: str, batch_size: int, seq_len: int, vocab_size: int, steps: int) -> dict:
     """Medians over `steps` steps (after 2 warm-up ones) of fwd+bwd, MuonAdamW.step(), each of its groups alone,
     and AdamW.step() over the same model; Muon's share of the train step and its Newton-Schulz GFLOP/s."""
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{model_name}.yaml")
+    cfg = model_option(model_name)
     cfg.vocab_size = vocab_size
     torch.manual_seed(0)
     model = hydra.utils.instantiate(cfg)

@@ -34,6 +34,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
+from k3train.config import model_option  # noqa: E402
 from k3train.optim import muon as muon_module  # noqa: E402
 from k3train.optim import muon_distributed  # noqa: E402
 from k3train.optim.muon import MuonAdamW  # noqa: E402
@@ -56,7 +57,7 @@ class Stopwatch:
 
 
 def _muon_optimizer(args: argparse.Namespace) -> MuonAdamW:
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")
+    cfg = model_option(args.model)
     cfg.vocab_size = args.vocab_size
     torch.manual_seed(0)
     model = hydra.utils.instantiate(cfg)

@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 from gpu_kda_speed import guarded, timed  # benchmarks/ is on sys.path when a script there runs
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 from results_file import write_results
 
+from k3train.config import model_option
 from k3train.models.k3.flops import kda_macs, mla_macs, moe_macs
 from k3train.models.k3.mla import MultiHeadLatentAttention
 from k3train.models.k3.moe import MoE, SwiGLU
@@ -54,7 +54,7 @@ DRY_RUN_NOTE = "CPU dry run: k3_tiny's layers at tiny shapes in fp32; these numb
 
 def k3_layers(model_name: str, implementation: str, device: torch.device) -> tuple[object, dict[str, torch.nn.Module]]:
     """conf/model/NAME.yaml's config and its first KDA mixer, first MLA mixer and first MoE, in training mode."""
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{model_name}.yaml")
+    cfg = model_option(model_name)
     # the layers never see the vocabulary: the byte one keeps the unused embedding and head small
     cfg.vocab_size, cfg.kda_implementation = 257, implementation
     torch.manual_seed(0)

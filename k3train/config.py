@@ -162,6 +162,17 @@ def check_known_keys(cfg, schema: type = Config, prefix: str = "") -> None:
             check_known_keys(cfg[key], hints[key], f"{prefix}{key}.")
 
 
+def model_option(name: str):
+    """conf/model/NAME.yaml as a run composes it, its defaults list followed (k3_tiny is k3_base plus its sizes), as a
+    plain DictConfig the caller may change: what benchmarks and notebooks build a model from without a run."""
+    from hydra import compose, initialize_config_module
+
+    register_configs()
+    with initialize_config_module(config_module="k3train.conf", version_base="1.3"):
+        model = compose("config", overrides=[f"model={name}"]).model
+    return OmegaConf.create(OmegaConf.to_container(model))
+
+
 def register_configs() -> None:
     # The resolvers read the launcher's environment (runtime/: torch.distributed, SLURM): imported here, so that
     # the schema alone imports no torch.
