@@ -66,6 +66,7 @@ def test_appending_a_key_that_exists_says_to_drop_the_plus():
 
 def test_what_is_left_to_hydra_passes():
     assert error("train.max_steps=3", "hydra.run.dir=/tmp/x", "hydra.job.name=x") is None
+    assert error("-m", "hydra/launcher=slurm", "hydra.launcher.cpus_per_task=1", "optim.lr=1e-3,3e-3") is None
     assert error("-m", "optim.lr=1e-3,3e-3", "optim=adamw,muon_adamw", "optim.weight_decay=0") is None  # swept group
     assert error("+callbacks.mine._target_=my.Callback") is None  # callbacks and logger hold entries by name
     assert error("train.max_steps=") is None and error("--help") is None  # Hydra's own syntax errors and help

@@ -61,7 +61,7 @@ def unknown_key_error(argv: list[str]) -> str | None:
     for override in overrides:
         key = override.key_or_group
         top = key.split(".")[0]
-        if key in groups or top == "hydra" or top in swept:
+        if key in groups or top == "hydra" or "/" in key or top in swept:  # hydra/launcher=...: Hydra's own groups
             continue
         if override.type != OverrideType.CHANGE and top in OPEN_GROUPS and _new_entry(key, cfg):
             continue
