@@ -176,9 +176,9 @@ def test_torchruns_environment_is_the_nearest_ancestors_without_torchelastic_run
 def _rank_threads(env: dict[str, str], tmp_path) -> list[dict]:
     """torchrun --nproc-per-node=2 of a script printing each rank's choose_threads("auto")."""
     script = tmp_path / "threads.py"
-    script.write_text(
-        "import json\nfrom k3train.runtime.cpu import choose_threads\n"
-        "print(json.dumps(choose_threads('auto').as_dict()))\n"
+    script.write_text(  # one write(2) of under PIPE_BUF bytes a rank: the two ranks' lines cannot interleave
+        "import json, os\nfrom k3train.runtime.cpu import choose_threads\n"
+        "os.write(1, (json.dumps(choose_threads('auto').as_dict()) + '\\n').encode())\n"
     )
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script)]
     base = {k: v for k, v in os.environ.items() if k not in (*THREAD_VARIABLES, "LOCAL_WORLD_SIZE")}
