@@ -49,7 +49,6 @@ class Remembered:
 
     run_dir: Path
     recorded: list[str]
-    kept: list[str]  # recorded overrides composed again, in their order, before the ones given now
     given: list[str]
 
     def describe(self) -> str:
@@ -106,7 +105,7 @@ def remember_run_overrides(argv: list[str]) -> tuple[list[str], Remembered | Non
         flags.remove(line)
     return (
         [argv[0], *flags, *kept, *given_lines],
-        Remembered(run_dir, recorded, kept, [line for line in args.overrides if _key(line) != "resume"]),
+        Remembered(run_dir, recorded, [line for line in args.overrides if _key(line) != "resume"]),
     )
 
 
