@@ -133,7 +133,7 @@ def _label(caller, t: torch.Tensor) -> str:
 
 
 def counted_gather(real):
-    """k3train.models.context_parallel's all_gather_single_autograd, counted and timed (forward and backward)."""
+    """k3train.models.common.context_parallel's all_gather_single_autograd, counted and timed (forward and backward)."""
 
     def gather(t, gather_dim, group, tag=""):
         if not REC.active:
@@ -227,7 +227,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def layer_runs(args, rank: int, world: int) -> dict:
     """KDA and MLA, each case's three configurations once a round, rotating their order round by round."""
-    from k3train.models.context_parallel import ContextParallel, set_context_parallel
+    from k3train.models.common.context_parallel import ContextParallel, set_context_parallel
 
     model = build_model("k3_small", args.seq)
     layers = {
@@ -304,7 +304,7 @@ def _layer_rank_main(rank: int, world: int, args, init_file: str, out_dir: str) 
 
 def _memory_rank_main(rank: int, world: int, args, init_file: str, out_dir: str) -> None:
     """One rank of cp=world (world 1: one process, the whole row): a warm-up step, then forward and backward."""
-    from k3train.models.context_parallel import ContextParallel, set_context_parallel
+    from k3train.models.common.context_parallel import ContextParallel, set_context_parallel
     from k3train.models.k3.moe import MoE
     from k3train.runtime.cpu import prepare_cpu_training
 

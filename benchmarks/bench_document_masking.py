@@ -34,12 +34,8 @@ from hydra.utils import instantiate
 from results_file import write_results  # benchmarks/, beside this script
 
 from k3train.config import model_option
-from k3train.models.k3.mla import (
-    MIN_DOCUMENT_TILE,
-    block_causal_mask,
-    causal_attention,
-    document_attention,
-)
+from k3train.models.common.attention import MIN_DOCUMENT_TILE, causal_attention, document_attention
+from k3train.models.common.documents import block_causal_mask
 from k3train.models.kda.chunk import chunk_kda
 from k3train.runtime.cpu import cpu_description, prepare_cpu_training
 

@@ -7,9 +7,10 @@
                                                   # nothing unless --out is given
 
 Both ranks build k3_small (conf/model/k3_small.yaml, vocab 257, fp32, seed 0) and take its first MoE layer:
-- EP=2: `DDP(ep=2).shard` (k3train/train/parallel.py): each rank keeps 32 of the 64 routed experts and sends its
-  token slots to them and back (k3train/models/k3/moe/dispatch.py: a counts all-to-all, then the slots at the
-  latent width, their gate weights, and the combine; the backward sends the gradients back the same way).
+- EP=2: `MoE.shard_experts`, as KimiK3's parallelize calls it (k3train/models/k3/parallelize.py): each rank
+  keeps 32 of the 64 routed experts and sends its token slots to them and back (k3train/models/k3/moe/dispatch.py:
+  a counts all-to-all, then the slots at the latent width, their gate weights, and the combine; the backward sends
+  the gradients back the same way).
 - FSDP: the layer's routed experts as one fully_shard unit inside the MoE (the root), reshard_after_forward=True as
   conf/parallel/fsdp.yaml: they are all-gathered before the forward and again before the backward, and their
   gradients reduce-scattered. (k3train's FSDP makes the whole transformer block the unit, whose one all-gather
@@ -362,20 +363,20 @@ def layer_runs(args, rank: int, world: int, model_cfg: dict) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from k3train.runtime.parallel_dims import ParallelDims
-    from k3train.train.parallel import DDP, hand_data_parallel_group
 
-    cpu = torch.device("cpu")
     model = build_model(model_cfg)
     layer = first_moe(model).train()
     del model
     d = layer.router.weight.shape[1]
 
-    ep = copy.deepcopy(layer)
-    DDP(ep=world).shard(ep, cpu, ParallelDims.for_strategy("ddp", world, rank, "cpu", ep=world))
+    ep = copy.deepcopy(layer)  # as KimiK3's parallelize splits each MoE (k3train/models/k3/parallelize.py)
+    ep_dims = ParallelDims.for_strategy("ddp", world, rank, "cpu", ep=world)
+    ep.balance_over(ep_dims.dp_group)
+    ep.shard_experts(ep_dims.ep_group)
 
     fsdp = copy.deepcopy(layer)
     dims = ParallelDims.for_strategy("fsdp", world, rank, "cpu")
-    hand_data_parallel_group(fsdp, dims)
+    fsdp.balance_over(dims.dp_group)
     fully_shard(fsdp.experts, mesh=dims.shard_mesh, reshard_after_forward=True)
     fully_shard(fsdp, mesh=dims.shard_mesh, reshard_after_forward=True)
     e = layer.experts

@@ -4,7 +4,7 @@
 
 k3_small (conf/model/k3_small.yaml, vocab 32768) at batch 2 x seq 1024, fp32, this machine's threads:
 - forward + backward of each layer kind on random inputs (a KDA, an MLA and a MoE layer, the dense FFN, the
-  LM head with the loss as the model computes it, k3train/models/loss.py) and what the model's layers add up to;
+  LM head with the loss as the model computes it, k3train/models/common/loss.py) and what the model's layers add up to;
 - side by side, alternating, median of `reps`: each choice the model makes against the plain form it replaced:
   MLA's zero-padded values (torch's fused CPU attention) against SDPA's math fallback for dk != dv; the short
   convolution with its written-out backward (CausalConvSiLU) against autograd through the shifted multiply-adds
@@ -36,13 +36,13 @@ from hydra.utils import instantiate
 from results_file import write_results  # benchmarks/, beside this script
 
 from k3train.config import model_option
+from k3train.models.common.attention import causal_attention
+from k3train.models.common.loss import linear_cross_entropy
+from k3train.models.common.norm import RMSNorm
 from k3train.models.k3 import attn_res
 from k3train.models.k3 import model as k3_model
-from k3train.models.k3.mla import causal_attention
 from k3train.models.k3.moe import GroupedSwiGLU
 from k3train.models.kda.layer import CausalConvSiLU, causal_depthwise_conv
-from k3train.models.loss import linear_cross_entropy
-from k3train.models.norm import RMSNorm
 from k3train.runtime.cpu import prepare_cpu_training
 
 RESULTS = Path(__file__).resolve().parent / "results" / "layers.json"

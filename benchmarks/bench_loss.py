@@ -1,7 +1,7 @@
 """LM head + cross-entropy, forward + backward: the whole-logits path against the chunked linear_cross_entropy.
 
 old: F.cross_entropy(F.linear(h, W).float(), y), the [N, V] logits written in full (KimiK3 before
-     k3train/models/loss.py); new: linear_cross_entropy(h, W, y, chunk_size) at several chunk sizes.
+     k3train/models/common/loss.py); new: linear_cross_entropy(h, W, y, chunk_size) at several chunk sizes.
 Both run side by side in one process, alternating, median of --repeats, at KimiK3 k3_small's head (N = batch 2 x
 seq 1024 = 2048 rows, d 512, V 32768) and k3_tiny's (V 257), fp32. Peak memory: each path once in a fresh process
 (VmHWM, the resident high-water mark, of the child minus that of a child that built the same inputs and ran
@@ -29,7 +29,7 @@ configure_openmp()  # as `python -m k3train` does, before torch loads
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from k3train.models.loss import default_chunk_size, linear_cross_entropy  # noqa: E402
+from k3train.models.common.loss import default_chunk_size, linear_cross_entropy  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # (name, rows N, d_model, vocab V)

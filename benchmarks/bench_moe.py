@@ -17,7 +17,8 @@ from pathlib import Path
 import torch
 from results_file import write_results  # benchmarks/, beside this script
 
-from k3train.models.k3.moe import MoE, SwiGLU
+from k3train.models.common.swiglu import SwiGLU
+from k3train.models.k3.moe import MoE
 
 RESULTS = Path(__file__).resolve().parent / "results" / "moe.json"
 # (name, d_model, n_experts, top-k, n_shared, expert_ffn_dim, tokens): the MoE shapes of k3_tiny and k3_small.

@@ -39,11 +39,12 @@ from hydra.utils import instantiate
 from results_file import write_results
 
 from k3train.config import model_option
+from k3train.models.common.loss import linear_cross_entropy
+from k3train.models.common.swiglu import SwiGLU
 from k3train.models.k3.flops import kda_macs, mla_macs, moe_macs
 from k3train.models.k3.mla import MultiHeadLatentAttention
-from k3train.models.k3.moe import MoE, SwiGLU
+from k3train.models.k3.moe import MoE
 from k3train.models.kda.layer import KimiDeltaAttention
-from k3train.models.loss import linear_cross_entropy
 from k3train.observe.mfu import resolve_peak
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,8 @@ model (AutoModelForCausalLM loads it), the released Kimi K3's layout for one wit
 safetensors (`--shard-size`, default 5GB) in `--dtype fp32|bf16`.
 
 Exit status (docs/errors.md): 0 done, 2 bad input (a source that is no run, checkpoint or is refused, an OUT_DIR
-that exists), 1 writing OUT_DIR failed (a full disk: nothing is left at OUT_DIR).
+that exists and is not empty, a --shard-size of no bytes), 1 writing OUT_DIR failed (a full disk: nothing is left
+at OUT_DIR).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def test_kda_slices_composed_equal_the_whole_sequence(case: str, n: int) -> None
 
 def test_bad_context_parallel_settings_are_refused_saying_what_to_do() -> None:
     from k3train.data.context_slices import ContextSlices
-    from k3train.models.context_parallel import ContextParallel
+    from k3train.models.common.context_parallel import ContextParallel
     from k3train.models.kda.layer import KimiDeltaAttention
     from k3train.runtime.parallel_dims import ParallelDims
 
@@ -128,7 +128,7 @@ def _case(name: str, layout: str, rank: int | None = None) -> dict:
     """One process on the whole rows (rank None), or rank r of 2 on its half of them."""
     import torch.distributed as dist
 
-    from k3train.models.context_parallel import ContextParallel, set_context_parallel
+    from k3train.models.common.context_parallel import ContextParallel, set_context_parallel
     from k3train.models.k3.moe import MoE
 
     from helpers.tiny_k3 import V, tiny_model

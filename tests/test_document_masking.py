@@ -20,15 +20,9 @@ import torch.nn.functional as F
 from k3train.data import TokenData, TokenDataLoader
 from k3train.data.loader import document_ids
 from k3train.evaluate import data_config
-from k3train.models.documents import cu_seqlens
-from k3train.models.k3.mla import (
-    MultiHeadLatentAttention,
-    _document_tiles,
-    block_causal_mask,
-    causal_attention,
-    causal_max_logit,
-    document_attention,
-)
+from k3train.models.common.attention import _document_tiles, causal_attention, document_attention
+from k3train.models.common.documents import block_causal_mask, cu_seqlens
+from k3train.models.k3.mla import MultiHeadLatentAttention, causal_max_logit
 from k3train.models.kda import chunk_kda, naive_recurrent_kda
 from k3train.models.kda.fla import _fla_chunk_kda_documents
 from k3train.models.kda.layer import CausalConvSiLU
@@ -291,8 +285,8 @@ HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__",
 
 def host_reads_and_masks(monkeypatch, model, x, y, ids) -> tuple[int, int]:
     """(host reads of a tensor's values, block-causal masks built) in one training forward + backward."""
-    import k3train.models.documents as documents_module
-    import k3train.models.k3.mla as mla_module
+    import k3train.models.common.attention as attention_module
+    import k3train.models.common.documents as documents_module
 
     counts = {"reads": 0, "masks": 0}
 
@@ -308,7 +302,7 @@ def host_reads_and_masks(monkeypatch, model, x, y, ids) -> tuple[int, int]:
             patch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name), "reads"))
         for name in ("nonzero", "unique_consecutive"):
             patch.setattr(torch, name, counting(getattr(torch, name), "reads"))
-        for module in (mla_module, documents_module):
+        for module in (attention_module, documents_module):
             if hasattr(module, "block_causal_mask"):
                 patch.setattr(module, "block_causal_mask", counting(module.block_causal_mask, "masks"))
         _, loss = model(x, targets=y, document_ids=ids)
@@ -338,7 +332,7 @@ def test_host_reads_and_masks_per_forward_do_not_grow_with_the_layers(monkeypatc
 
 
 def test_the_model_builds_one_documents_per_forward_and_every_layer_reads_it(monkeypatch) -> None:
-    from k3train.models.documents import Documents
+    from k3train.models.common.documents import Documents
 
     built, seen = [], []
     real_init = Documents.__init__
@@ -366,7 +360,7 @@ def test_under_context_parallelism_the_ids_are_gathered_once_per_forward() -> No
     windows and slice ends all read them); a rank of 2 in one process, its peer's share a copy of its own."""
     from dataclasses import dataclass
 
-    from k3train.models.context_parallel import ContextParallel, set_context_parallel
+    from k3train.models.common.context_parallel import ContextParallel, set_context_parallel
 
     gathered = []
 

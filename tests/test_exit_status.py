@@ -56,6 +56,13 @@ CASES = {
         ["{tmp}/mine", "already exists"],
         kept=["mine/notes.txt"],
     ),
+    # refused before the source is opened: no shard holds a tensor in no bytes
+    "export --shard-size 0": Case(
+        "k3train.export",
+        ["-m", "k3train.export", "{tmp}/nope", "{tmp}/out", "--format", "hf", "--shard-size", "0"],
+        ["--shard-size '0'", "above zero"],
+        absent=["out"],
+    ),
     "consolidate missing checkpoint": Case(
         "k3train.consolidate", ["-m", "k3train.consolidate", "{tmp}/nope"], ["{tmp}/nope"]
     ),

@@ -25,7 +25,7 @@ def counted_flops_per_token(model, B: int, T: int) -> dict[str, float]:
     of the total). Attention runs unpadded on the math backend here: the counter has no formula for torch's fused
     CPU kernel, and the zero columns causal_attention adds for that kernel are not the model's work. The forward
     is counted without autograd: with it, linear_cross_entropy computes the LM head's gradients inside the forward
-    call (k3train/models/loss.py), backward work that the training count includes either way.
+    call (k3train/models/common/loss.py), backward work that the training count includes either way.
     """
     x, y = (
         torch.randint(0, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(s)) for s in (0, 1)

@@ -13,13 +13,13 @@ import torch
 
 from k3train.data.tokenizers import ByteTokenizer
 from k3train.hf import HFFormatError
-from k3train.hf.config import NotExpressible, from_hf_config, layout_for, to_hf_config
-from k3train.hf.keys import hf_names, to_hf
 from k3train.hf.mxfp4 import MXFP4_FORMAT, decode_mxfp4, encode_mxfp4
 from k3train.hf.read import read_hf
 from k3train.hf.shards import write_shards
-from k3train.hf.write import KEEP_FP32, write_hf
+from k3train.hf.write import write_hf
 from k3train.models.k3 import KimiK3
+from k3train.models.k3.hf_config import NotExpressible, from_hf_config, layout_for, to_hf_config
+from k3train.models.k3.state_dict_adapter import HF_ADAPTER, KEEP_FP32, hf_names, to_hf
 
 from helpers.tiny_k3 import TINY
 
@@ -75,7 +75,7 @@ def transformers():
 @pytest.mark.slow  # seconds: a subprocess, transformers' import or a whole run built
 def test_transformers_loads_a_kimi_linear_export_and_gives_its_logits(transformers, tmp_path) -> None:
     model = model_with_every_weight_random(KIMI_LINEAR)
-    assert write_hf(model, ByteTokenizer(), tmp_path, shard_bytes=200_000) == "kimi_linear"
+    assert write_hf(HF_ADAPTER, model, ByteTokenizer(), tmp_path, shard_bytes=200_000) == "kimi_linear"
     assert (tmp_path / "model.safetensors.index.json").is_file()  # several shards at this size
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     x = ids()
@@ -106,7 +106,7 @@ def test_a_transformers_kimi_linear_imports_and_gives_transformers_logits(transf
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.05 * torch.randn_like(b))
     theirs.save_pretrained(tmp_path)
-    ours = read_hf(tmp_path, say=lambda _: None)
+    ours = read_hf(HF_ADAPTER, tmp_path, say=lambda _: None)
     assert ours.layout == "kimi_linear" and ours.model.config.routed_scaling_factor == 1.5
     x = ids(1)
     with torch.no_grad():
@@ -121,17 +121,17 @@ def test_a_transformers_kimi_linear_imports_and_gives_transformers_logits(transf
 def test_k3_round_trip_is_bitwise_in_fp32_and_within_bf16_rounding_in_bf16(tmp_path) -> None:
     model = model_with_every_weight_random(K3)
     assert layout_for(model.config) == "kimi_k3"
-    write_hf(model, ByteTokenizer(), tmp_path / "fp32", shard_bytes=100_000)
+    write_hf(HF_ADAPTER, model, ByteTokenizer(), tmp_path / "fp32", shard_bytes=100_000)
     config = json.loads((tmp_path / "fp32" / "config.json").read_text())
     assert config["model_type"] == "kimi_k3" and config["text_config"]["linear_attn_config"]["full_attn_layers"] == [4]
-    back = read_hf(tmp_path / "fp32", say=lambda _: None).model
+    back = read_hf(HF_ADAPTER, tmp_path / "fp32", say=lambda _: None).model
     assert back.config.architecture() == model.config.architecture()
     mine, theirs = model.state_dict(), back.state_dict()
     assert mine.keys() == theirs.keys()
     for name in mine:
         assert torch.equal(mine[name], theirs[name]), name
-    write_hf(model, ByteTokenizer(), tmp_path / "bf16", shard_bytes=10**9, dtype="bf16")
-    back = read_hf(tmp_path / "bf16", say=lambda _: None).model.state_dict()
+    write_hf(HF_ADAPTER, model, ByteTokenizer(), tmp_path / "bf16", shard_bytes=10**9, dtype="bf16")
+    back = read_hf(HF_ADAPTER, tmp_path / "bf16", say=lambda _: None).model.state_dict()
     kept = kept_in_fp32(model)
     assert {n.split(".")[-2] for n in kept} >= {"mixer", "router"}  # A_log, dt_bias, ...; the router
     for name, tensor in mine.items():
@@ -139,7 +139,7 @@ def test_k3_round_trip_is_bitwise_in_fp32_and_within_bf16_rounding_in_bf16(tmp_p
 
 
 def kept_in_fp32(model: KimiK3) -> set[str]:
-    """k3train's names of the tensors a bf16 export keeps in fp32 (hf/write.py's KEEP_FP32)."""
+    """k3train's names of the tensors a bf16 export keeps in fp32 (the Kimi K3 adapter's KEEP_FP32)."""
     names = hf_names(model.config, "kimi_k3", model.state_dict())
     return {slot.name for hf_name, slot in names.items() if hf_name.endswith(KEEP_FP32)}
 
@@ -183,7 +183,7 @@ def test_a_release_shaped_k3_directory_imports_with_mxfp4_experts_and_skips_visi
     index = json.loads((tmp_path / "release" / "model.safetensors.index.json").read_text())["weight_map"]
     assert any(k.endswith("A_log") for k in index) and any(k.endswith(".weight_packed") for k in index)
     said: list[str] = []
-    back = read_hf(tmp_path / "release", say=said.append)
+    back = read_hf(HF_ADAPTER, tmp_path / "release", say=said.append)
     assert back.skipped == 2 and said == ["skipped 2 tensors outside the text model (e.g. mm_projector.proj.weight)"]
     state = back.model.state_dict()
     for hf_name, decoded in experts.items():  # ...layers.L.block_sparse_moe.experts.e.w1.weight
@@ -223,7 +223,7 @@ def test_unexpected_and_missing_tensors_are_listed_first_five(tmp_path) -> None:
             del t[name]
 
     with pytest.raises(HFFormatError) as err:
-        read_hf(hf_dir(tmp_path, edit=edit), say=lambda _: None)
+        read_hf(HF_ADAPTER, hf_dir(tmp_path, edit=edit), say=lambda _: None)
     message = str(err.value)
     assert "6 unexpected (the first five: model.extra.0.weight, model.extra.1.weight" in message
     assert "7 missing (the first five: model.layers.1.block_sparse_moe.experts.0.w1.weight" in message
@@ -234,7 +234,7 @@ def test_a_shape_mismatch_names_the_tensor(tmp_path) -> None:
         t["model.layers.0.self_attn.q_proj.weight"] = torch.zeros(3, 3)
 
     with pytest.raises(HFFormatError, match=r"model.layers.0.self_attn.q_proj.weight has shape \[3, 3\]"):
-        read_hf(hf_dir(tmp_path, edit=edit), say=lambda _: None)
+        read_hf(HF_ADAPTER, hf_dir(tmp_path, edit=edit), say=lambda _: None)
 
 
 def test_an_unsupported_quantization_is_refused(tmp_path) -> None:
@@ -242,7 +242,7 @@ def test_an_unsupported_quantization_is_refused(tmp_path) -> None:
         c["quantization_config"] = {"quant_method": "fp8", "format": "float-quantized"}
 
     with pytest.raises(HFFormatError, match="quantization 'fp8'.*k3train reads unquantized weights"):
-        read_hf(hf_dir(tmp_path, config_edit=config_edit), say=lambda _: None)
+        read_hf(HF_ADAPTER, hf_dir(tmp_path, config_edit=config_edit), say=lambda _: None)
 
 
 @pytest.mark.parametrize(
@@ -344,7 +344,7 @@ def test_a_release_trains_from_init_from_and_generates(monkeypatch, tmp_path, ti
 
     model = model_with_every_weight_random(K3)
     write_release(model, tmp_path / "release")
-    released = read_hf(tmp_path / "release", say=lambda _: None).model.state_dict()
+    released = read_hf(HF_ADAPTER, tmp_path / "release", say=lambda _: None).model.state_dict()
     _, parts = built_run(
         monkeypatch, tmp_path / "run", tiny_data_dir, *model_overrides(K3),
         f"train.init_from={tmp_path / 'release'}", "train.max_steps=1", model="k3_tiny",
@@ -383,7 +383,7 @@ def test_a_bpe_tokenizer_travels_with_the_hf_export(tmp_path) -> None:
 
     tokenizer = HFTokenizer(train_tiny_bpe(tmp_path / "tokenizer.json"), "<|endoftext|>")
     model = model_with_every_weight_random({**KIMI_LINEAR, "vocab_size": tokenizer.vocab_size})
-    write_hf(model, tokenizer, tmp_path / "hf", shard_bytes=10**9)
+    write_hf(HF_ADAPTER, model, tokenizer, tmp_path / "hf", shard_bytes=10**9)
     assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["eos_token"] == "<|endoftext|>"
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["eos_token_id"] == tokenizer.eod_id
     back = load(tmp_path / "hf").tokenizer
@@ -427,9 +427,9 @@ def test_tied_embeddings_are_written_twice_and_read_back_as_the_layout_says(tmp_
     for fields, tied_back in ((K3, True), (KIMI_LINEAR, False)):
         model = model_with_every_weight_random({**fields, "tie_embeddings": True})
         out = tmp_path / str(tied_back)
-        write_hf(model, ByteTokenizer(), out, shard_bytes=10**9)
+        write_hf(HF_ADAPTER, model, ByteTokenizer(), out, shard_bytes=10**9)
         assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is tied_back
-        back = read_hf(out, say=lambda _: None).model
+        back = read_hf(HF_ADAPTER, out, say=lambda _: None).model
         assert back.config.tie_embeddings is tied_back
         assert torch.equal(back.lm_head.weight, model.embed_tokens.weight)
         assert torch.equal(back.embed_tokens.weight, model.embed_tokens.weight)

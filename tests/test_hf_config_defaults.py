@@ -14,9 +14,10 @@ from test_hf import K3, KIMI_LINEAR, ids, model_with_every_weight_random, relati
 
 from k3train.data.tokenizers import ByteTokenizer
 from k3train.hf import HFFormatError
-from k3train.hf.config import NotExpressible, from_hf_config, to_hf_config
 from k3train.hf.write import write_hf
 from k3train.models.k3 import KimiK3
+from k3train.models.k3.hf_config import NotExpressible, from_hf_config, to_hf_config
+from k3train.models.k3.state_dict_adapter import HF_ADAPTER
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -89,7 +90,7 @@ def test_an_odd_rotary_dim_above_4_is_refused_for_kimi_k3_before_anything_is_wri
 def test_a_three_head_kimi_linear_export_loads_in_transformers_with_its_logits(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     model = model_with_every_weight_random({**KIMI_LINEAR, **THREE_HEADS})
-    assert write_hf(model, ByteTokenizer(), tmp_path, shard_bytes=10**9) == "kimi_linear"
+    assert write_hf(HF_ADAPTER, model, ByteTokenizer(), tmp_path, shard_bytes=10**9) == "kimi_linear"
     assert json.loads((tmp_path / "config.json").read_text())["head_dim"] == 4  # written, not left to the reader
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert theirs.config.head_dim == 4 and theirs.config.num_attention_heads == 3
@@ -139,7 +140,7 @@ def test_a_k3_config_missing_a_refused_field_is_one_line_exit_2_naming_it(tmp_pa
     from k3train.import_hf import main as import_main
 
     model = model_with_every_weight_random(RELEASE_FORM)
-    write_hf(model, ByteTokenizer(), tmp_path / "hf", shard_bytes=10**9)
+    write_hf(HF_ADAPTER, model, ByteTokenizer(), tmp_path / "hf", shard_bytes=10**9)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     del config["text_config"]["linear_attn_config"]["gate_lower_bound"]
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))

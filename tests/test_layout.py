@@ -107,3 +107,16 @@ def test_models_and_optim_never_ask_torch_distributed_who_they_are() -> None:
         if query.search(line) and not line.lstrip().startswith("#")
     ]
     assert not found, "\n".join(found)
+
+
+def test_every_package_ships_in_a_wheel() -> None:
+    """pyproject.toml lists the packages a wheel holds; one left out imports from a checkout (an editable install)
+    and is missing from a real install."""
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {".".join(init.parent.relative_to(root).parts) for init in (root / "k3train").rglob("__init__.py")}
+    assert packages - listed == set(), f"add these to [tool.setuptools] packages in pyproject.toml: {packages - listed}"

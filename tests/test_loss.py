@@ -1,4 +1,4 @@
-"""linear_cross_entropy (k3train/models/loss.py) against F.cross_entropy on the whole logits: the loss and its
+"""linear_cross_entropy (k3train/models/common/loss.py) against F.cross_entropy on the whole logits: the loss and its
 gradients, in fp32 and under bf16 autocast, with ignored targets, at chunk sizes that do and do not divide N; and
 KimiK3's fused path against its old lm_head + F.cross_entropy path, tied and untied."""
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from k3train.models.common.loss import IGNORE_INDEX, default_chunk_size, linear_cross_entropy
 from k3train.models.k3 import KimiK3
-from k3train.models.loss import IGNORE_INDEX, default_chunk_size, linear_cross_entropy
 
 from helpers.loss_problems import loss_and_grads, problem, reference
 from helpers.tiny_k3 import TINY as TINY_K3

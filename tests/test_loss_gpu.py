@@ -5,7 +5,7 @@ block. Skipped without CUDA."""
 import pytest
 import torch
 
-from k3train.models.loss import linear_cross_entropy
+from k3train.models.common.loss import linear_cross_entropy
 
 from helpers.loss_problems import loss_and_grads, problem, reference
 

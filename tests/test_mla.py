@@ -10,16 +10,12 @@ import torch.nn.functional as F
 from torch.func import functional_call
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from k3train.models.common.attention import RotaryEmbedding, causal_attention, visible_keys
 from k3train.models.k3 import mla
 from k3train.models.k3.config import KimiK3Config
+from k3train.models.k3.costs import max_logit_pairs
 from k3train.models.k3.flops import mla_macs
-from k3train.models.k3.mla import (
-    MultiHeadLatentAttention,
-    RotaryEmbedding,
-    causal_attention,
-    causal_max_logit,
-    visible_keys,
-)
+from k3train.models.k3.mla import MultiHeadLatentAttention, causal_max_logit
 from k3train.optim.param_groups import partition_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -238,10 +234,10 @@ def test_a_tiny_block_runs_many_tiles_over_the_causal_pairs(monkeypatch):
     assert mla.max_logit_tile(H, "cpu") == 2
     assert len(seen.matmuls) == 2 * sum(range(1, 11))  # per row, tile n sees n key spans
     assert {s for s in seen.matmuls} == {(H, 2, 2)}
-    assert sum(math.prod(s) for s in seen.matmuls) == 2 * H * mla.max_logit_pairs(T, T, 2) == 2 * H * 220
+    assert sum(math.prod(s) for s in seen.matmuls) == 2 * H * max_logit_pairs(T, T, 2) == 2 * H * 220
     with LargestOutputs() as seen:  # a cp rank's: the last 11 queries against all 20 keys, its last tile of 1 row
         causal_max_logit(q[:, :, 9:], k, 0.5)
-    assert sum(math.prod(s) for s in seen.matmuls) == 2 * H * mla.max_logit_pairs(11, T, 2) == 2 * H * 170
+    assert sum(math.prod(s) for s in seen.matmuls) == 2 * H * max_logit_pairs(11, T, 2) == 2 * H * 170
 
 
 def test_a_long_sequence_never_holds_its_dense_logits():
@@ -255,7 +251,7 @@ def test_a_long_sequence_never_holds_its_dense_logits():
     side = mla.max_logit_tile(H, "cpu")
     assert seen.largest <= mla.MAX_LOGIT_BLOCK_VALUES == H * T * T // 32  # a 32nd of the dense logits
     computed = sum(math.prod(s) for s in seen.matmuls)
-    assert computed == H * mla.max_logit_pairs(T, T, side) and computed < 0.6 * H * T * T
+    assert computed == H * max_logit_pairs(T, T, side) and computed < 0.6 * H * T * T
 
 
 class SecondHalf:

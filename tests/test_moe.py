@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from k3train.models.common.situ import situ_glu
 from k3train.models.k3.moe import MoE, reference_moe_forward
-from k3train.models.k3.situ import situ_glu
 
 D, N_EXP, K = 16, 8, 2
 

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3train.models.norm import RMSNorm, RMSNormFunction, l2_normalize_eps
+from k3train.models.common.norm import RMSNorm, RMSNormFunction, l2_normalize_eps
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from hydra.utils import instantiate
 from torch.utils.flop_counter import FlopCounterMode
 
-from k3train.models.context_parallel import ContextParallel, set_context_parallel
+from k3train.models.common.context_parallel import ContextParallel, set_context_parallel
 from k3train.models.k3 import mla
 from k3train.models.k3.flops import chunk_state_macs
 from k3train.observe.mfu import gpu_peak
@@ -257,7 +257,7 @@ def test_muon_shares_by_hand() -> None:
     # ep 2 on 32 ranks: 4 experts an ep rank over 16 ranks, sliced on dim 1 (32 or 64 rows: 2 or 4 each)
     [sliced] = muon_shares(spec, Mesh(1, 32, 2), "muon_experts")
     assert (sliced.how, sliced.ranks, sliced.routed, sliced.calls) == ("owners", 16, True, 2)  # 9 stacks, 1 round
-    assert sorted(sliced.sent) == [9 * stack / 16] * 7 + [9 * stack / 16 + stack] * 9
+    assert sorted(map(sliced.sent_by, range(16))) == [9 * stack / 16] * 7 + [9 * stack / 16 + stack] * 9
     assert sliced.payload == 9 * stack / 16 + stack and sliced.flops_per_rank == 5 * cost
     assert sliced.transient == 2 * stack + 2 * 9 * stack / 16
     # ep 2 on 4 ranks: 4 experts an ep rank over 2 ranks, 2 each, whole: orthogonalised where they are
@@ -267,7 +267,7 @@ def test_muon_shares_by_hand() -> None:
     # no ep, FSDP2 on 2 ranks: whole stacks to owners on dim 0; DDP: one all-gather of the largest share
     [dense] = muon_shares(spec, Mesh(1, 2, 1), "muon_experts")
     assert (dense.how, dense.ranks, dense.routed, dense.calls) == ("owners", 2, False, 2 * 5)  # 9 stacks: 5 rounds
-    assert sorted(dense.sent) == [9 * stack + 4 * 2 * stack, 9 * stack + 5 * 2 * stack]
+    assert sorted(map(dense.sent_by, range(2))) == [9 * stack + 4 * 2 * stack, 9 * stack + 5 * 2 * stack]
     [ddp] = muon_shares(spec, Mesh(2, 1, 1), "muon_experts")
     assert (ddp.how, ddp.ranks, ddp.payload) == ("all-gather", 2, 2 * 5 * 2 * stack)
 
@@ -437,7 +437,7 @@ def test_collective_bytes_equal_a_two_rank_gloo_run(two_rank_counts: list[dict],
     assert (case == "ddp") != bool(shares)
     for rank, counts in enumerate(two_rank_counts):
         got = dict(counts[case])
-        assert got.pop("Newton-Schulz all-to-all", 0.0) == sum(s.sent[rank] for s in shares), f"rank {rank}"
+        assert got.pop("Newton-Schulz all-to-all", 0.0) == sum(s.sent_by(rank) for s in shares), f"rank {rank}"
         assert got == pytest.approx(want, rel=1e-9), f"rank {rank}"
 
 

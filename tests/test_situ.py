@@ -1,4 +1,4 @@
-"""SiTU-GLU (k3train/models/k3/situ.py): values against hand computation, its analytic derivative against autograd
+"""SiTU-GLU (k3train/models/common/situ.py): values against hand computation, its analytic derivative against autograd
 and finite differences, its dtypes, and the dense FFN that runs it."""
 
 import math
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3train.models.k3.moe import SwiGLU
-from k3train.models.k3.situ import SiTUGLU, situ_glu, situ_glu_grads
+from k3train.models.common.situ import SiTUGLU, situ_glu, situ_glu_grads
+from k3train.models.common.swiglu import SwiGLU
 
 B, C = 4.0, 25.0  # Kimi K3's situ_beta and situ_linear_beta
 

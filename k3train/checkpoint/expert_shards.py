@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from k3train.models.k3.moe import expert_shards
+from k3train.models.protocol import expert_shards
 from k3train.runtime.parallel_dims import ParallelDims
 
 

@@ -12,7 +12,7 @@ document; the eod itself ends the one before, so its target, the next document's
 as in torchtitan and OLMo-core). It is None when no row has a boundary inside it (or masking is off), so a batch
 with nothing to mask costs the model nothing. The same convention as torchtitan's document mask:
 https://github.com/pytorch/torchtitan/blob/0012170a0708b751408e6085f970082ecd678d2b/torchtitan/models/attention.py
-(get_document_mask_mod), and as FLA's `cu_seqlens` (k3train/models/documents.py converts).
+(get_document_mask_mod), and as FLA's `cu_seqlens` (k3train/models/common/documents.py converts).
 
 Data parallel: with world_size W the global batch is W*B rows; rank r returns rows r*B..(r+1)*B-1 of it, i.e.
 the B*T+1 tokens starting at cursor + r*B*T, and every rank's cursor advances by W*B*T. W ranks at batch B thus

@@ -1,30 +1,31 @@
-"""Read a Hugging Face Kimi Linear or Kimi K3 directory into a KimiK3, shard by shard.
+"""Read a Hugging Face directory into the model its family's adapter (hf/adapter.py) builds, shard by shard.
 
-Every check runs before the first tensor is read: config.json must build a k3train model (hf/config.py), the
-quantization (if any) must be compressed-tensors' mxfp4-pack-quantized, and the checkpoint's names must be exactly
-the model's (the first five unexpected or missing are listed). Then each shard is opened in turn and each tensor
-copied into its place, so the peak memory is the model plus the open shard (safetensors maps it; its pages count
-while it is open: benchmarks/bench_hf_io.py). Keys outside the
-text model (the released K3 is a vision-language model: `vision_tower.*`, `mm_projector.*`) are skipped, and a
-line says how many.
+Every check runs before the first tensor is read: config.json must build a k3train model (the adapter's
+from_hf_config; Kimi K3's: k3train/models/k3/hf_config.py) that fits in the memory of the device it is built on
+(sized on the meta device first, so an absurd config.json is refused, not allocated), the quantization (if any)
+must be compressed-tensors' mxfp4-pack-quantized, and the checkpoint's names must be exactly the model's (the first
+five unexpected or missing are listed). Then each shard is opened in turn and each tensor copied into its place,
+so the peak memory is the model plus the open shard (safetensors maps it; its pages count while it is open:
+benchmarks/bench_hf_io.py). Keys outside the model (the released K3 is a vision-language model: `vision_tower.*`,
+`mm_projector.*`) are skipped, and a line says how many.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from k3train.hf import HFFormatError
-from k3train.hf.config import from_hf_config
-from k3train.hf.keys import Slot, a_log_from_hf, canonical, hf_names
+from k3train.hf.adapter import HFAdapter, Slot
 from k3train.hf.mxfp4 import MXFP4_FORMAT, decode_mxfp4
 from k3train.hf.shards import ShardedSafetensors
-from k3train.models.k3 import KimiK3
 
 CONFIG = "config.json"
 PACKED, SCALE = ".weight_packed", ".weight_scale"
@@ -32,41 +33,45 @@ PACKED, SCALE = ".weight_packed", ".weight_scale"
 
 @dataclass
 class HFModel:
-    model: KimiK3  # in eval mode, on the device asked for
-    layout: str  # kimi_linear | kimi_k3
+    model: nn.Module  # in eval mode, on the device asked for
+    layout: str  # the adapter's name for the form it was in (Kimi K3: kimi_linear | kimi_k3)
     config: dict[str, Any]  # config.json as read
     skipped: int  # tensors outside the text model, not read
 
 
-def is_hf_directory(path: Path) -> bool:
-    """A directory whose config.json names a Kimi Linear or Kimi K3 model (a k3train export's names _target_)."""
+def hf_model_type(path: Path) -> str | None:
+    """The model_type config.json in `path` names (None: no config.json object there); a k3train export's config.json
+    names none (its _target_ says the class)."""
     try:
         config = json.loads((path / CONFIG).read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and config.get("model_type") in ("kimi_linear", "kimi_k3")
+        return None
+    return config.get("model_type") if isinstance(config, dict) else None
 
 
-def read_hf(path: str | Path, device: torch.device | str = "cpu", say: Callable[[str], None] = print) -> HFModel:
+def read_hf(
+    adapter: HFAdapter, path: str | Path, device: torch.device | str = "cpu", say: Callable[[str], None] = print
+) -> HFModel:
     path = Path(path)
     try:
         config = json.loads((path / CONFIG).read_text())
     except (OSError, ValueError) as exc:
         raise HFFormatError(f"{path / CONFIG}: cannot read it as JSON ({exc})") from None
-    layout, fields = from_hf_config(config)
+    layout, fields = adapter.from_hf_config(config)
     _check_quantization(config, layout)
+    _check_fits(adapter, fields, torch.device(device))
     reader = ShardedSafetensors(path)
     with torch.device(device):
-        model = KimiK3.from_fields(**fields)
+        model = adapter.build(fields)
     state = model.state_dict()
-    plan = hf_names(model.config, layout, state)
-    skipped = _check_names(reader.keys(), plan, layout, model.config.tie_embeddings)
+    plan = adapter.hf_names(model, layout)
+    skipped = _check_names(reader.keys(), plan, adapter, model, layout)
     pending: dict[str, torch.Tensor] = {}  # one half of an MXFP4 pair, until its other half is read
     with torch.no_grad():
         for name, tensor in reader.items():
             if name in skipped:
                 continue
-            name = canonical(name, plan)
+            name = adapter.canonical(name, plan)
             if name.endswith((PACKED, SCALE)):
                 base = name.removesuffix(PACKED).removesuffix(SCALE) + ".weight"
                 other = base.removesuffix(".weight") + (SCALE if name.endswith(PACKED) else PACKED)
@@ -75,10 +80,39 @@ def read_hf(path: str | Path, device: torch.device | str = "cpu", say: Callable[
                     continue
                 packed, scale = (tensor, pending.pop(other)) if name.endswith(PACKED) else (pending.pop(other), tensor)
                 name, tensor = base, decode_mxfp4(packed, scale, dtype=torch.float32)
-            _copy_into(state, plan[name], name, tensor, layout)
+            _copy_into(state, plan[name], name, tensor, adapter, layout)
     if skipped:
         say(f"skipped {len(skipped)} tensors outside the text model (e.g. {sorted(skipped)[0]})")
     return HFModel(model.eval(), layout, config, len(skipped))
+
+
+def _check_fits(adapter: HFAdapter, fields: dict[str, Any], device: torch.device) -> None:
+    """HFFormatError if the model config.json describes would not fit in the memory of `device` (the model alone;
+    the open shard comes on top): built on the meta device, which allocates nothing, and its tensors counted."""
+    memory = _memory_bytes(device)
+    if memory is None:
+        return
+    with torch.device("meta"):
+        sized = adapter.build(fields)
+    parameters = sum(p.numel() for p in sized.parameters())
+    needed = sum(t.numel() * t.element_size() for t in (*sized.parameters(), *sized.buffers()))
+    if needed > memory:
+        where = "this machine" if device.type == "cpu" else str(device)
+        raise HFFormatError(
+            f"config.json describes a model of {parameters:,} parameters, {needed / 2**30:,.1f} GiB, and "
+            f"{where} has {memory / 2**30:,.1f} GiB of memory: check its sizes (vocab_size, hidden_size, the "
+            "number of layers and experts)"
+        )
+
+
+def _memory_bytes(device: torch.device) -> int | None:
+    """The memory of `device`: a GPU's own, else the machine's physical memory; None where it cannot be told."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # no sysconf (Windows), or no such name
+        return None
 
 
 def _check_quantization(config: dict[str, Any], layout: str) -> None:
@@ -95,21 +129,21 @@ def _check_quantization(config: dict[str, Any], layout: str) -> None:
         )
 
 
-def _check_names(keys: list[str], plan: dict[str, Slot], layout: str, tied: bool) -> set[str]:
-    """The keys outside the text model (to skip); HFFormatError for any other key the model lacks or any the
-    checkpoint lacks, listing the first five."""
-    skipped = {k for k in keys if layout == "kimi_k3" and not k.startswith("language_model.")}
+def _check_names(keys: list[str], plan: dict[str, Slot], adapter: HFAdapter, model: nn.Module, layout: str) -> set[str]:
+    """The keys outside the model (to skip); HFFormatError for any other key the model lacks or any the checkpoint
+    lacks, listing the first five."""
+    skipped = {k for k in keys if adapter.outside_model(k, layout)}
     present, unexpected = set(), []
     for key in keys:
         if key in skipped:
             continue
-        key = canonical(key, plan)
+        key = adapter.canonical(key, plan)
         base = key.removesuffix(PACKED).removesuffix(SCALE) + ".weight" if key.endswith((PACKED, SCALE)) else key
         if base in plan:
             present.add(base)
         else:
             unexpected.append(key)
-    missing = [k for k in plan if k not in present and not (tied and k.endswith("lm_head.weight"))]
+    missing = [k for k in plan if k not in present and not adapter.may_be_absent(k, model)]
     problems = []
     if unexpected:
         problems.append(f"{len(unexpected)} unexpected (the first five: {', '.join(sorted(unexpected)[:5])})")
@@ -125,10 +159,9 @@ def _check_names(keys: list[str], plan: dict[str, Slot], layout: str, tied: bool
     return skipped
 
 
-def _copy_into(state: dict, slot: Slot, name: str, tensor: torch.Tensor, layout: str) -> None:
+def _copy_into(state: dict, slot: Slot, name: str, tensor: torch.Tensor, adapter: HFAdapter, layout: str) -> None:
     target = state[slot.name] if slot.expert is None else state[slot.name][slot.expert]
-    if slot.name.endswith("mixer.A_log"):
-        tensor = a_log_from_hf(tensor, target.numel(), layout, name)
+    tensor = adapter.from_hf(slot, name, tensor, target, layout)
     if tuple(tensor.shape) != tuple(target.shape):
         raise HFFormatError(
             f"{name} has shape {list(tensor.shape)}; the model config.json describes needs {list(target.shape)}"

@@ -10,6 +10,10 @@ Everything in one shard is a single `model.safetensors` and no index; otherwise 
 a new one starting when the next tensor would take the current one over max_shard_bytes; a tensor bigger than that
 gets a shard of its own. Each file's header carries {"format": "pt"} as transformers writes it (the safetensors
 format: https://github.com/huggingface/safetensors#format).
+
+safetensors reports a file it cannot parse, and a failed write, as its own SafetensorError (no ValueError, no
+OSError: nothing that would catch bad input or a full disk catches it). Here the first is an HFFormatError naming
+the file, the second the OSError it is (safetensors_os_errors), so a caller sees the two kinds it already handles.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from k3train.files import temp_path, write_atomic
@@ -31,6 +35,36 @@ from k3train.hf import HFFormatError
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' message carries the errno of a failed read or write
+
+
+@contextlib.contextmanager
+def safetensors_os_errors(path: Path) -> Iterator[None]:
+    """Inside: a SafetensorError that is a failed read or write (a full disk: "I/O error: No space left on device
+    (os error 28)") is raised as that OSError, naming path; any other is left as it is."""
+    try:
+        yield
+    except SafetensorError as exc:
+        match = _OS_ERROR.search(str(exc))
+        if match is None:
+            raise
+        code = int(match[1])
+        raise OSError(code, os.strerror(code), str(path)) from None
+
+
+@contextlib.contextmanager
+def _opened(path: Path) -> Iterator:
+    """safe_open(path); a file safetensors cannot parse (truncated, a garbage header or header length, offsets past
+    its end) is an HFFormatError naming it. safetensors checks the whole header and that the data covers it on
+    opening, before any tensor is read."""
+    try:
+        with safetensors_os_errors(path), safe_open(str(path), framework="pt") as f:
+            yield f
+    except SafetensorError as exc:
+        reason = str(exc).replace("Error while deserializing header: ", "header: ")
+        raise HFFormatError(
+            f"{path} is no readable safetensors file ({reason}): it is truncated or corrupt; download or write it again"
+        ) from None
 
 
 def shard_name(index: int, count: int) -> str:
@@ -75,7 +109,8 @@ def write_shards(
         nonlocal current, current_bytes
         tmp = temp_path(out_dir / f"model-{len(temps) + 1:05d}.safetensors")
         temps.append(tmp)  # before writing, so a failed write is cleaned up too
-        save_file(current, str(tmp), metadata=header)
+        with safetensors_os_errors(tmp):
+            save_file(current, str(tmp), metadata=header)
         _fsync(tmp)
         shard_keys.append(list(current))
         current, current_bytes = {}, 0  # drop this shard's tensors before the next one is gathered
@@ -146,7 +181,7 @@ class ShardedSafetensors:
         self.directory = Path(directory)
         single, index = self.directory / SINGLE_FILE, self.directory / INDEX_FILE
         if single.is_file():
-            with safe_open(str(single), framework="pt") as f:
+            with _opened(single) as f:
                 self._weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
             self._checked = {SINGLE_FILE}
         elif index.is_file():
@@ -201,7 +236,7 @@ class ShardedSafetensors:
 
     @contextlib.contextmanager
     def _open(self, file: str) -> Iterator:
-        with safe_open(str(self.directory / file), framework="pt") as f:
+        with _opened(self.directory / file) as f:
             if file not in self._checked:
                 present = set(f.keys())
                 for key in self._shards[file]:

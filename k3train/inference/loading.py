@@ -4,8 +4,9 @@ or a Hugging Face Kimi Linear / Kimi K3 directory.
 A checkpoint carries its model config (meta.model_config) and weights; the run directory around it says which
 model class built it (.hydra/config.yaml) and which data and tokenizer it trained on (.hydra/config.yaml and
 run.json). An export (k3train/export.py) keeps the same facts in config.json beside model.safetensors. A Hugging
-Face directory (k3train/hf/read.py) has its config.json, safetensors shards and, for a BPE tokenizer,
-tokenizer.json; without one, a 257-entry vocabulary is k3train's byte tokenizer.
+Face directory (k3train/hf/read.py, through the adapter HF_ADAPTERS names for its config.json's model_type) has its
+config.json, safetensors shards and, for a BPE tokenizer, tokenizer.json; without one, a 257-entry vocabulary is
+k3train's byte tokenizer.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from torch import nn
 from k3train.checkpoint.checkpointer import SHARDED_STORE, load_checkpoint
 from k3train.checkpoint.latest import newest_checkpoint
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
-from k3train.hf.read import is_hf_directory, read_hf
+from k3train.hf.adapter import HFAdapter
+from k3train.hf.read import hf_model_type, read_hf
+from k3train.models.k3.state_dict_adapter import HF_ADAPTER as KIMI_K3_HF
 from k3train.models.kda.fla import require_fla
 from k3train.observe.run_manifest import read_run_json
 
@@ -34,6 +37,9 @@ MODEL_TARGETS = {
     "smoke_test_lm": "k3train.models.smoke.SmokeTestLM.from_fields",
     "dense_transformer": "k3train.models.dense.DenseTransformer.from_fields",
 }
+# The Hugging Face formats k3train reads and writes, by config.json's model_type: the family adapter of each
+# (k3train/hf/adapter.py). A family with a Hugging Face format adds its adapter here.
+HF_ADAPTERS: dict[str, HFAdapter] = {"kimi_linear": KIMI_K3_HF, "kimi_k3": KIMI_K3_HF}
 
 
 class SourceError(ValueError):
@@ -62,6 +68,21 @@ def load(source: str | Path, device: torch.device | str = "cpu") -> Loaded:
         loaded = _load_checkpoint(_checkpoint_file(path), device)
     loaded.model.to(device).eval()
     return loaded
+
+
+def is_hf_directory(path: Path) -> bool:
+    """A directory whose config.json names a model_type HF_ADAPTERS reads (a k3train export's names _target_)."""
+    return hf_model_type(path) in HF_ADAPTERS
+
+
+def hf_adapter_for(model: nn.Module) -> HFAdapter:
+    """The adapter that writes `model` as a Hugging Face directory; ValueError if its family has none."""
+    adapters = list(dict.fromkeys(HF_ADAPTERS.values()))
+    for adapter in adapters:
+        if isinstance(model, adapter.model_class):
+            return adapter
+    writes = ", ".join(adapter.model_class.__name__ for adapter in adapters)
+    raise ValueError(f"a {type(model).__name__} has no Hugging Face format: export --format hf writes {writes}")
 
 
 def _checkpoint_file(path: Path) -> Path:
@@ -127,7 +148,7 @@ def _load_export(path: Path, device: torch.device) -> Loaded:
 
 
 def _load_hf(path: Path, device: torch.device) -> Loaded:
-    hf = read_hf(path, device)
+    hf = read_hf(HF_ADAPTERS[hf_model_type(path)], path, device)
     config = hf.config.get("text_config", hf.config)
     vocab_size = hf.model.config.vocab_size
     if (path / EXPORT_TOKENIZER).is_file():

@@ -1,21 +1,36 @@
 """Write a loaded model to a new directory: k3train's export (model.safetensors + config.json) or the Hugging Face
 layout (k3train/hf/write.py). The export and import_hf commands are this with their own arguments.
+
+A new OUT_DIR is written beside itself and renamed into place (k3train.files.atomic_directory). An existing empty
+one is filled in place instead, through a temporary directory inside it: it may be a mount point, which no rename
+can replace, and the export then lands on its filesystem, not its parent's. Either way what is written follows the
+umask (safetensors and the temporary directory start private), and a failure leaves OUT_DIR as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 from k3train.data.tokenizers import HFTokenizer
-from k3train.files import atomic_directory
-from k3train.hf.read import is_hf_directory
-from k3train.hf.write import check_exportable, parse_size, write_hf
-from k3train.inference.loading import EXPORT_CONFIG, EXPORT_TOKENIZER, EXPORT_WEIGHTS, load
+from k3train.files import atomic_directory, temp_path
+from k3train.hf.shards import safetensors_os_errors
+from k3train.hf.write import parse_size, write_hf
+from k3train.inference.loading import (
+    EXPORT_CONFIG,
+    EXPORT_TOKENIZER,
+    EXPORT_WEIGHTS,
+    hf_adapter_for,
+    is_hf_directory,
+    load,
+)
 
 
 def export(
@@ -43,18 +58,20 @@ def export(
         if fmt == "k3train" and is_export:
             raise ValueError(f"{source} is already a k3train export: copy the directory instead")
         if fmt == "hf":  # what the layout cannot say is refused before anything is written
-            check_exportable(loaded.model)
+            adapter = hf_adapter_for(loaded.model)
+            adapter.layout(loaded.model)
     except (ValueError, OSError) as exc:  # bad input: fix the command
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     try:
-        with atomic_directory(out_dir) as tmp:
+        with _output_directory(out_dir) as tmp:
             if fmt == "hf":
-                layout = write_hf(loaded.model, loaded.tokenizer, Path(tmp), shard_bytes, dtype)
+                layout = write_hf(adapter, loaded.model, loaded.tokenizer, tmp, shard_bytes, dtype)
             else:
-                write_export(loaded, Path(tmp))
+                write_export(loaded, tmp)
                 layout = "k3train"
-    except FileExistsError as exc:  # OUT_DIR appeared meanwhile: it is left as it is
+            _follow_umask(tmp)
+    except FileExistsError as exc:  # OUT_DIR appeared, or was filled, meanwhile: it is left as it is
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # the work failed (a full disk): nothing is left at OUT_DIR
@@ -73,7 +90,8 @@ def export(
 def write_export(loaded, out: Path) -> None:
     from safetensors.torch import save_model
 
-    save_model(loaded.model, str(out / EXPORT_WEIGHTS))  # a tied lm_head is stored once
+    with safetensors_os_errors(out / EXPORT_WEIGHTS):  # a full disk is an OSError
+        save_model(loaded.model, str(out / EXPORT_WEIGHTS))  # a tied lm_head is stored once
     tokenizer = loaded.tokenizer
     if isinstance(tokenizer, HFTokenizer):
         shutil.copyfile(tokenizer.path, out / EXPORT_TOKENIZER)
@@ -87,7 +105,49 @@ def write_export(loaded, out: Path) -> None:
         "exported_from": str(loaded.path.resolve()),
     }
     (out / EXPORT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _follow_umask(out: Path) -> None:
+    """The directory and its files as the umask says (the temporary directory and safetensors' files start
+    private)."""
     umask = os.umask(0)
     os.umask(umask)
-    for path in (out, *out.iterdir()):  # the temporary directory and safetensors' file start private
+    for path in (out, *out.iterdir()):
         path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+@contextlib.contextmanager
+def _output_directory(out_dir: Path) -> Iterator[Path]:
+    """A directory to fill that becomes out_dir once the block ends without an exception. A missing out_dir:
+    atomic_directory's, beside it. An existing (empty) one, a mount point perhaps: a temporary directory inside
+    it, whose files are renamed up into it at the end (a kill may leave that directory behind, which nothing
+    reads). An exception leaves out_dir missing or empty, as it was."""
+    if not out_dir.exists():
+        with atomic_directory(out_dir) as tmp:
+            yield Path(tmp)
+        return
+    tmp = Path(tempfile.mkdtemp(prefix=f"{temp_path(out_dir).name}-", dir=out_dir))
+    moved: list[Path] = []
+    try:
+        yield tmp
+        for file in tmp.iterdir():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        if any(entry != tmp for entry in out_dir.iterdir()):
+            raise FileExistsError(f"{out_dir} was filled while it was being written")
+        for file in sorted(tmp.iterdir()):
+            os.rename(file, out_dir / file.name)
+            moved.append(out_dir / file.name)
+        tmp.rmdir()
+        fd = os.open(out_dir, os.O_RDONLY)  # make the renames durable
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        for path in moved:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # gone already when all went well

@@ -10,17 +10,18 @@ No KDA, no MLA, no MoE, none of Kimi K3's components: a model of the same active
 parts every GPU stack has fast kernels for (F.scaled_dot_product_attention and plain matmuls), so that a K3-shaped
 model's step time over this one's is the cost of KDA, MLA and the MoE (benchmarks/gpu_train_step.py).
 
-Its parts are k3train's own where it has them: RMSNorm (models/norm.py), the SwiGLU FFN (models/k3/moe/experts.py), the
-rotary embedding (models/k3/mla.py, half-split pairing), the chunked LM head + loss (models/loss.py) and the weight
-initialisation KimiK3 uses (Normal(init_std), residual-writing projections scaled by 1 / sqrt(2 n_layers)). The
-attention projections carry `head_split`, so Muon orthogonalises them per head as it does MLA's
-(k3train/optim/param_groups.py); there is no QK-Clip here (nothing measures this attention's max logits).
+Its parts are k3train's own where it has them, all from models/common/ (the parts every model family shares):
+RMSNorm (norm.py), the SwiGLU FFN (swiglu.py), the rotary embedding (attention.py, half-split pairing), the chunked
+LM head + loss (loss.py), and the weight initialisation KimiK3 uses (Normal(init_std), residual-writing projections
+scaled by 1 / sqrt(2 n_layers)). The attention projections carry `head_split`, so Muon orthogonalises them per head
+as it does MLA's (k3train/optim/param_groups.py); there is no QK-Clip here (nothing measures this attention's max
+logits).
 
-Document masking (forward's document_ids, k3train/models/documents.py): attention is causal within each document
-(block-diagonal causal, MLA's document_attention), every layer reading one Documents built by forward (its mask or
-tiles made once). RoPE scores depend only on the distance between two positions,
-so a document packed after others gets the outputs it would get alone. Without document_ids each row is one
-sequence and attention is plain F.scaled_dot_product_attention(is_causal=True).
+Document masking (forward's document_ids, k3train/models/common/documents.py): attention is causal within each
+document (block-diagonal causal: document_attention, models/common/attention.py, as MLA's), every layer reading one
+Documents built by forward (its mask or tiles made once). RoPE scores depend only on the distance between two
+positions, so a document packed after others gets the outputs it would get alone. Without document_ids each row is
+one sequence and attention is plain F.scaled_dot_product_attention(is_causal=True).
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from k3train.models.documents import Documents
-from k3train.models.k3.mla import RotaryEmbedding, document_attention
-from k3train.models.k3.moe import SwiGLU
-from k3train.models.loss import linear_cross_entropy
-from k3train.models.norm import RMSNorm
+from k3train.models.common.attention import RotaryEmbedding, document_attention
+from k3train.models.common.documents import Documents
+from k3train.models.common.loss import linear_cross_entropy
+from k3train.models.common.norm import RMSNorm
+from k3train.models.common.swiglu import SwiGLU
 
 
 @dataclass

@@ -28,7 +28,7 @@ class LanguageModel(Protocol):
         logits when it has the targets (KimiK3 does: it never builds them whole), so callers that want logits
         call it without targets.
 
-        Optional: a keyword `document_ids` ([B, T] or None, k3train/models/documents.py), the documents packed in
+        Optional: a keyword `document_ids` ([B, T] or None, k3train/models/common/documents.py), the documents packed in
         each row, which the model keeps from attending to each other (document masking). The Trainer passes it to a
         forward that names it (takes_document_ids), and only when a batch has boundaries."""
         ...
@@ -54,6 +54,29 @@ class CountsFlops(Protocol):
         """{"forward": ..., "training": ...}: FLOPs per token of a [*, seq_len] batch; training is forward plus
         backward."""
         ...
+
+
+@runtime_checkable
+class Parallelizes(Protocol):
+    """Optional: a model that spreads itself over a run's ranks (k3train/models/k3/parallelize.py is KimiK3's), as
+    torchtitan's models each have a parallelize function. The parallel strategy (k3train/train/parallel.py) calls it
+    once, before the optimizer is built, in one process too; a model without it gets
+    k3train.models.common.parallelize.parallelize_blocks (FSDP2 over its blocks, nothing else)."""
+
+    def parallelize(self, dims: Any, fully_shard: Any) -> dict:
+        """Spread over `dims` (a ParallelDims); `fully_shard` is a FullyShard (FSDP2's options) under FSDP2, else
+        None. Returns the layouts of its sharded-checkpoint tensors beyond FSDP2's own, {mesh dim names: (mesh,
+        placements)}, as the strategy's shard_layouts give them (empty when it has none). A parameter it leaves
+        different on every rank (its own slice of a whole) is marked `expert_parallel` = the ranks it is split over
+        (expert_shards)."""
+        ...
+
+
+def expert_shards(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of `module` that hold this rank's slice of a whole weight split over expert-parallel ranks
+    (`expert_parallel` > 1, set by the model's parallelize): DDP leaves them out, their gradients are averaged
+    apart, and a checkpoint writes each rank's own (k3train/checkpoint/expert_shards.py)."""
+    return [p for p in module.parameters() if getattr(p, "expert_parallel", 1) > 1]
 
 
 def missing_members(model: object) -> list[str]:

@@ -4,6 +4,7 @@ From the composed config and the model built on the meta device, per device: mem
 optimizer state, activations, transients), communication per step by kind, step time and throughput, and the
 mesh to ask for. One module per job:
   spec.py         the composed config as a RunSpec: the meta model's parameters, their optimizer, the recipe
+  costs.py        what the planner asks of a model family beyond its shapes (a protocol the model provides)
   mesh.py         dp_replicate x dp_shard x ep (x cp), and the meshes a proposal tries
   hardware.py     the devices: vendor figures with their sources; the CPU measured
   activations.py  what a KimiK3 forward keeps for its backward, per layer, from the shapes

@@ -1,12 +1,13 @@
 """What a KimiK3 forward keeps for its backward, per layer and per micro-batch, from the model's shapes.
 
 Bytes per token of the tensors autograd saves (each storage once), written out from the code of k3train/models/
-(model.py, kda/layer.py, kda/chunk.py, k3/mla.py, k3/moe/, norm.py, attn_res.py, loss.py). Notation: d model
-width; KDA H heads of K (W = H K), chunk C, projection width P = 3W + K + (W full-rank gate | K low-rank) + H;
-MLA h heads, q/k width q = nope + rope, v width v, latents r_kv, r_q; MoE n experts, top k, expert width f, routed
-width r (the latent, else d), shared width s = n_shared f, dense width f_d. Sizes: f = 4 bytes (fp32 always),
-a = the activation dtype (2 under a bf16/fp16 autocast, else 4), i = 8 (int64). Under autocast a matmul saves its
-own cast of its input, so an input read by m projections is saved m times in a; in fp32 the same tensor once.
+(k3/model.py, kda/layer.py, kda/chunk.py, k3/mla.py, k3/moe/, common/norm.py, k3/attn_res.py, common/loss.py).
+Notation: d model width; KDA H heads of K (W = H K), chunk C, projection width P = 3W + K + (W full-rank gate | K
+low-rank) + H; MLA h heads, q/k width q = nope + rope, v width v, latents r_kv, r_q; MoE n experts, top k, expert
+width f, routed width r (the latent, else d), shared width s = n_shared f, dense width f_d. Sizes: f = 4 bytes (fp32
+always), a = the activation dtype (2 under a bf16/fp16 autocast, else 4), i = 8 (int64). Under autocast a matmul
+saves its own cast of its input, so an input read by m projections is saved m times in a; in fp32 the same tensor
+once.
 
   every layer  attention residuals on: 4d f (the two mix sources h and s, the two mix outputs; 3d at layer 0, which
                has no attention mix) + 3 f per mix source
@@ -29,9 +30,9 @@ own cast of its input, so an input read by m projections is saved m times in a; 
   dense FFN    3 f_d a (SiTU) or 4 f_d a (SwiGLU)
   the root     the last layer's output and the final norm's input (attention residuals: 2d f + 3 f per source;
                else d f) + 1 f + 8 (token ids) + d a (the loss's gradient for the hidden states) and, per model,
-               V d a (the LM head's gradient, computed in the forward by k3train/models/loss.py)
+               V d a (the LM head's gradient, computed in the forward by k3train/models/common/loss.py)
 
-Context parallelism (parallel.cp; k3train/models/context_parallel.py): a rank holds T_l = seq_len / cp positions
+Context parallelism (parallel.cp; k3train/models/common/context_parallel.py): a rank holds T_l = seq_len / cp positions
 of its B rows and its layers keep the above for them, except what the split adds (ContextSlice: slice r of cp, its
 MLA keys S = (r + 1) T_l positions, the last rank's S = seq_len the most):
   KDA          f: the identity pass's chunk_kda saves, as the main pass's (value width K = V) 7W + H + 3 H C +

@@ -30,14 +30,14 @@ tokens that leave it.
   expert's to the rank that takes its block (ceil(n / W) experts); an all-gather of the blocks' biases (fp32, padded
   to the widest).
   The other routers gather only the loads.
-- Context parallelism (k3train/models/context_parallel.py), per layer and micro-batch over the cp ranks that split
-  a row, each an all-gather (again in a recompute when checkpointing recomputes the mixer) whose backward
+- Context parallelism (k3train/models/common/context_parallel.py), per layer and micro-batch over the cp ranks
+  that split a row, each an all-gather (again in a recompute when checkpointing recomputes the mixer) whose backward
   reduce-scatters a tensor of the same size: KDA's slice summaries [M | F], B x heads x K x (K + V) fp32 a rank
   (k3train/models/kda/context_parallel.py); its short convs' tails, the last conv_size - 1 positions of q, k, v
   side by side (B x (conv_size - 1) x 3 heads x K in the activation dtype); MLA's latent, B x T_l x (kv_lora_rank +
   rope) in the activation dtype. With document masking the ids travel too (int64, no gradient), once a micro-batch:
   the forward's Documents gathers every rank's B x T_l ids for all the layers, a recompute reads them again
-  (k3train/models/documents.py).
+  (k3train/models/common/documents.py).
 Not counted: scalars (the loss, the gradient norm, QK-Clip's per-head maxima, Muon's weight norms).
 """
 
@@ -46,13 +46,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from k3train.models.k3.moe import quantile_rank
 from k3train.plan.activations import F32
 from k3train.plan.memory import shard_bytes
-from k3train.plan.mesh import Mesh
+from k3train.plan.mesh import Mesh, rank_rows
 from k3train.plan.muon import muon_groups, muon_shares
 from k3train.plan.spec import RunSpec
-from k3train.runtime.distributed import chunk_sizes
 
 
 @dataclass(frozen=True)
@@ -134,10 +132,10 @@ def plan_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
         n, W, N = c.n_routed_experts, mesh.world, spec.rank_tokens(mesh.cp)
         per_layer = W * (n + 1) * 8  # the loads, fp64
         if c.router == "quantile_balancing":
-            m = quantile_rank(N * W, c.experts_per_token, n)
+            m = spec.costs.quantile_rank(N * W, c.experts_per_token, n)
             sent = A * moe_layers * min(m + 1, N) * n * F32  # each rank's candidates, by expert block
             out.append(Collective("Quantile Balancing all-to-all", sent, ring(sent, W), W, A * moe_layers, False, True))
-            per_layer += W * chunk_sizes(n, W)[0] * F32  # the blocks' biases, padded to the widest
+            per_layer += W * rank_rows(n, W, 0) * F32  # the blocks' biases, padded to the widest
         calls = A * moe_layers * (2 if c.router == "quantile_balancing" else 1)
         payload = A * moe_layers * per_layer
         out.append(Collective(f"{_router_name(c.router)} all-gather", payload, ring(payload, W), W, calls, False))

@@ -15,11 +15,11 @@ state's read (Q S_in) and composition, and MLA's kv_b_proj over the seq_len - T_
 step time, none in the model TFLOP/s (the model's FLOPs are flops.py's, as for recompute).
 
 QK-Clip (when its callback is on and the model has MLA): the max-logit matmuls of k3train/models/k3/mla.py's
-causal_max_logit, every MLA layer's queries against the keys they see, tile by tile (max_logit_pairs: the causal
-pairs and the diagonal tiles' masked halves, on the last rank of a cp group against all seq_len keys), always in fp32
-whatever the run's precision, at the same fraction of the fp32 peak; once under checkpointing too (a recompute
-leaves the measurement out: model.py's measured_once). In the step time, not in the model TFLOP/s (the framework's
-work, not the model's).
+causal_max_logit, every MLA layer's queries against the keys they see, tile by tile (the costs' max_logit_pairs,
+k3train/plan/costs.py: the causal pairs and the diagonal tiles' masked halves, on the last rank of a cp group
+against all seq_len keys), always in fp32 whatever the run's precision, at the same fraction of the fp32 peak; once
+under checkpointing too (a recompute leaves the measurement out: model.py's measured_once). In the step time, not
+in the model TFLOP/s (the framework's work, not the model's).
 
 Overlap, assumed: FSDP's all-gathers and reduce-scatters and DDP's all-reduce run beside the forward and backward
 (FSDP2 prefetches the next unit; DDP reduces buckets as the backward fills them), so only what exceeds the compute
@@ -38,8 +38,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from k3train.models.k3.flops import chunk_state_macs, kda_macs, mla_macs
-from k3train.models.k3.mla import max_logit_pairs, max_logit_tile
 from k3train.plan.comm import Collective, plan_comm, seconds
 from k3train.plan.hardware import Hardware
 from k3train.plan.memory import Memory, plan_memory
@@ -89,7 +87,8 @@ def context_flops_per_token(spec: RunSpec, cp: int) -> float:
     c = spec.model
     T, T_l = spec.seq_len, spec.seq_len // cp
     H, K, C = c.kda_n_heads, c.kda_head_dim, c.kda_chunk_size
-    kda = H * (2 * chunk_state_macs(K, K, C, T_l) / T_l - chunk_state_macs(K, K, C, T) / T)  # both passes, at T_l
+    state = spec.costs.chunk_state_macs
+    kda = H * (2 * state(K, K, C, T_l) / T_l - state(K, K, C, T) / T)  # both passes, at T_l
     kda += H * K * K + (cp - 1) * H * K * K * K / T_l  # Q S_in; composing cp - 1 summaries [K, K] x [K, K] a row
     mla = (cp - 1) * c.kv_lora_rank * c.mla_n_heads * (c.qk_nope_head_dim + c.v_head_dim)  # keys before the slice
     return 2.0 * sum(kda if kind == "kda" else mla for kind in c.layer_pattern)
@@ -100,8 +99,8 @@ def qk_clip_flops(spec: RunSpec, cp: int, device_type: str) -> float:
     c = spec.model
     if not spec.qk_clip or "mla" not in c.layer_pattern:
         return 0.0
-    side = max_logit_tile(c.mla_n_heads, "cpu" if device_type == "cpu" else "cuda")
-    pairs = max_logit_pairs(spec.seq_len // cp, spec.seq_len, side)  # a row's, on the last rank
+    side = spec.costs.max_logit_tile(c.mla_n_heads, "cpu" if device_type == "cpu" else "cuda")
+    pairs = spec.costs.max_logit_pairs(spec.seq_len // cp, spec.seq_len, side)  # a row's, on the last rank
     per_row = 2.0 * c.mla_n_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim) * pairs
     return list(c.layer_pattern).count("mla") * per_row * spec.batch_size * spec.accumulation
 
@@ -120,7 +119,8 @@ def _recompute_flops(spec: RunSpec) -> float:
     if spec.checkpointing == "selective":
         macs = 0.0
         for i, mixer in enumerate(c.layer_pattern):
-            macs += kda_macs(c, spec.seq_len) if mixer == "kda" else mla_macs(c, spec.seq_len)
+            mixer_macs = spec.costs.kda_macs if mixer == "kda" else spec.costs.mla_macs
+            macs += mixer_macs(c, spec.seq_len)
             if c.is_moe_layer(i):
                 r = c.expert_latent_dim or c.d_model
                 macs += c.experts_per_token * 3 * r * c.expert_ffn_dim + (

@@ -12,8 +12,8 @@ gradients unsharded between micro-batches (k3train's no_sync: set_requires_gradi
 
 A step's phases, each the stored bytes plus what is alive then:
 - forward end: every layer's saved activations and weight copies (k3train/plan/activations.py), the root's, and
-  the largest forward transient (the LM head's logits chunk in k3train/models/loss.py; FSDP2's gathered root,
-  gathered from the embedding to the loss, with two blocks, the current one and the prefetched next; QK-Clip's
+  the largest forward transient (the LM head's logits chunk in k3train/models/common/loss.py; FSDP2's gathered
+  root, gathered from the embedding to the loss, with two blocks, the current one and the prefetched next; QK-Clip's
   max logit, measured one tile of logits [heads, tile, tile] at a time; Quantile Balancing's exchanged candidates;
   EP's dispatch buffers);
 - backward, layer by layer from the last: the activations of the layers below, the finished layers' gradients,
@@ -33,14 +33,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from k3train.models.k3.mla import max_logit_tile
-from k3train.models.k3.moe import quantile_rank
-from k3train.models.loss import default_chunk_size
+from k3train.models.common.loss import default_chunk_size
 from k3train.plan.activations import F32, I64, ContextSlice, LayerActivations, layer_activations, root_activations
-from k3train.plan.mesh import Mesh
+from k3train.plan.mesh import Mesh, rank_rows
 from k3train.plan.muon import NS_BYTES, muon_groups, muon_shares
 from k3train.plan.spec import Param, RunSpec
-from k3train.runtime.distributed import chunk_sizes
 
 
 @dataclass
@@ -180,7 +177,7 @@ def forward_transients(spec: RunSpec, mesh: Mesh, device_type: str) -> dict[str,
         out["FSDP gathered root + two blocks"] = fsdp_gathered(spec, mesh)
     if spec.qk_clip and "mla" in c.layer_pattern:  # one tile of causal_max_logit (k3train/models/k3/mla.py)
         h, q = c.mla_n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
-        side = max_logit_tile(h, "cpu" if device_type == "cpu" else "cuda")
+        side = spec.costs.max_logit_tile(h, "cpu" if device_type == "cpu" else "cuda")
         rows, keys = min(side, length), min(side, spec.seq_len)  # under cp the keys reach past a rank's queries
         # bool: the diagonal's causal mask, made once; a tile's mask and its negation, with documents their ids'
         # equality too
@@ -194,10 +191,10 @@ def forward_transients(spec: RunSpec, mesh: Mesh, device_type: str) -> dict[str,
     moe = any(c.is_moe_layer(i) for i in range(c.n_layers))
     if moe and c.router == "quantile_balancing":
         n = c.n_routed_experts
-        m = quantile_rank(N * mesh.world, c.experts_per_token, n)
+        m = spec.costs.quantile_rank(N * mesh.world, c.experts_per_token, n)
         if mesh.world > 1:  # r; this rank's candidates (top-k values, indices) and their copy by expert block;
             # the block's candidates from every rank, received and transposed; the quantile's top-k over them
-            cands, block = min(m + 1, N), chunk_sizes(n, mesh.world)[0]
+            cands, block = min(m + 1, N), rank_rows(n, mesh.world, 0)
             received = mesh.world * cands * block * F32
             out["Quantile Balancing candidates"] = (
                 N * n * F32 + cands * n * (2 * F32 + I64) + 2 * received + (m + 1) * block * (F32 + I64)

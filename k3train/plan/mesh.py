@@ -109,3 +109,19 @@ def _powers_of_two(limit: int) -> list[int]:
         out.append(ep)
         ep *= 2
     return out
+
+
+# How torch.chunk (and DTensor's Shard) splits `size` rows over `parts` ranks, rank by rank, without the list of every
+# rank's (k3train/runtime/distributed.chunk_sizes): a plan for a billion devices asks about a few ranks, not all.
+def rank_rows(size: int, parts: int, rank: int) -> int:
+    """chunk_sizes(size, parts)[rank]: ceil(size / parts) rows, the last ranks fewer or none."""
+    step = -(-size // parts)
+    return max(0, min(step, size - rank * step))
+
+
+def row_breaks(size: int, parts: int) -> tuple[int, int]:
+    """The ranks where rank_rows(size, parts, .) changes: the first with fewer than ceil(size / parts) rows, and the
+    first with none after it. Rows never grow with the rank, so rank 0 holds the most."""
+    step = -(-size // parts)
+    full = size // step if step else 0
+    return full, full + 1

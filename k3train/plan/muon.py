@@ -19,9 +19,8 @@ from collections import Counter
 from dataclasses import dataclass
 
 from k3train.optim.muon_distributed import assign_owners, newton_schulz_cost
-from k3train.plan.mesh import Mesh
+from k3train.plan.mesh import Mesh, rank_rows, row_breaks
 from k3train.plan.spec import Param, RunSpec
-from k3train.runtime.distributed import chunk_sizes
 
 NS_BYTES = {"bf16": 2, "fp32": 4}
 
@@ -36,7 +35,18 @@ class MuonShare:
     flops_per_rank: float  # the most Newton-Schulz FLOPs a rank does for it (one update)
     transient: float  # the most bytes its exchange holds at once on a rank (beside Newton-Schulz's own iterates)
     routed: bool  # routed experts (their groups stride over ep)
-    sent: tuple[float, ...] = ()  # "owners": each rank's all-to-all inputs (payload is the largest)
+    # "owners": each rank's all-to-all inputs in rank order as (bytes, ranks) runs, a few at any rank count (payload
+    # is the largest)
+    sent: tuple[tuple[float, int], ...] = ()
+
+    def sent_by(self, rank: int) -> float:
+        """Rank `rank`'s all-to-all inputs ("owners")."""
+        first = 0
+        for value, count in self.sent:
+            first += count
+            if rank < first:
+                return value
+        raise IndexError(f"rank {rank} of {first}")
 
 
 def muon_groups(spec: RunSpec) -> list[str]:
@@ -104,39 +114,63 @@ def _owners_of(
     if key in _OWNERS:
         return _OWNERS[key]
     costs = [newton_schulz_cost(m) for m in matrices]
-    owners = assign_owners(costs, ranks)
+    owners = owners_of(costs, ranks)
     whole = [math.prod(s) * element for s in shapes]
     row_bytes = [math.prod(s) // s[dim] * element for s in shapes]  # one row on `dim`, as DTensor's Shard lays out
 
-    def shard_bytes_by_rank(items) -> list[int]:
-        """Each rank's bytes of the shards of tensors `items`; tensors of the same row bytes and rows are laid out
-        alike, so each kind is summed once (thousands of tensors, a few dozen kinds)."""
-        kinds = Counter((row_bytes[i], shapes[i][dim]) for i in items)
-        by_rank = [0] * ranks
-        for (row, size), count in kinds.items():
-            for r, rows in enumerate(chunk_sizes(size, ranks)):
-                by_rank[r] += count * row * rows
-        return by_rank
+    def kinds_of(items) -> Counter:
+        """Tensors of the same row bytes and rows are laid out alike: each kind is summed once (thousands of
+        tensors, a few dozen kinds)."""
+        return Counter((row_bytes[i], shapes[i][dim]) for i in items)
 
-    queues: list[list[int]] = [[] for _ in range(ranks)]
+    def shard_bytes_at(kinds: Counter, rank: int) -> int:
+        """Rank `rank`'s bytes of the shards of the tensors `kinds` counts. Never more on a later rank: torch.chunk
+        gives the first ranks the most rows."""
+        return sum(count * row * rank_rows(size, ranks, rank) for (row, size), count in kinds.items())
+
+    queues: list[list[int]] = [[] for _ in range(min(ranks, len(costs)))]  # the ranks past these own nothing
     for i, owner in enumerate(owners):
         queues[owner].append(i)
-    shards = shard_bytes_by_rank(range(len(shapes)))
-    sent = [shards[r] + sum(whole[i] for i in queues[r]) for r in range(ranks)]
+    every = kinds_of(range(len(shapes)))
+    sent = _runs([shard_bytes_at(every, r) + sum(whole[i] for i in queue) for r, queue in enumerate(queues)])
+    # the owner-less ranks send their shards only: constant between the ranks where some kind's rows change
+    breaks = sorted({b for kind in every for b in row_breaks(kind[1], ranks) if len(queues) < b < ranks})
+    starts = [len(queues), *breaks]
+    for start, end in zip(starts, [*breaks, ranks]):
+        if start < end:
+            sent = _runs([shard_bytes_at(every, start)], end - start, sent)
     load = [sum(costs[i] for i in queue) for queue in queues]
     rounds = max(len(q) for q in queues)
     largest_round = 0.0
     for j in range(rounds):  # alive: the owner's matrix twice (received, assembled; then its update and the copy
-        # sent back) and a rank's shards of the round's matrices twice (to send, then returned)
+        # sent back) and a rank's shards of the round's matrices twice (to send, then returned); rank 0's the most
         items = [q[j] for q in queues if j < len(q)]
-        round_shards = max(shard_bytes_by_rank(items))
-        largest_round = max(largest_round, 2 * max(whole[i] for i in items) + 2 * round_shards)
+        largest_round = max(largest_round, 2 * max(whole[i] for i in items) + 2 * shard_bytes_at(kinds_of(items), 0))
     if len(_OWNERS) >= _SHARES_KEPT:
         _OWNERS.clear()
     share = _OWNERS[key] = MuonShare(
-        "owners", ranks, max(sent), 2 * rounds, ns_steps * max(load), largest_round, dim == 1, tuple(sent)
+        "owners", ranks, max(v for v, _ in sent), 2 * rounds, ns_steps * max(load), largest_round, dim == 1, sent
     )
     return share
+
+
+def owners_of(costs: list[int], ranks: int) -> list[int]:
+    """k3train/optim/muon_distributed.assign_owners(costs, ranks), without a load for every rank: its greedy gives
+    each item the lowest least-loaded rank, and while item j is placed some rank up to j is still empty, so no item
+    goes past rank len(costs) - 1, and the same greedy over that many ranks places every item alike."""
+    return assign_owners(costs, min(ranks, len(costs)))
+
+
+def _runs(values: list[float], count: int = 1, runs: tuple = ()) -> tuple[tuple[float, int], ...]:
+    """`runs` ((value, ranks), in rank order) followed by each of `values` for `count` ranks, equal neighbours
+    merged."""
+    out = list(runs)
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1] = (v, out[-1][1] + count)
+        else:
+            out.append((v, count))
+    return tuple(out)
 
 
 def _all_gather(params: list[Param], mesh: Mesh, element: int, ns_steps: int, device_type: str) -> MuonShare:
@@ -145,9 +179,10 @@ def _all_gather(params: list[Param], mesh: Mesh, element: int, ns_steps: int, de
     (benchmarks/bench_plan.py measured them on 2 ranks)."""
     ranks = mesh.world
     costs = [newton_schulz_cost(p.matrices) for p in params]
-    owners = assign_owners(costs, ranks)
-    share = [sum(p.numel for p, o in zip(params, owners) if o == r) for r in range(ranks)]
-    load = [sum(c for c, o in zip(costs, owners) if o == r) for r in range(ranks)]
+    owners = owners_of(costs, ranks)
+    owning = range(min(ranks, len(costs)))  # the other ranks own nothing: a share of 0
+    share = [sum(p.numel for p, o in zip(params, owners) if o == r) for r in owning]
+    load = [sum(c for c, o in zip(costs, owners) if o == r) for r in owning]
     payload = ranks * max(share) * element
     transient = payload * (ranks + 2) / ranks + (payload if device_type == "cpu" else 0.0)
     return MuonShare("all-gather", ranks, payload, 1, ns_steps * max(load), transient, False)

@@ -1,6 +1,6 @@
 """What a plan reads from a composed config: the model's shapes (built on the meta device, so no weight is
-allocated), every parameter with the optimizer state k3train gives it, and the recipe (batch, precision, strategy,
-checkpointing, optimizer, callbacks).
+allocated) and the costs it hands the planner (k3train/plan/costs.py), every parameter with the optimizer state
+k3train gives it, and the recipe (batch, precision, strategy, checkpointing, optimizer, callbacks).
 
 Which parameter goes to Muon and which to AdamW is k3train's own partition (k3train/optim/param_groups.py) on the
 meta model; each parameter's FSDP2 unit is the transformer block it lives in, or the root (embeddings, final norm,
@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from k3train.config import TrainConfig, check_known_keys
 from k3train.optim.muon import as_matrices
 from k3train.optim.param_groups import partition_parameters
+from k3train.plan.costs import ModelCosts, PlansCosts
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,8 @@ class RunSpec:
     accumulation: int
     checkpointing: str  # none | block | selective
     qk_clip: bool  # the QK-Clip callback tracks MLA's max logits (fp32 matmuls, a tile at a time)
-    flops_per_token: dict  # k3train/models/k3/flops.py at seq_len
+    flops_per_token: dict  # the model's flops_per_token at seq_len
+    costs: ModelCosts  # the model's plan_costs(): what the shapes alone do not give
     documents: bool = False  # data.document_masking: packed documents masked from each other
 
     @property
@@ -85,14 +87,16 @@ def build_spec(cfg: DictConfig, device_type: str, vocab_size: int | None = None)
     `vocab_size: null` takes (the data's), when the config leaves it null."""
     check_known_keys(cfg)
     train: TrainConfig = OmegaConf.to_object(cfg.train)
-    target = str(cfg.model.get("_target_", ""))
-    if not target.startswith("k3train.models.k3"):
-        raise ValueError(f"model {target}: the plan knows KimiK3's shapes only (model=k3*, kimi_linear_*)")
     overrides = {} if cfg.model.get("vocab_size") is not None else {"vocab_size": vocab_size}
     if cfg.model.get("vocab_size") is None and vocab_size is None:
         raise ValueError("the model's vocab_size is null (the data's): pass --vocab-size or model.vocab_size=N")
     with torch.device("meta"):
         model = instantiate(cfg.model, **overrides)
+    if not isinstance(model, PlansCosts):
+        target = cfg.model.get("_target_", "")
+        raise ValueError(
+            f"model {target}: it gives the planner no costs (plan_costs); KimiK3's do (model=k3*, kimi_linear_*)"
+        )
     if train.activation_checkpointing != "none":
         model.set_activation_checkpointing(train.activation_checkpointing)
     optimizer = _optimizer_kind(cfg.optim)
@@ -115,6 +119,7 @@ def build_spec(cfg: DictConfig, device_type: str, vocab_size: int | None = None)
         checkpointing=train.activation_checkpointing,
         qk_clip="qk_clip" in (cfg.get("callbacks") or {}),
         flops_per_token=model.flops_per_token(train.seq_len),
+        costs=model.plan_costs(),
         documents=bool(cfg.get("data", {}).get("document_masking", False)),
     )
 

@@ -21,7 +21,7 @@ from k3train.checkpoint.checkpointer import Checkpointer, ShardedCheckpointer
 from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig
 from k3train.data.context_slices import ContextSlices
 from k3train.inference.loading import load
-from k3train.models.context_parallel import ContextParallel, set_context_parallel
+from k3train.models.common.context_parallel import ContextParallel, set_context_parallel
 from k3train.models.protocol import missing_members
 from k3train.observe.metrics import MetricsLogger, MetricsSink
 from k3train.runtime.cpu import ThreadChoice, apply_threads, choose_threads, prepare_cpu_training

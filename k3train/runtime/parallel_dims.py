@@ -11,7 +11,7 @@ experts' gradients: DDP keeps a whole copy of its share on each, FSDP2 shards it
     expert_mesh (ep, expert_dp), world 4, ep 2:   ep groups {0, 1} {2, 3};  expert_dp groups {0, 2} {1, 3}
 
 cp (parallel.cp) splits each row's sequence: groups of cp consecutive ranks read the same rows and hold consecutive
-slices of them (k3train/models/context_parallel.py); gradients and losses still average over every rank, each
+slices of them (k3train/models/common/context_parallel.py); gradients and losses still average over every rank, each
 rank's tokens being different ones. The other world / cp ranks read their own rows of the global batch.
 Modules never ask torch.distributed who they are: the model's parallelize function,
 Muon's distributed Newton-Schulz, Quantile Balancing's global quantiles, QK-Clip's max-logit reduction, the loaders,

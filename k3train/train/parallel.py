@@ -1,7 +1,7 @@
 """How the model is spread over the ranks of a run (conf/parallel/): DDP replicates it, FSDP2 shards it.
 
-Each strategy has `shard(model, device, dims)` (called before the optimizer is built: FSDP2 replaces the
-parameters; both hand the data-parallel group to the modules that balance over it), `wrap(model, device, dims)`
+Each strategy has `shard(model, device, dims)` (called before the optimizer is built: both call the model's
+parallelize, `parallelize` below; under FSDP2 it replaces the parameters), `wrap(model, device, dims)`
 (the module the Trainer runs forward through), `no_sync(module)`, `finish_gradients(model, dims)` (after the last
 backward of an update: the expert-parallel weights neither reduces) and `shard_layouts(dims)` (how a sharded
 checkpoint's tensors are laid out on this run); `dims` is the run's ParallelDims (k3train/runtime/parallel_dims.py).
@@ -21,11 +21,12 @@ import inspect
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
-from k3train.models.k3.moe import MoE, expert_shards
+from k3train.models.common.parallelize import FullyShard, parallelize_blocks
+from k3train.models.protocol import Parallelizes, expert_shards
 from k3train.runtime.parallel_dims import ParallelDims
 
 
@@ -59,15 +60,6 @@ def full_value(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def split_experts(model: nn.Module, dims: ParallelDims) -> None:
-    """Each MoE of `model` keeps this rank's 1/ep of its routed experts (MoE.shard_experts)."""
-    moes = [m for m in model.modules() if isinstance(m, MoE)]
-    if not moes:
-        raise ValueError(f"parallel.ep={dims.ep}: {type(model).__name__} has no MoE layer to split")
-    for moe in moes:
-        moe.shard_experts(dims.ep_group)
-
-
 def average_expert_gradients(model: nn.Module, dims: ParallelDims) -> None:
     """After the last backward of an update: the routed-expert weights that neither DDP nor FSDP2 reduces (each
     rank's own) averaged as the rest are. An expert's gradient on its rank already sums every token of the ep group
@@ -80,32 +72,32 @@ def average_expert_gradients(model: nn.Module, dims: ParallelDims) -> None:
                 dist.all_reduce(p.grad, group=dims.expert_dp_group)
 
 
-def hand_data_parallel_group(model: nn.Module, dims: ParallelDims) -> None:
-    """Give every MoE (its Quantile Balancing reduces over the data-parallel ranks: MoE.balance_over) the run's group;
-    None in one process."""
-    for module in model.modules():
-        if isinstance(module, MoE):
-            module.balance_over(dims.dp_group)
+def parallelize(model: nn.Module, dims: ParallelDims, fully_shard: FullyShard | None) -> dict:
+    """The model spread over `dims` by its own parallelize (k3train/models/protocol.py's Parallelizes: KimiK3's is
+    k3train/models/k3/parallelize.py), else by FSDP2 over its blocks (parallelize_blocks); the layouts of its
+    sharded-checkpoint tensors beyond FSDP2's own."""
+    if isinstance(model, Parallelizes):
+        return model.parallelize(dims, fully_shard)
+    return parallelize_blocks(model, dims, fully_shard)
 
 
 _DDP_OPTIONS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 class DDP:
-    """DDP, and with ep > 1 expert parallelism: each MoE keeps 1/ep of its routed experts (split_experts), DDP leaves
-    those weights out of its all-reduce, and average_expert_gradients averages them instead."""
+    """DDP, and with ep > 1 expert parallelism: the model's parallelize keeps each rank's 1/ep of its routed experts,
+    DDP leaves those weights out of its all-reduce, and average_expert_gradients averages them instead."""
 
     name = "ddp"
 
     def __init__(self, bucket_cap_mb: int = 25, ep: int = 1, cp: int = 1):
         self.bucket_cap_mb = bucket_cap_mb
         self.ep, self.cp = ep, cp
+        self.model_layouts: dict = {}  # the model's own sharded-checkpoint layouts: set by shard()
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         """DDP keeps every parameter whole on every rank; with ep > 1 each rank keeps its routed experts only."""
-        hand_data_parallel_group(model, dims)
-        if dims.ep > 1:
-            split_experts(model, dims)
+        self.model_layouts = parallelize(model, dims, None)
         return model
 
     def finish_gradients(self, model: nn.Module, dims: ParallelDims) -> None:
@@ -113,8 +105,8 @@ class DDP:
 
     def shard_layouts(self, dims: ParallelDims) -> dict:
         """How this run holds each kind of sharded checkpoint tensor, by the names of the mesh it was saved on:
-        (mesh, placements). DDP's are the routed experts alone, each ep rank's whole on every expert_dp rank."""
-        return {("ep", "expert_dp"): (dims.expert_mesh, [Shard(0), Replicate()])} if dims.ep > 1 else {}
+        (mesh, placements). DDP's are the model's own alone (KimiK3's routed experts under ep > 1)."""
+        return dict(self.model_layouts)
 
     def wrap(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         if not dims.several_ranks:
@@ -141,21 +133,9 @@ class DDP:
 
 class FSDP:
     """FSDP2 (torch.distributed.fsdp.fully_shard): each rank holds a 1/N slice (dim 0) of every parameter, of its
-    gradient and of the optimizer state. Every module of an nn.ModuleList (the transformer blocks) is one unit,
-    the root holds the rest (embeddings, head, final norm): a block's parameters are all-gathered just before its
-    forward and backward and freed after; gradients are reduce-scattered (averaged) at the end of backward.
-
-    With ep > 1 each rank first keeps its 1/ep of the routed experts (split_experts); those are not sharded over all
-    ranks but over the expert_dp ranks that hold the same experts, as their own unit (torchtitan does the same:
-    torchtitan/models/llama4/infra/parallelize.py), whose reduce-scatter divides by the world size, not by
-    expert_dp (see average_expert_gradients for why): on dim 0 (whole experts per rank) when each rank gets at least
-    one, else on dim 1. With expert_dp 1 there is nothing to shard them over: FSDP2
-    ignores them and average_expert_gradients divides them.
-
-    fully_shard replaces each parameter by a new DTensor parameter, which loses Python attributes such as
-    `head_split` (docs/contracts.md) and `expert_parallel`: they are read before and set again on the new
-    parameters, so the optimizer built afterwards sees them. Buffers (the MoE balancing bias) stay whole on every
-    rank.
+    gradient and of the optimizer state, a unit per block (k3train/models/common/parallelize.py). The model's
+    parallelize decides its units (KimiK3's also shards its routed experts over expert_dp under ep > 1:
+    k3train/models/k3/parallelize.py). Buffers (the MoE balancing bias) stay whole on every rank.
     """
 
     name = "fsdp"
@@ -163,55 +143,18 @@ class FSDP:
     def __init__(self, reshard_after_forward: bool = True, ep: int = 1, cp: int = 1):
         self.reshard_after_forward = reshard_after_forward
         self.ep, self.cp = ep, cp
-        self.expert_placement = Replicate()  # over expert_dp: set by shard() when it shards the experts there
+        self.model_layouts: dict = {}  # the model's own sharded-checkpoint layouts: set by shard()
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
-        hand_data_parallel_group(model, dims)
-        if not dims.several_ranks:
-            return model
-        if dims.ep > 1:
-            split_experts(model, dims)
-        annotations = {name: dict(vars(p)) for name, p in model.named_parameters() if vars(p)}
-        experts = set(expert_shards(model))
-        ignored = None
-        if experts and dims.expert_dp > 1:
-            for moe in (m for m in model.modules() if isinstance(m, MoE)):
-                # whole experts per rank (dim 0) while there are enough; else slices of every one (dim 1), whose
-                # Newton-Schulz then gathers them (k3train/optim/muon.py), as torchtitan's shard_placement_fn does
-                whole = moe.experts.w_gate.shape[0] >= dims.expert_dp
-                self.expert_placement = Shard(0) if whole else Shard(1)
-                fully_shard(
-                    moe.experts,
-                    mesh=dims.expert_mesh["expert_dp"],
-                    reshard_after_forward=self.reshard_after_forward,
-                    shard_placement_fn=lambda p, placement=self.expert_placement: placement,
-                )
-                moe.experts.set_gradient_divide_factor(float(dims.world_size))
-                if dims.device_type == "cpu":  # gloo has no PREMUL_SUM: a sum, divided after
-                    moe.experts.set_force_sum_reduction_for_comms(True)
-        elif experts:
-            ignored = experts  # each rank's own, whole: average_expert_gradients averages them
-        blocks = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
-        for block in blocks:
-            fully_shard(
-                block, mesh=dims.shard_mesh, reshard_after_forward=self.reshard_after_forward, ignored_params=ignored
-            )
-        fully_shard(
-            model, mesh=dims.shard_mesh, reshard_after_forward=self.reshard_after_forward, ignored_params=ignored
-        )
-        for name, p in model.named_parameters():
-            for key, value in annotations.get(name, {}).items():
-                setattr(p, key, value)
+        self.model_layouts = parallelize(model, dims, FullyShard(self.reshard_after_forward))
         return model
 
     def shard_layouts(self, dims: ParallelDims) -> dict:
         """How this run holds each kind of sharded checkpoint tensor, by the names of the mesh it was saved on:
-        (mesh, placements). Under FSDP2 everything is sharded on dim 0; the routed experts over ep, then over
-        expert_dp."""
+        (mesh, placements). Under FSDP2 everything is sharded on dim 0 over dp_shard, then the model's own (KimiK3's
+        routed experts over ep, then expert_dp)."""
         layouts = {("dp_shard",): (dims.shard_mesh, [Shard(0)])} if dims.several_ranks else {}
-        if dims.ep > 1:
-            layouts[("ep", "expert_dp")] = (dims.expert_mesh, [Shard(0), self.expert_placement])
-        return layouts
+        return {**layouts, **self.model_layouts}
 
     def wrap(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         return model  # fully_shard changed the model in place

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from k3train.models.context_parallel import ContextParallel
+from k3train.models.common.context_parallel import ContextParallel
 from k3train.models.kda.context_parallel import context_parallel_chunk_kda
 from k3train.models.kda.layer import KimiDeltaAttention
 

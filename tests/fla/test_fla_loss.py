@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from k3train.models.loss import IGNORE_INDEX, linear_cross_entropy
+from k3train.models.common.loss import IGNORE_INDEX, linear_cross_entropy
 
 from helpers.fla_interpreter import NEEDS_INTERPRETER  # under TRITON_INTERPRET=1: patches the interpreter
 from helpers.loss_problems import loss_and_grads, problem, reference

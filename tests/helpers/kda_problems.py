@@ -43,5 +43,5 @@ def assert_close(result, reference, tol):
 
 
 def document_ids_of(lengths_per_row: list[list[int]]) -> torch.Tensor:
-    """document_ids [B, T] (k3train/models/documents.py) of rows packing documents of these lengths, in order."""
+    """document_ids [B, T] (k3train/models/common/documents.py) of rows packing documents of these lengths, in order."""
     return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths_per_row])

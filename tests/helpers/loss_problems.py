@@ -6,7 +6,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from k3train.models.loss import IGNORE_INDEX
+from k3train.models.common.loss import IGNORE_INDEX
 
 
 def problem(n: int, d: int, v: int, ignored: float = 0.0, seed: int = 0, dtype=torch.float32):

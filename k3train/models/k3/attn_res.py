@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from k3train.models.norm import RMSNorm
+from k3train.models.common.norm import RMSNorm
 
 
 def attn_res_mix(sources: Sequence[Tensor], norm_weight: Tensor, proj_weight: Tensor, eps: float) -> Tensor:

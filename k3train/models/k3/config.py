@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from k3train.models.common.situ import ACTIVATIONS as FFN_ACTIVATIONS
 from k3train.models.k3.moe import BALANCING as ROUTERS
 from k3train.models.k3.moe import EXPERT_IMPLEMENTATIONS
-from k3train.models.k3.situ import ACTIVATIONS as FFN_ACTIVATIONS
 from k3train.models.kda.layer import GATES as KDA_GATES
 from k3train.models.kda.layer import IMPLEMENTATIONS as KDA_IMPLEMENTATIONS
 from k3train.models.kda.layer import OUTPUT_GATES as KDA_OUTPUT_GATES

@@ -19,12 +19,10 @@ https://github.com/NVIDIA-NeMo/Automodel/blob/9a9b020c389454efdc58e6f39b15eedc82
 (KimiMLAAttention: g_proj [H * dv, d] without bias, sigmoid, elementwise before o_proj; its latent norms keep
 their own 1e-6 default rather than rms_norm_eps).
 
-Documents packed into a row (a Documents, k3train/models/documents.py, built once per forward by the model): each
-position attends causally within its own document only (block-diagonal causal), and QK-Clip's max logit counts only
-those pairs. How, on a CPU, is document_attention's choice (docs/decisions/document-masking.md): rows cut into tiles
-of whole documents, each tile one SDPA call; the tiles and their masks, like a GPU's [B, T, T] mask, are made by the
-first MLA layer of a forward and read by the others from the Documents. Decoding (forward_cached) is one document
-and unaffected.
+Documents packed into a row (a Documents, k3train/models/common/documents.py, built once per forward by the model):
+each position attends causally within its own document only (block-diagonal causal: document_attention,
+k3train/models/common/attention.py, which says how on a CPU), and QK-Clip's max logit counts only those pairs.
+Decoding (forward_cached) is one document and unaffected.
 """
 
 from __future__ import annotations
@@ -32,47 +30,23 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from k3train.models.context_parallel import ContextParallel
-from k3train.models.documents import Documents, block_causal_mask
+from k3train.models.common.attention import RotaryEmbedding, causal_attention, document_attention, visible_keys
+from k3train.models.common.context_parallel import ContextParallel
+from k3train.models.common.documents import Documents
+from k3train.models.common.norm import RMSNorm
 from k3train.models.k3.cache import MLACache
-from k3train.models.norm import RMSNorm
 
-# document_attention's tiles: consecutive documents are grouped until a tile holds at least this many positions
-# (a longer document is a tile alone). Smaller tiles skip more of the masked-out square, larger ones make fewer
-# calls, which matters on a busy CPU; measured on k3_small's shapes in docs/decisions/document-masking.md.
-MIN_DOCUMENT_TILE = 256
 # causal_max_logit's square tiles: a tile's fp32 logits for every head hold at most this many values, the same
 # budget whatever the heads and the sequence (the [H, T, S] logits at K3's 96 heads and 131,072 positions would be
-# 6.6 TB). On CPU 64 MiB, the LM head's logits block (k3train/models/loss.py): k3_small's [8, 1024, 1024] is one
+# 6.6 TB). On CPU 64 MiB, the LM head's logits block (k3train/models/common/loss.py): k3_small's [8, 1024, 1024] is one
 # tile, one matmul a row as before. On a GPU 256 MiB, a fifth of the LM head's GPU block: at K3's 96 heads an
 # 836 x 836 tile, about 40 FLOPs per byte it reads and writes, so the fp32 FLOPs rather than the memory traffic
 # should set its time (not measured on a GPU).
 MAX_LOGIT_BLOCK_VALUES = 2**24
 GPU_MAX_LOGIT_BLOCK_VALUES = 2**26
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding on the last dim (half-split pairing: channel i rotates with i + dr/2)."""
-
-    def __init__(self, dim: int, max_seq_len: int, theta: float) -> None:
-        super().__init__()
-        inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # [T_max, dr/2]
-        # Non-persistent: derived from the config, so not part of a checkpoint.
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
-
-    def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """x [B, T, H, dr] -> same shape, x[:, t] rotated as position start + t."""
-        T = x.shape[1]
-        cos = self.cos[start : start + T, None, :].to(x.dtype)  # [T, 1, dr/2]
-        sin = self.sin[start : start + T, None, :].to(x.dtype)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -130,7 +104,7 @@ class MultiHeadLatentAttention(nn.Module):
 
         self.track_max_logit = False
         self.max_logit: torch.Tensor | None = None  # [H] fp32 running max since QK-Clip last read it
-        # the ranks the sequence is split over (parallel.cp; k3train/models/context_parallel.py), or None
+        # the ranks the sequence is split over (parallel.cp; k3train/models/common/context_parallel.py), or None
         self.context_parallel: ContextParallel | None = None
 
     @property
@@ -269,83 +243,6 @@ def scale_rows_(weight: torch.Tensor, row_scale: torch.Tensor) -> None:
     weight.mul_(scale)
 
 
-def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, visible: torch.Tensor | None = None
-) -> torch.Tensor:
-    """q, k [B, H, T, dk], v [B, H, T, dv] -> [B, H, T, dv]: causal softmax attention, or with `visible` (bool,
-    broadcast to [B, H, T, T], True where query i may attend key j) attention over those pairs instead.
-
-    On CPU, torch's fused (flash) kernel needs dk == dv and otherwise falls back to the math path, which
-    materialises the T x T weights and is slower (docs/decisions/mla-attention.md). So on CPU with dk != dv the
-    narrower side gets zero columns appended: they change no score and no output column, so the result is exact.
-    """
-    dk, dv = q.shape[-1], v.shape[-1]
-    mask = dict(is_causal=True) if visible is None else dict(attn_mask=visible)
-    if q.device.type != "cpu" or dk == dv:
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, **mask)
-    if dv < dk:
-        return F.scaled_dot_product_attention(q, k, F.pad(v, (0, dk - dv)), scale=scale, **mask)[..., :dv]
-    q, k = F.pad(q, (0, dv - dk)), F.pad(k, (0, dv - dk))
-    return F.scaled_dot_product_attention(q, k, v, scale=scale, **mask)
-
-
-def document_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    scale: float,
-    documents: Documents | torch.Tensor,
-    min_tile: int = MIN_DOCUMENT_TILE,
-) -> torch.Tensor:
-    """causal_attention within each document: q, k [B, H, T, dk], v [B, H, T, dv], documents a Documents (or
-    document_ids [B, T]), whose mask (a GPU's) or tiles with their masks (a CPU's) are made once and kept there for
-    the forward's other attention layers.
-
-    On a CPU each row is cut into tiles of whole consecutive documents holding at least min_tile positions (the last
-    may hold fewer); a tile of one document is plain causal attention, one of several gets their block-diagonal
-    causal mask. No position attends across a tile, so little outside a document's own block is computed, and short
-    documents share a call. Elsewhere (a GPU: not measured here) one call takes the whole [B, T, T] mask, with no host
-    sync and no per-tile launches. torchtitan builds the same mask for flex_attention (get_document_mask_mod), which
-    has no CPU backward; why tiles, with numbers: docs/decisions/document-masking.md.
-    https://github.com/pytorch/torchtitan/blob/0012170a0708b751408e6085f970082ecd678d2b/torchtitan/models/attention.py
-    """
-    documents = Documents.local(documents)
-    if q.device.type != "cpu":
-        return causal_attention(q, k, v, scale, documents.block_causal_mask.unsqueeze(1))
-    rows = []
-    for b, tiles in enumerate(documents.cached(("mla_tiles", min_tile), lambda: _row_tiles(documents, min_tile))):
-        outputs = [causal_attention(*(x[b : b + 1, :, i:j] for x in (q, k, v)), scale, mask) for i, j, mask in tiles]
-        rows.append(torch.cat(outputs, dim=2))
-    return torch.cat(rows, dim=0)
-
-
-def _row_tiles(documents: Documents, min_tile: int) -> list[list[tuple[int, int, torch.Tensor | None]]]:
-    """Per row, document_attention's tiles: (start, stop, the tile's [1, 1, n, n] block-causal mask, or None for a
-    tile of one document: plain causal)."""
-    rows = []
-    for b, lengths in enumerate(documents.lengths):
-        rows.append([])
-        for start, stop, count in _document_tiles(lengths, min_tile):
-            ids = documents.ids[b : b + 1, start:stop]
-            rows[-1].append((start, stop, None if count == 1 else block_causal_mask(ids).unsqueeze(1)))
-    return rows
-
-
-def _document_tiles(lengths: list[int], min_tile: int) -> list[tuple[int, int, int]]:
-    """A row's documents (their lengths in order) grouped into tiles of at least min_tile positions, a document of
-    min_tile or more a tile alone (plain causal): (start, stop, number of documents) of each tile."""
-    tiles, start, stop, documents = [], 0, 0, 0
-    for length in lengths:
-        if documents and length >= min_tile:  # not the tail of a masked tile: its square would mostly be masked out
-            tiles.append((start, stop, documents))
-            start, documents = stop, 0
-        stop, documents = stop + length, documents + 1
-        if stop - start >= min_tile:
-            tiles.append((start, stop, documents))
-            start, documents = stop, 0
-    return tiles + [(start, stop, documents)] if documents else tiles
-
-
 @torch.no_grad()
 def causal_max_logit(
     q: torch.Tensor,
@@ -408,22 +305,3 @@ def max_logit_tiles(T: int, S: int, side: int) -> list[tuple[int, int, list[tupl
         before = [(max(0, j1 - side), j1) for j1 in range(start + i0, 0, -side)]
         tiles.append((i0, i1, [(start + i0, start + i1), *before]))
     return tiles
-
-
-def max_logit_pairs(T: int, S: int, side: int) -> int:
-    """Query-key pairs causal_max_logit multiplies for one batch row and head (its tiles' areas: the causal pairs
-    and the masked ones in the diagonal tiles): what the plan counts as its work."""
-    start = S - T
-    return sum((min(i0 + side, T) - i0) * (start + min(i0 + side, T)) for i0 in range(0, T, side))
-
-
-def visible_keys(
-    T: int, start: int, document_ids: torch.Tensor | None, key_ids: torch.Tensor | None, device: torch.device
-) -> torch.Tensor:
-    """[B or 1, T, start + T] bool: which keys the T queries at global positions start.. see, causally by global
-    position and, with documents, within their own (document_ids the queries', key_ids the keys')."""
-    S = start + T
-    visible = (torch.arange(S, device=device)[None, :] <= (start + torch.arange(T, device=device))[:, None])[None]
-    if document_ids is not None:
-        visible = visible & (document_ids[:, :, None] == key_ids[:, None, :])
-    return visible

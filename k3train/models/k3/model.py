@@ -32,7 +32,7 @@ mixer) and the routed experts (MoE.checkpoint_experts; the dense FFN whole), kee
 The MoE's routing changes its bias in a training forward, so a recomputed Block replays the experts its forward
 chose and leaves the bias alone (MoE.route): the recompute is the forward, bit for bit.
 
-Document masking (forward's document_ids, k3train/models/documents.py): each row may hold several documents, and
+Document masking (forward's document_ids, k3train/models/common/documents.py): each row may hold several documents, and
 only the mixers read across positions, so only they take the boundaries: KDA restarts its state and short convs at
 each document start, MLA attends within the document. Everything else is per token. The routing's bias update is
 over the batch's tokens either way: balancing, not attention, so documents do not split it. forward builds one
@@ -52,18 +52,21 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from k3train.models.context_parallel import ContextParallel
-from k3train.models.documents import Documents
+from k3train.models.common.context_parallel import ContextParallel
+from k3train.models.common.documents import Documents
+from k3train.models.common.loss import linear_cross_entropy
+from k3train.models.common.norm import RMSNorm
+from k3train.models.common.swiglu import SwiGLU
 from k3train.models.k3.attn_res import attn_res_mix
 from k3train.models.k3.cache import MLACache
 from k3train.models.k3.config import KimiK3Config
+from k3train.models.k3.costs import K3Costs
 from k3train.models.k3.flops import flops_per_token
 from k3train.models.k3.mla import MultiHeadLatentAttention
-from k3train.models.k3.moe import MoE, RoutedExperts, SwiGLU, replayed_routes
+from k3train.models.k3.moe import MoE, RoutedExperts, replayed_routes
+from k3train.models.k3.parallelize import parallelize as parallelize_k3
 from k3train.models.kda.layer import KimiDeltaAttention
 from k3train.models.kda.state import KDAState
-from k3train.models.loss import linear_cross_entropy
-from k3train.models.norm import RMSNorm
 
 CHECKPOINTING = ("none", "block", "selective")
 
@@ -250,6 +253,10 @@ class KimiK3(nn.Module):
             self.output_attn_res_proj = nn.Linear(config.d_model, 1, bias=False)
         self._init_weights()
 
+    def parallelize(self, dims, fully_shard) -> dict:
+        """Spread over a run's ranks (k3train/models/k3/parallelize.py; the Parallelizes protocol)."""
+        return parallelize_k3(self, dims, fully_shard)
+
     def set_activation_checkpointing(self, mode: str) -> None:
         """mode: none | block | selective (module docstring); in effect for passes that build a graph."""
         if mode not in CHECKPOINTING:
@@ -294,11 +301,11 @@ class KimiK3(nn.Module):
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """x [B, T] token ids -> (logits [B, T, V], None); with targets [B, T] -> (None, the mean next-token
         cross-entropy over all B*T positions in fp32) (targets are already shifted: targets[:, t] follows x[:, t]).
-        document_ids [B, T] (k3train/models/documents.py): the documents packed in each row, each then seen as if
+        document_ids [B, T] (k3train/models/common/documents.py): the documents packed in each row, each then seen as if
         alone (module docstring), read by every layer from one Documents built here; None: each row is one sequence.
         The loss still averages over every position.
 
-        With targets the logits are never built whole: linear_cross_entropy (k3train/models/loss.py) runs the LM
+        With targets the logits are never built whole: linear_cross_entropy (k3train/models/common/loss.py) runs the LM
         head and the loss together over row chunks, the same matmuls as lm_head + F.cross_entropy."""
         documents = None if document_ids is None else Documents(document_ids, self._context_parallel())
         h = self.embed_tokens(x)
@@ -387,3 +394,7 @@ class KimiK3(nn.Module):
     def flops_per_token(self, seq_len: int) -> dict[str, float]:
         """FLOPs per token at this sequence length, "forward" and "training" (k3train/models/k3/flops.py)."""
         return flops_per_token(self.config, seq_len)
+
+    def plan_costs(self) -> K3Costs:
+        """The costs k3train/plan sizes a run with beyond the shapes (k3train/models/k3/costs.py; PlansCosts)."""
+        return K3Costs()

@@ -26,7 +26,7 @@ every intermediate: it runs the state recurrence in reverse, then the same decay
 the forward (_decayed_rows, _decayed_cols). Equality with naive.py's autograd, every gradient: tests/test_kda.py.
 Why these forms, with timings: docs/decisions/kda-chunk.md.
 
-Documents packed into a row (document_ids, k3train/models/documents.py): the state restarts from zero where a
+Documents packed into a row (document_ids, k3train/models/common/documents.py): the state restarts from zero where a
 document starts, as if each document ran alone. A chunk the boundary falls inside keeps the algebra above, with
 four factors cut to zero where a boundary lies between the two positions they join (_Documents): A_qk[i, j] and
 P[i, j] for i, j in different documents, exp(G_i) for a row that no longer continues the chunk's first document
@@ -65,10 +65,10 @@ def chunk_kda(
     """Chunkwise KDA, equal to naive_recurrent_kda up to fp32 rounding. Any T works: the tail is padded.
 
     q, k [B, T, H, K]; v [B, T, HV, V]; g [B, T, HV, K] log decay (<= 0); beta [B, T, HV];
-    initial_state [B, HV, K, V]; chunk_size a power of two; document_ids [B, T] (k3train/models/documents.py): the
-    state restarts at each document start (a row's first document continues initial_state). Returns o [B, T, HV, V]
-    in v's dtype and the final state [B, HV, K, V] in fp32 (that of each row's last document; None unless
-    output_final_state). Computes in fp32 even under autocast.
+    initial_state [B, HV, K, V]; chunk_size a power of two; document_ids [B, T] (k3train/models/common/documents.py):
+    the state restarts at each document start (a row's first document continues initial_state). Returns
+    o [B, T, HV, V] in v's dtype and the final state [B, HV, K, V] in fp32 (that of each row's last document; None
+    unless output_final_state). Computes in fp32 even under autocast.
     """
     check_kda_inputs(q, k, v, g, beta, initial_state)
     if chunk_size < 1 or chunk_size & (chunk_size - 1):

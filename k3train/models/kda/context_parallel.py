@@ -1,4 +1,4 @@
-"""KDA over a sequence split across ranks (context parallelism, k3train/models/context_parallel.py).
+"""KDA over a sequence split across ranks (context parallelism, k3train/models/common/context_parallel.py).
 
 The recurrence is affine in the state a slice starts from: with S_in the state entering rank r's slice,
 
@@ -27,8 +27,8 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from k3train.models.context_parallel import ContextParallel
-from k3train.models.documents import Documents
+from k3train.models.common.context_parallel import ContextParallel
+from k3train.models.common.documents import Documents
 from k3train.models.kda.chunk import chunk_kda
 from k3train.models.kda.fla import fla_chunk_kda
 

@@ -26,12 +26,12 @@ https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b6
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 
 from torch import Tensor
 
-from k3train.models.documents import Documents
+from k3train.models.common.documents import Documents
+from k3train.models.common.fla import fla_runs_on
 from k3train.models.kda.naive import check_kda_inputs
 
 # The eps of chunk_kda's in-kernel q/k L2 norm (use_qk_l2norm_in_kernel): l2norm_fwd's default, which chunk_kda gives
@@ -52,12 +52,6 @@ def require_fla() -> Callable:
             "pip install 'k3train[gpu]'. On CPU use implementation='chunk'."
         ) from err
     return chunk_kda
-
-
-def fla_runs_on(x: Tensor) -> bool:
-    """Whether FLA's Triton kernels can take x: a CUDA tensor, or any tensor under Triton's interpreter
-    (TRITON_INTERPRET=1, which tests/fla runs them in on CPU tensors)."""
-    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _require_fla_device(x: Tensor) -> None:

@@ -16,8 +16,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
-from k3train.models.context_parallel import ContextParallel
-from k3train.models.documents import Documents
+from k3train.models.common.context_parallel import ContextParallel
+from k3train.models.common.documents import Documents
+from k3train.models.common.fla import fla_runs_on
+from k3train.models.common.norm import RMSNorm, l2_normalize_eps
 from k3train.models.kda.chunk import chunk_kda
 from k3train.models.kda.context_parallel import IMPLEMENTATIONS as CONTEXT_PARALLEL_IMPLEMENTATIONS
 from k3train.models.kda.context_parallel import context_parallel_chunk_kda
@@ -27,13 +29,11 @@ from k3train.models.kda.fla import (
     fla_chunk_kda_from_projections,
     fla_fused_recurrent_kda,
     fla_rms_norm_sigmoid_gated,
-    fla_runs_on,
     fla_short_conv_silu,
     require_fla,
 )
 from k3train.models.kda.naive import compute_dtype, naive_recurrent_kda
 from k3train.models.kda.state import KDAState
-from k3train.models.norm import RMSNorm, l2_normalize_eps
 
 IMPLEMENTATIONS = ("chunk", "recurrent", "fla")
 GATES = ("softplus", "sigmoid")
@@ -158,7 +158,7 @@ class KimiDeltaAttention(nn.Module):
         )
 
     def forward(self, x: Tensor, documents: Documents | Tensor | None = None) -> Tensor:
-        """x [B, T, d_model] -> [B, T, d_model]; causal. documents (a Documents, k3train/models/documents.py, or
+        """x [B, T, d_model] -> [B, T, d_model]; causal. documents (a Documents, k3train/models/common/documents.py, or
         document_ids [B, T]): the short convs and the recurrent state start afresh at each document start, as if
         each document ran alone."""
         documents = Documents.of(documents, self.context_parallel)
@@ -212,7 +212,8 @@ class KimiDeltaAttention(nn.Module):
 
     @property
     def context_parallel(self) -> ContextParallel | None:
-        """The ranks this layer's sequence is split over (parallel.cp; k3train/models/context_parallel.py), or None."""
+        """The ranks this layer's sequence is split over (parallel.cp; k3train/models/common/context_parallel.py), or
+        None."""
         return self._context_parallel
 
     @context_parallel.setter

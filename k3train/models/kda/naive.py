@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from k3train.models.documents import document_starts
+from k3train.models.common.documents import document_starts
 
 
 def check_kda_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None) -> None:
@@ -52,7 +52,7 @@ def naive_recurrent_kda(
 ) -> tuple[Tensor, Tensor | None]:
     """One step at a time: S <- diag(exp g_t) S; S <- S + beta_t k_t (v_t - S^T k_t)^T; o_t = S^T (scale q_t).
 
-    q, k are used as given (the layer L2-normalises them). document_ids [B, T] (k3train/models/documents.py): S
+    q, k are used as given (the layer L2-normalises them). document_ids [B, T] (k3train/models/common/documents.py): S
     starts from zero again where a document starts, as if each document ran alone. Returns o [B, T, HV, V] in v's
     dtype and the final state [B, HV, K, V] fp32 (None unless output_final_state).
     """

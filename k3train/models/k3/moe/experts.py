@@ -1,23 +1,23 @@
-"""The experts: SwiGLU, a dense gated FFN (the dense FFN and the MoE's shared experts), and RoutedExperts, the E
-routed experts as stacked weights [E, out, in] that run through GroupedSwiGLU (grouped_swiglu.py).
+"""The routed experts: RoutedExperts, the E routed experts as stacked weights [E, out, in] that run through
+GroupedSwiGLU (grouped_swiglu.py). The dense FFN and the MoE's shared experts are SwiGLU
+(k3train/models/common/swiglu.py), whose activation and its arguments the routed experts take too.
 
 Every FFN is w_down(act(w_gate x, w_up x)) with act either SwiGLU's silu(g) * u (the default) or Kimi K3's SiTU-GLU
-(activation="situ"; situ.py: formula, derivatives, why).
+(activation="situ"; k3train/models/common/situ.py: formula, derivatives, why).
 
 Expert parallelism keeps whole experts on each rank: RoutedExperts.keep_shard replaces each stacked weight with this
 rank's 1/ep of it, annotated (expert_parallel = ep, expert_group) so that the gradient averaging, the optimizer's
-norms and the checkpoint (expert_shards) know it is part of a whole.
+norms and the checkpoint (k3train/models/protocol.py's expert_shards) know it is part of a whole.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
+from k3train.models.common.situ import check_activation
 from k3train.models.k3.moe.grouped_swiglu import GroupedSwiGLU
-from k3train.models.k3.situ import SiTUGLU, check_activation
 
 EXPERT_IMPLEMENTATIONS = ("auto", "loop", "grouped_mm")
 
@@ -25,37 +25,6 @@ EXPERT_IMPLEMENTATIONS = ("auto", "loop", "grouped_mm")
 def _situ_betas(activation: str, beta: float, linear_beta: float) -> tuple[float, float] | None:
     """What GroupedSwiGLU takes as its activation: None for SwiGLU, (beta, linear_beta) for SiTU-GLU."""
     return None if activation == "swiglu" else (float(beta), float(linear_beta))
-
-
-class SwiGLU(nn.Module):
-    """x [..., d] -> [..., d]: w_down(act(w_gate x, w_up x)), act = silu(g) * u (activation="swiglu", the default)
-    or SiTU-GLU (activation="situ": situ.py, computed in fp32, cast back to the projections' dtype). The dense FFN
-    and the shared expert(s)."""
-
-    def __init__(
-        self,
-        d_model: int,
-        ffn_dim: int,
-        activation: str = "swiglu",
-        situ_beta: float = 4.0,
-        situ_linear_beta: float = 25.0,
-    ) -> None:
-        super().__init__()
-        check_activation(activation, situ_beta, situ_linear_beta)
-        self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
-        self.w_gate = nn.Linear(d_model, ffn_dim, bias=False)
-        self.w_up = nn.Linear(d_model, ffn_dim, bias=False)
-        self.w_down = nn.Linear(ffn_dim, d_model, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.activation == "swiglu":
-            return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
-        return self.w_down(SiTUGLU.apply(self.w_gate(x), self.w_up(x), self.situ_beta, self.situ_linear_beta))
-
-    def extra_repr(self) -> str:  # SwiGLU's repr as before; SiTU-GLU says so
-        if self.activation == "swiglu":
-            return ""
-        return f"activation=situ, situ_beta={self.situ_beta}, situ_linear_beta={self.situ_linear_beta}"
 
 
 class RoutedExperts(nn.Module):
@@ -131,8 +100,3 @@ class RoutedExperts(nn.Module):
             local.expert_parallel = ep  # 1/ep of the whole weight: its gradient, norm and checkpoint need the others
             local.expert_group = group  # the ranks holding the rest of it
             setattr(self, name, local)
-
-
-def expert_shards(module: nn.Module) -> list[nn.Parameter]:
-    """The parameters of `module` that hold this rank's 1/ep of a routed-expert weight."""
-    return [p for p in module.parameters() if getattr(p, "expert_parallel", 1) > 1]

@@ -7,17 +7,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3train.models.k3.situ import situ_glu_forward, situ_glu_grads_from_parts, situ_glu_parts, situ_glu_value
+from k3train.models.common.situ import situ_glu_forward, situ_glu_grads_from_parts, situ_glu_parts, situ_glu_value
 
 
 class GroupedSwiGLU(torch.autograd.Function):
     """Expert e's gated FFN, w_down[e](act(w_gate[e] x, w_up[e] x)), on its contiguous rows of x, for every e; with
     row_scale [S], each row's output times its scale (applied to the [S, ffn] hidden before w_down: the same product,
     but a pass over rows ffn wide instead of d wide, forward and backward). act: silu(g) * u when `situ` is None
-    (SwiGLU), SiTU-GLU with situ = (beta, linear_beta) otherwise (situ.py: computed in fp32, cast back to the
-    matmuls' dtype; its analytic derivative in the backward, from the saved gate and up). The gate weight scales
-    the hidden for both; K3's own code applies it to the expert's output after w_down, the same product in exact
-    arithmetic, rounded in a different place under bf16.
+    (SwiGLU), SiTU-GLU with situ = (beta, linear_beta) otherwise (k3train/models/common/situ.py: computed in fp32,
+    cast back to the matmuls' dtype; its analytic derivative in the backward, from the saved gate and up). The gate
+    weight scales the hidden for both; K3's own code applies it to the expert's output after w_down, the same
+    product in exact arithmetic, rounded in a different place under bf16.
 
     x [S, d] grouped by expert, w_gate / w_up [E, ffn, d], w_down [E, d, ffn] -> [S, d]. `rows` says which rows are
     whose: a list of E host-side counts runs the FFN expert by expert (OneExpert: torch.mm on its rows, written into

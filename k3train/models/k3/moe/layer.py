@@ -34,12 +34,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from k3train.models.common.norm import RMSNorm
+from k3train.models.common.situ import check_activation
+from k3train.models.common.swiglu import SwiGLU
 from k3train.models.k3.moe.balancing import Balancer
 from k3train.models.k3.moe.dispatch import AllToAllDispatch, Dispatcher, LocalDispatch
-from k3train.models.k3.moe.experts import RoutedExperts, SwiGLU
+from k3train.models.k3.moe.experts import RoutedExperts
 from k3train.models.k3.moe.router import Router
-from k3train.models.k3.situ import check_activation
-from k3train.models.norm import RMSNorm
 
 
 class MoE(nn.Module):

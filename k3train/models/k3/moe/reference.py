@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from k3train.models.k3.moe.experts import RoutedExperts, SwiGLU
+from k3train.models.common.situ import situ_glu
+from k3train.models.common.swiglu import SwiGLU
+from k3train.models.k3.moe.experts import RoutedExperts
 from k3train.models.k3.moe.layer import MoE
-from k3train.models.k3.situ import situ_glu
 
 
 def reference_moe_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:

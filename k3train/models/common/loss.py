@@ -27,17 +27,12 @@ the gradients). FLA's kernel:
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
-from k3train.models.kda.fla import fla_runs_on
+from k3train.models.common.fla import FLA_INSTALLED, fla_runs_on
 
 IGNORE_INDEX = -100
 IMPLEMENTATIONS = ("auto", "chunked", "fla")
-# Looked up once: the loss runs inside a compiled forward under train.compile, where an import lookup would break the
-# graph.
-FLA_INSTALLED = importlib.util.find_spec("fla") is not None
 # The default chunk: as many rows as fill a logits block of this many fp32 values, so the block is the same size
 # whatever the vocabulary. On CPU 64 MiB (512 rows at V=32768; at k3_tiny's V=257 one block holds a whole batch,
 # as each chunk's ~10 small ops cost more than its rows there); on a GPU 1.25 GiB (2048 rows at V=163840), which

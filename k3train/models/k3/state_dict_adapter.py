@@ -1,4 +1,6 @@
-"""k3train's parameter names <-> the Hugging Face checkpoint names of the same tensors, in both layouts.
+"""Kimi K3's Hugging Face adapter (HF_ADAPTER, the family's side of k3train/hf/adapter.py): k3train's parameter
+names <-> the Hugging Face checkpoint names of the same tensors, in both layouts, and config.json through
+hf_config.py.
 
 k3train's Kimi K3 names were taken from the released checkpoint, so most keys only gain a prefix: `model.` in
 kimi_linear, `language_model.model.` in kimi_k3 (and `lm_head.weight` / `language_model.lm_head.weight`). What else
@@ -27,12 +29,15 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from k3train.hf import HFFormatError
+from k3train.hf.adapter import Slot
+from k3train.models.k3 import hf_config
 from k3train.models.k3.config import KimiK3Config
+from k3train.models.k3.model import KimiK3
 
 A_LOG_PAD = 128  # the released K3 stores A_log [H] in a [ceil(H / 128) * 128] tensor
 PREFIX = {
@@ -53,15 +58,6 @@ EXPERTS = {"experts.w_gate": "w1", "experts.w_up": "w3", "experts.w_down": "w2"}
 LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 # transformers' save_pretrained (5.24) writes a dense layer's FFN under block_sparse_moe., as it does the MoE's
 DENSE_AS_MOE = re.compile(r"(.*layers\.\d+\.)block_sparse_moe\.((?:gate|up|down)_proj\.weight)")
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where an HF tensor lives in k3train: the parameter (or buffer) `name`, its slice `expert` along dim 0 of a
-    stacked expert weight (None: the whole tensor)."""
-
-    name: str
-    expert: int | None = None
 
 
 def hf_names(cfg: KimiK3Config, layout: str, k3_names: Iterable[str]) -> dict[str, Slot]:
@@ -163,3 +159,55 @@ def a_log_from_hf(tensor: torch.Tensor, n_heads: int, layout: str, name: str) ->
     if flat[n_heads:].any():
         raise HFFormatError(f"{name}: the padding past its {n_heads} heads is not zero; the layout is not K3's")
     return flat[:n_heads]
+
+
+# Written in fp32 whatever the export's dtype, as both references keep them (the KDA decay parameters and short
+# convolutions, its output norm, the router and its bias: transformers' `_keep_in_fp32_modules_strict`, Automodel's
+# kimi_k3 state_dict_adapter `_FP32_KEY_PARTS`); Hugging Face name endings.
+KEEP_FP32 = ("A_log", "dt_bias", "_conv1d.weight", "o_norm.weight", ".gate.weight", "e_score_correction_bias")
+
+
+class KimiK3StateDictAdapter:
+    """KimiK3 <-> transformers' kimi_linear and the released Kimi K3's kimi_k3 (k3train/hf/adapter.py's HFAdapter)."""
+
+    model_types = hf_config.LAYOUTS  # each layout's config.json names it as its model_type
+    model_class = KimiK3
+    keep_fp32 = KEEP_FP32
+
+    def layout(self, model: KimiK3) -> str:
+        layout = hf_config.layout_for(model.config)
+        hf_config.to_hf_config(model.config, layout, None, "float32")  # refuses what the layout cannot say
+        return layout
+
+    def to_hf_config(self, model: KimiK3, layout: str, eos_token_id: int | None, dtype: str) -> dict[str, Any]:
+        return hf_config.to_hf_config(model.config, layout, eos_token_id, dtype)
+
+    def to_hf(self, model: KimiK3, layout: str) -> Iterator[tuple[str, torch.Tensor]]:
+        return to_hf(model.state_dict(), model.config, layout)
+
+    def from_hf_config(self, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        return hf_config.from_hf_config(config)
+
+    def build(self, fields: dict[str, Any]) -> KimiK3:
+        return KimiK3.from_fields(**fields)
+
+    def hf_names(self, model: KimiK3, layout: str) -> dict[str, Slot]:
+        return hf_names(model.config, layout, model.state_dict())
+
+    def canonical(self, name: str, plan: dict[str, Slot]) -> str:
+        return canonical(name, plan)
+
+    def outside_model(self, name: str, layout: str) -> bool:
+        # the released K3 is a vision-language model: vision_tower.*, mm_projector.* beside the text model
+        return layout == "kimi_k3" and not name.startswith("language_model.")
+
+    def may_be_absent(self, name: str, model: KimiK3) -> bool:
+        return model.config.tie_embeddings and name.endswith("lm_head.weight")
+
+    def from_hf(self, slot: Slot, name: str, tensor: torch.Tensor, target: torch.Tensor, layout: str) -> torch.Tensor:
+        if slot.name.endswith("mixer.A_log"):
+            return a_log_from_hf(tensor, target.numel(), layout, name)
+        return tensor
+
+
+HF_ADAPTER = KimiK3StateDictAdapter()

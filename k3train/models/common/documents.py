@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
-    from k3train.models.context_parallel import ContextParallel
+    from k3train.models.common.context_parallel import ContextParallel
 
 
 def document_starts(document_ids: Tensor) -> Tensor:

@@ -19,8 +19,9 @@ Here: `situ_glu` is the readable reference (plain torch, autograd differentiates
 analytic backward, and both it and `situ_glu_forward` are made of `situ_glu_parts` (the fp32 tanhs and sigmoid).
 `SiTUGLU` pairs them in an autograd Function that saves only g and u (in their own dtype) and recomputes the fp32
 chain in backward, where autograd through the reference keeps several fp32 copies of [..., f] alive until the
-backward. The dense FFN and the shared experts run SiTUGLU; the routed experts' GroupedSwiGLU
-(moe/grouped_swiglu.py) builds the parts once in its own written backward, for the value and the gradients.
+backward. The dense FFN and the shared experts run SiTUGLU (swiglu.py); the routed experts' GroupedSwiGLU
+(k3train/models/k3/moe/grouped_swiglu.py) builds the parts once in its own written backward, for the value and the
+gradients.
 Upstream (SituAndMul, _weighted_situ and the analytic _situ_bwd_core):
 https://github.com/NVIDIA-NeMo/Automodel/blob/43708d05ae3239c48b53230859d4326c1f1da93e/nemo_automodel/components/models/kimi_k3/situ.py
 https://github.com/NVIDIA-NeMo/Automodel/blob/00ef9ca241e8b06fb7f59eb70b1cad1cc5c357bb/nemo_automodel/components/models/kimi_k3/model.py

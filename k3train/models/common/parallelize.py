@@ -1,0 +1,57 @@
+"""FSDP2 over a model's blocks: what every model family's parallelize ends with, and all a model without its own
+parallelize gets (k3train/models/protocol.py's Parallelizes).
+
+Every module of an nn.ModuleList (the transformer blocks) is one FSDP2 unit and the root holds the rest
+(embeddings, head, final norm): a block's parameters are all-gathered just before its forward and backward and
+freed after; gradients are reduce-scattered (averaged) at the end of backward. fully_shard replaces each parameter
+by a new DTensor parameter, which loses Python attributes such as `head_split` (docs/contracts.md) and
+`expert_parallel`: `annotations_kept` reads them before and sets them again after, so the optimizer built
+afterwards sees them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+
+
+@dataclass(frozen=True)
+class FullyShard:
+    """FSDP2's options, as conf/parallel/fsdp.yaml sets them, handed to a model's parallelize."""
+
+    reshard_after_forward: bool = True
+
+
+@contextlib.contextmanager
+def annotations_kept(model: nn.Module) -> Iterator[None]:
+    """Within: fully_shard may replace `model`'s parameters; after, each parameter has again the Python attributes
+    the one of its name had before."""
+    annotations = {name: dict(vars(p)) for name, p in model.named_parameters() if vars(p)}
+    yield
+    for name, p in model.named_parameters():
+        for key, value in annotations.get(name, {}).items():
+            setattr(p, key, value)
+
+
+def fully_shard_blocks(model: nn.Module, mesh, options: FullyShard, ignored_params: set | None = None) -> None:
+    """Each block of every nn.ModuleList of `model` one FSDP2 unit over `mesh`, then the root; `ignored_params`
+    stay as they are on every rank (FSDP2 neither shards nor reduces them)."""
+    blocks = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
+    for unit in (*blocks, model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=options.reshard_after_forward, ignored_params=ignored_params)
+
+
+def parallelize_blocks(model: nn.Module, dims, fully_shard: FullyShard | None) -> dict:
+    """The parallelize of a model without its own: under FSDP2 (fully_shard given) on several ranks, its blocks and
+    root over the run's shard mesh; under DDP nothing (DDP wraps it whole). No sharded-checkpoint layout of its
+    own."""
+    if dims.ep > 1:
+        raise ValueError(f"parallel.ep={dims.ep}: {type(model).__name__} has no MoE layer to split")
+    if fully_shard is not None and dims.world_size > 1:
+        with annotations_kept(model):
+            fully_shard_blocks(model, dims.shard_mesh, fully_shard)
+    return {}

@@ -1,0 +1,69 @@
+"""How a KimiK3 is spread over a run's ranks (the model's `parallelize`, called by the parallel strategy:
+k3train/train/parallel.py), as torchtitan's models/deepseek_v3/infra/parallelize.py is DeepSeek-V3's.
+
+Every MoE balances over the data-parallel group (Quantile Balancing reduces over the global batch:
+MoE.balance_over), in one process too (None: its own tokens). With ep > 1 each MoE keeps this rank's 1/ep of its
+routed experts (MoE.shard_experts, marked `expert_parallel`). Under FSDP2 those are not sharded over all ranks but
+over the expert_dp ranks that hold the same experts, as their own unit (torchtitan's llama4 parallelize does the
+same), whose reduce-scatter divides by the world size, not by expert_dp (the strategy's
+average_expert_gradients says why): on dim 0 (whole experts per rank) when each rank gets at least one, else on
+dim 1, whose Newton-Schulz then gathers them (k3train/optim/muon.py), as torchtitan's shard_placement_fn does.
+With expert_dp 1 there is nothing to shard them over: FSDP2 ignores them and the strategy's
+average_expert_gradients divides them. The blocks and the root are then FSDP2 units as any model's
+(k3train/models/common/parallelize.py).
+
+The sharded-checkpoint layout of the routed experts is K3's too: the whole [E, ...] weight over the expert mesh,
+ep then expert_dp (k3train/checkpoint/expert_shards.py assembles it).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+
+from k3train.models.common.parallelize import FullyShard, annotations_kept, fully_shard_blocks
+from k3train.models.k3.moe import MoE
+from k3train.models.protocol import expert_shards
+
+
+def parallelize(model, dims, options: FullyShard | None) -> dict:
+    """KimiK3.parallelize (k3train/models/protocol.py's Parallelizes): `options` FSDP2's under FSDP2, None under
+    DDP. Returns the routed experts' sharded-checkpoint layout when ep > 1."""
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
+    for moe in moes:
+        moe.balance_over(dims.dp_group)
+    if options is not None and dims.world_size == 1:
+        return {}
+    if dims.ep > 1:
+        if not moes:
+            raise ValueError(f"parallel.ep={dims.ep}: {type(model).__name__} has no MoE layer to split")
+        for moe in moes:
+            moe.shard_experts(dims.ep_group)
+    placement = Replicate()  # DDP: each ep rank's experts whole on every expert_dp rank
+    if options is not None:
+        with annotations_kept(model):
+            placement = _fully_shard(model, moes, dims, options)
+    return {("ep", "expert_dp"): (dims.expert_mesh, [Shard(0), placement])} if dims.ep > 1 else {}
+
+
+def _fully_shard(model, moes: list[MoE], dims, options: FullyShard):
+    """The routed experts' units over expert_dp (when there is one to shard them over), then the blocks and the
+    root; returns the experts' placement over expert_dp."""
+    experts = set(expert_shards(model))
+    placement, ignored = Replicate(), None
+    if experts and dims.expert_dp > 1:
+        for moe in moes:
+            placement = Shard(0) if moe.experts.w_gate.shape[0] >= dims.expert_dp else Shard(1)
+            fully_shard(
+                moe.experts,
+                mesh=dims.expert_mesh["expert_dp"],
+                reshard_after_forward=options.reshard_after_forward,
+                shard_placement_fn=lambda p, placement=placement: placement,
+            )
+            moe.experts.set_gradient_divide_factor(float(dims.world_size))
+            if dims.device_type == "cpu":  # gloo has no PREMUL_SUM: a sum, divided after
+                moe.experts.set_force_sum_reduction_for_comms(True)
+    elif experts:
+        ignored = experts  # each rank's own, whole: the strategy's average_expert_gradients averages them
+    fully_shard_blocks(model, dims.shard_mesh, options, ignored)
+    return placement
