@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from helpers import nan_guard
+
 SPAWN_TIMEOUT_S = 120  # a hung collective fails the test instead of the suite
 
 
@@ -28,6 +30,7 @@ def spawn_ranks(rank_main, tmp_path: Path, nprocs: int = 2) -> list[dict]:
 
 
 def _in_a_gloo_group(rank: int, world_size: int, init_file: str, out_dir: str, rank_main) -> None:
+    nan_guard.install()  # a spawned rank does not import conftest, which installs it in the test process
     torch.set_num_threads(1)  # the same matmul kernels as the 1-process reference, so the same bits
     dist.init_process_group(
         "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=timedelta(seconds=60)
