@@ -38,7 +38,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--split", choices=("val", "train"), default="val", help="which split of the dataset")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, help="default: the run's train.seq_len, else the model's max_seq_len")
-    p.add_argument("--max-batches", type=int, help="default: the whole split")
+    p.add_argument(
+        "--max-batches",
+        type=int,
+        help="default: the whole split; training's val loss is over its first train.eval_batches (8 by default)",
+    )
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     return p.parse_args(argv)
 
@@ -63,9 +67,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     print(
         f"{args.split}: loss {result['loss']:.4f} | perplexity {result['perplexity']:.3f} | "
-        f"bits/byte {result['bits_per_byte']:.4f} | {result['tokens']:,} tokens -> {out}"
+        f"bits/byte {result['bits_per_byte']:.4f} | {measured(result, args)} -> {out}"
     )
     return 0
+
+
+def measured(result: dict, args: argparse.Namespace) -> str:
+    """What the loss averaged over, so that it is not read as training's final val loss, which averages the first
+    train.eval_batches batches (the run's eval events say how many tokens): the same number only over the same rows."""
+    rows = f"{result['batches']} batches of {result['batch_size']} x {result['seq_len']}, {result['tokens']:,} tokens"
+    if result["whole_split"]:
+        return f"the whole {args.split} split ({rows}; training's val loss reads its first train.eval_batches only)"
+    return f"the first {rows} of the {args.split} split"
 
 
 def data_config(loaded: Loaded, overrides: list[str]) -> dict:
@@ -109,7 +122,7 @@ def evaluate_split(loaded: Loaded, data, args: argparse.Namespace) -> dict:
     seq_len = args.seq_len or loaded.seq_len or model.config.max_seq_len
     model.check_data(data.vocab_size, seq_len)
     loader = dict(zip(("train", "val"), data.loaders(args.batch_size, seq_len)))[args.split]
-    batches = loader.batches_remaining()
+    batches = loader_batches = loader.batches_remaining()
     if args.max_batches is not None:
         batches = min(batches, args.max_batches)
     if batches < 1:
@@ -128,6 +141,7 @@ def evaluate_split(loaded: Loaded, data, args: argparse.Namespace) -> dict:
         "batch_size": args.batch_size,
         "seq_len": seq_len,
         "batches": result["batches"],
+        "whole_split": result["batches"] == loader_batches,
         "tokens": tokens,
         "bytes": text_bytes,
         "loss": result["loss"],

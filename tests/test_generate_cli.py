@@ -91,6 +91,8 @@ def test_evaluate_reproduces_the_runs_own_eval_loss_and_writes_json(run_dir, tin
     # The run evaluated the first 2 val batches of 2 x 32 tokens with these weights: the same numbers come back.
     assert evaluate.main([str(run_dir), "--batch-size", "2", "--seq-len", "32", "--max-batches", "2"]) == 0
     out = capsys.readouterr().out
+    # It names what it measured, as training's eval line does, so the two numbers are read side by side.
+    assert "the first 2 batches of 2 x 32, 128 tokens of the val split" in out
     path = Path(out.rsplit("-> ", 1)[1].strip())
     assert path.parent == run_dir and path.name.startswith("last.eval.val.")
     result = json.loads(path.read_text())
@@ -106,7 +108,8 @@ def test_evaluate_reproduces_the_runs_own_eval_loss_and_writes_json(run_dir, tin
         )
         == 0
     )
-    assert "val: loss" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "val: loss" in out and "the whole val split (" in out and "train.eval_batches" in out
 
 
 def test_evaluate_that_cannot_write_its_result_says_so_in_one_line_and_exits_1(run_dir, capsys, monkeypatch):

@@ -133,7 +133,7 @@ def test_a_sweep_with_a_crashed_and_a_not_yet_started_job(tmp_path):
 
     out = tmp_path / "report"
     page = write_report([tmp_path], out).read_text()
-    rows = re.findall(r"<tr><td>(\de-\d)</td><td>([\d.]*)</td>(?:<td>[^<]*</td>){4}<td>([^<]*)</td>", page)
+    rows = re.findall(r"<tr><td>(\de-\d)</td><td>([\d.]*)</td>(?:<td>[^<]*</td>){5}<td>([^<]*)</td>", page)
     assert rows == [
         ("1e-3", "3.0000", "max_steps"),
         ("3e-3", "4.5000", "stopped without an end"),
@@ -465,5 +465,5 @@ def test_report_on_a_four_job_sweep(run_cli, tmp_path, monkeypatch):
     assert sorted(embedded) == sorted(["overlay.png", *(f"{job}/{n}.png" for job in final for n in CHART_NAMES)])
     for href, png in embedded.items():
         assert png.startswith(PNG_MAGIC) and len(png) > 5000 and png == (out / href).read_bytes()
-    rows = re.findall(r"<tr>(?:<td>[^<]*</td>){6}<td>max_steps</td><td>(\d)</td></tr>", page)
+    rows = re.findall(r"<tr>(?:<td>[^<]*</td>){7}<td>max_steps</td><td>(\d)</td></tr>", page)
     assert rows == in_order  # the page's sweep table, best val loss first

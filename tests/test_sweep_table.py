@@ -14,7 +14,7 @@ def _job(sweep, num, overrides, evals, *, end_reason="max_steps", torn=False, re
     lines = [{"event": "session", "step": 0}]
     for i, loss in enumerate(evals, 1):
         lines.append({"event": "train", "step": 10 * i, "tokens": 100 * i, "loss": 9.0, "tokens_per_s": 50.0 * i})
-        lines.append({"event": "eval", "step": 10 * i, "tokens": 100 * i, "loss": loss})
+        lines.append({"event": "eval", "step": 10 * i, "tokens": 100 * i, "loss": loss, "val_tokens": 64})
     if redone:  # a killed session's eval at step 20 that the resumed session (started from step 10) redid
         lines.append({"event": "session", "step": 10})
         lines.append({"event": "train", "step": 20, "tokens": 200, "loss": 9.0, "tokens_per_s": 100.0})
@@ -61,9 +61,9 @@ def test_summary_files_hold_the_same_table(tmp_path, capsys):
     assert markdown == capsys.readouterr().out == write_sweep_summary(tmp_path)
     assert markdown.splitlines()[2].startswith("| 3e-3 | 1.5000 |")
     table = list(csv.DictReader((tmp_path / "sweep_summary.csv").open()))
-    assert [(r["optim.lr"], r["final val loss"], r["run dir"]) for r in table] == [
-        ("3e-3", "1.5000", "1"),
-        ("1e-3", "2.0000", "0"),
+    assert [(r["optim.lr"], r["final val loss"], r["val tokens"], r["run dir"]) for r in table] == [
+        ("3e-3", "1.5000", "64", "1"),  # val tokens: what the final val loss averaged over
+        ("1e-3", "2.0000", "64", "0"),
     ]
 
 

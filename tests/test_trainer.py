@@ -54,7 +54,7 @@ def test_accumulation_of_k_micro_batches_equals_one_big_batch(tmp_path, builtin_
         torch.testing.assert_close(small.state_dict()[name], value, atol=1e-6, rtol=0)
 
 
-def test_eval_mutates_nothing(tmp_path, builtin_data):
+def test_eval_mutates_nothing(tmp_path, builtin_data, capsys):
     model = smoke(builtin_data.vocab_size)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for g in opt.param_groups:
@@ -91,6 +91,9 @@ def test_eval_mutates_nothing(tmp_path, builtin_data):
     got = draws()
     assert got[0] == expected[0] and got[1] == expected[1] and torch.equal(got[2], expected[2])
     assert trainer.run_eval()["loss"] == result["loss"]  # the same fixed prefix every time
+    # Its line says what it measured (k3train.evaluate reads the whole split by default: another number).
+    tokens = result["val_tokens"]
+    assert f"val loss {result['loss']:.4f} (the first 2 val batches, {tokens:,} tokens)" in capsys.readouterr().out
 
 
 class LinearLM(WrapsSmoke):

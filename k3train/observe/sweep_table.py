@@ -35,6 +35,7 @@ class JobRow:
     end: str = "not started"  # the last session's end reason, "running", or "stopped without an end" (killed)
     final_val_loss: float | None = None
     best_val_loss: float | None = None
+    val_tokens: int | None = None  # what the final val loss averaged over: train.eval_batches' first val batches
     step: int = 0
     tokens: int = 0
     tokens_per_s: float | None = None
@@ -54,9 +55,10 @@ def read_job(run_dir: Path, events: list[dict] | None = None) -> JobRow:
     if events is None:
         metrics = run_dir / "metrics.jsonl"
         events = read_metrics(metrics, final_only=True) if metrics.exists() else []
-    evals = [e["loss"] for e in events if e.get("event") == "eval" and isinstance(e.get("loss"), (int, float))]
+    evals = [e for e in events if e.get("event") == "eval" and isinstance(e.get("loss"), (int, float))]
     if evals:
-        row.final_val_loss, row.best_val_loss = evals[-1], min(evals)
+        row.final_val_loss, row.best_val_loss = evals[-1]["loss"], min(e["loss"] for e in evals)
+        row.val_tokens = evals[-1].get("val_tokens")
     progressed = [e for e in events if "step" in e and "tokens" in e]
     if progressed:
         row.step, row.tokens = progressed[-1]["step"], progressed[-1]["tokens"]
@@ -93,7 +95,10 @@ def table_order(row: JobRow) -> tuple[bool, float]:
     )
 
 
-COLUMNS = ["final val loss", "best val loss", "step", "tokens", "tokens/s", "end", "run dir"]
+# "val tokens": what each job's val losses measured, the first train.eval_batches batches of the val split (the
+# same prefix at every eval), so two jobs compare on the same rows only where it is equal, and `k3train.evaluate`
+# (the whole split by default) gives another number for the same checkpoint.
+COLUMNS = ["final val loss", "best val loss", "val tokens", "step", "tokens", "tokens/s", "end", "run dir"]
 
 
 def cells(row: JobRow, keys: list[str], sweep_dir: Path) -> list[str]:
@@ -104,6 +109,7 @@ def cells(row: JobRow, keys: list[str], sweep_dir: Path) -> list[str]:
     return [row.overrides.get(k, "") for k in keys] + [
         number(row.final_val_loss, ".4f"),
         number(row.best_val_loss, ".4f"),
+        "" if row.val_tokens is None else str(row.val_tokens),
         str(row.step),
         str(row.tokens),
         number(row.tokens_per_s, ".0f"),

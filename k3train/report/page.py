@@ -62,7 +62,9 @@ def render(
     for sweep in sweeps:
         parts += [
             f"<h2>Sweep {html.escape(str(sweep.sweep_dir))}</h2>\n",
-            "<p>Best final val loss first (also in sweep_summary.md and sweep_summary.csv there).</p>\n",
+            "<p>Best final val loss first (also in sweep_summary.md and sweep_summary.csv there). A val loss is over "
+            "the first train.eval_batches batches of the val split (val tokens); <code>python -m k3train.evaluate"
+            "</code> reads the whole split by default, so its number for the same checkpoint differs.</p>\n",
             to_html(sweep.keys, sweep.rows, sweep.sweep_dir),
         ]
     if overlay:

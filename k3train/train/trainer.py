@@ -293,7 +293,11 @@ class Trainer:
             self.model, self.val_loader, self.config.eval_batches, self.precision, self.device, self.dims.dp_group
         )
         self.metrics.log("eval", step=self.state.step, tokens=self.state.tokens, **result)
-        msg = f"{self.label}eval step {self.state.step}: val loss {result['loss']:.4f} ({result['batches']} batches)"
+        # What it measured, beside the number: `k3train.evaluate` reads the whole split by default (another number).
+        msg = (
+            f"{self.label}eval step {self.state.step}: val loss {result['loss']:.4f} "
+            f"(the first {result['batches']} val batches, {result['val_tokens']:,} tokens)"
+        )
         (progress.write if progress else say)(msg)
         return result
 
