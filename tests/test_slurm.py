@@ -52,7 +52,7 @@ def needs_slurm(test):
     skip = pytest.mark.skipif(
         not _slurm_answers(),
         reason="no SLURM controller answers `scontrol ping`: start one "
-        "with `sudo launchers/local_slurm/start.sh` (CI's .ci/run does)",
+        "with `launchers/local_slurm/start.sh` (CI's .ci/run does)",
     )
     return pytest.mark.slurm(skip(test))
 

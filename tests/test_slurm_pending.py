@@ -1,6 +1,7 @@
 """A SLURM sweep whose jobs cannot start says why (k3train/run/slurm_pending.py): the message for each pending
 reason and request, without a cluster; and on a real SLURM (launchers/local_slurm/start.sh), a sweep asking for more
-CPUs a job than the node has prints PartitionConfig and names hydra.launcher.cpus_per_task."""
+CPUs a job than the node has is refused before submitting, naming hydra.launcher.cpus_per_task, and a sweep held
+back says why it waits."""
 
 from __future__ import annotations
 
@@ -141,14 +142,54 @@ def _slurm_answers() -> bool:
 @pytest.mark.slurm
 @pytest.mark.skipif(
     not _slurm_answers(),
-    reason="no SLURM controller answers `scontrol ping`: start one with `sudo launchers/local_slurm/start.sh` "
+    reason="no SLURM controller answers `scontrol ping`: start one with `launchers/local_slurm/start.sh` "
     "(CI's .ci/run does)",
 )
-def test_a_sweep_asking_for_more_cpus_than_a_node_has_says_so(tmp_path):
-    """cpus_per_task above the node's CPUs: the array stays PENDING (PartitionConfig); past warning_s the launcher
-    prints one line for the array that names hydra.launcher.cpus_per_task, and nothing more for it."""
+def test_a_sweep_asking_for_more_cpus_than_a_node_has_is_refused_before_submitting(tmp_path):
+    """cpus_per_task above the node's CPUs could never start (it would pend as PartitionConfig): one line naming
+    hydra.launcher.cpus_per_task and the node's CPUs, exit status 2, and no job in the queue."""
     pytest.importorskip("submitit", reason="the slurm preset needs pip install '.[slurm]'")
     node_cpus = max(int(c) for c in subprocess.check_output(["sinfo", "-h", "-N", "-o", "%c"], text=True).split())
+    name = f"k3train-refused-{os.getpid()}"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "k3train",
+            "-m",
+            "hydra/launcher=slurm",
+            f"hydra.launcher.cpus_per_task={max(8, node_cpus + 1)}",
+            f"hydra.launcher.name={name}",
+            f"hydra.sweep.dir={tmp_path / 'sweep'}",
+            "model=smoke_test_lm",
+            "optim.lr=1e-3,3e-3",
+        ],
+        cwd=REPO,
+        env={**os.environ, "K3TRAIN_OUTPUTS": str(tmp_path / "outputs")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    queued = subprocess.run(["squeue", "-h", f"--name={name}"], capture_output=True, text=True, timeout=30).stdout
+    subprocess.run(["scancel", f"--name={name}"], timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("k3train: error: this SLURM sweep could never start: "), proc.stderr
+    assert f"the {node_cpus} CPUs of the largest node" in lines[0] and "hydra.launcher.cpus_per_task" in lines[0]
+    assert "nothing was submitted" in lines[0] and queued.strip() == ""
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+@pytest.mark.skipif(
+    not _slurm_answers(),
+    reason="no SLURM controller answers `scontrol ping`: start one with `launchers/local_slurm/start.sh` "
+    "(CI's .ci/run does)",
+)
+def test_a_sweep_that_waits_says_why(tmp_path):
+    """A job array held back (sbatch --begin in ten minutes) stays PENDING (BeginTime); past warning_s the watch
+    prints one line for the array saying why, and nothing more for it."""
+    pytest.importorskip("submitit", reason="the slurm preset needs pip install '.[slurm]'")
     name = f"k3train-pending-{os.getpid()}"
     launcher = subprocess.Popen(
         [
@@ -157,7 +198,8 @@ def test_a_sweep_asking_for_more_cpus_than_a_node_has_says_so(tmp_path):
             "k3train",
             "-m",
             "hydra/launcher=slurm",
-            f"hydra.launcher.cpus_per_task={max(8, node_cpus + 1)}",
+            "hydra.launcher.cpus_per_task=1",
+            "+hydra.launcher.additional_parameters.begin=now+600",
             f"hydra.launcher.name={name}",
             "hydra.callbacks.slurm_pending.warning_s=2",
             "hydra.callbacks.slurm_pending.poll_s=1",
@@ -177,7 +219,7 @@ def test_a_sweep_asking_for_more_cpus_than_a_node_has_says_so(tmp_path):
     try:
         deadline = time.monotonic() + 45
         while time.monotonic() < deadline and launcher.poll() is None:
-            if any("pending: PartitionConfig" in line for line in lines):
+            if any(" waiting: BeginTime" in line for line in lines):
                 break
             time.sleep(0.2)
         time.sleep(3)  # three more polls: the same array and reason are not reported again
@@ -188,5 +230,4 @@ def test_a_sweep_asking_for_more_cpus_than_a_node_has_says_so(tmp_path):
         reader.join(timeout=10)
     reported = [line for line in lines if line.startswith("k3train: SLURM job")]
     assert len(reported) == 1, "".join(lines)
-    assert " pending: PartitionConfig (" in reported[0] and "Change hydra.launcher.cpus_per_task," in reported[0]
-    assert f"the {node_cpus} CPUs of the largest node" in reported[0]
+    assert " waiting: BeginTime (its start time has not come yet)" in reported[0]

@@ -2,12 +2,14 @@
 
 submitit's SlurmLauncher submits the sweep as a job array, then waits on the results, forever if the request can
 never be met (cpus_per_task above what a node has: squeue says PENDING, Reason=PartitionConfig). The slurm preset
-adds PendingWatch as a Hydra callback (hydra.callbacks.slurm_pending): for each submission of the sweep it starts a
-daemon thread that polls `squeue -h -j <ids>` every `poll_s` seconds. Once a job has been pending over `warning_s`
-seconds, it prints once per job and reason (an array's pending tasks share a line), to stderr, the job id, SLURM's
-reason and what it means; for a reason that never clears by itself, the hydra.launcher field to change, the one
-over the partition's limit (`scontrol show partition`, `sinfo -N`) where that tells, else the candidates. The thread
-ends once no job is pending or the sweep ends.
+adds PendingWatch as a Hydra callback (hydra.callbacks.slurm_pending). Before anything is submitted it refuses, in
+one line with exit status 2, a request no node of the partition could ever run (refuse_what_cannot_start: the same
+limits as below). Then, for each submission of the sweep, it starts a daemon thread that polls `squeue -h -j <ids>`
+every `poll_s` seconds. Once a job has been pending over `warning_s` seconds, it prints once per job and reason (an
+array's pending tasks share a line), to stderr, the job id, SLURM's reason and what it means; for a reason that
+never clears by itself, the hydra.launcher field to change, the one over the partition's limit (`scontrol show
+partition`, `sinfo -N`) where that tells, else the candidates. The thread ends once no job is pending or the sweep
+ends.
 
 In: the callback's warning_s and poll_s, and the request in hydra.launcher. Out: lines on stderr; the sweep itself
 runs as before. A callback and not a subclass of the launcher, since Hydra instantiates launchers only from the
@@ -181,6 +183,26 @@ def _watch(job_ids: list[str], request: dict, warn_after_s: float, poll_s: float
                 print(pending_message(job, reason, request, limits), file=sys.stderr, flush=True)
 
 
+def refuse_what_cannot_start(request: Mapping) -> None:
+    """Before anything is submitted: a request over the partition's limits (its largest node, its MaxTime, a
+    partition that does not exist) would pend forever, so the sweep ends here in one line, exit status 2, naming
+    the hydra.launcher fields to change. Nothing is checked where sinfo and scontrol do not answer."""
+    try:
+        limits = node_limits(request.get("partition"))
+    except (OSError, subprocess.SubprocessError):
+        return
+    found = over_limit(request, limits)
+    if found:
+        why = "; ".join(reason for _, reason in found)
+        fields = ", ".join(f"hydra.launcher.{name}" for name in dict(found))
+        print(
+            f"k3train: error: this SLURM sweep could never start: {why}. Change {fields}; nothing was submitted",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(2)
+
+
 class PendingWatch(Callback):
     """The Hydra callback that conf/hydra/launcher/slurm.yaml adds as hydra.callbacks.slurm_pending (module
     docstring). warning_s: null turns it off."""
@@ -194,6 +216,9 @@ class PendingWatch(Callback):
         return {**self.__dict__, "_undo": None}
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        keys = ("cpus_per_task", "tasks_per_node", "mem_gb", "gpus_per_node", "nodes", "timeout_min", "partition")
+        request = {key: config.hydra.launcher.get(key) for key in keys}
+        refuse_what_cannot_start(request)
         if self.warning_s is None:
             return
         import submitit  # the launcher imports it too, a moment later: only a SLURM sweep gets here
@@ -203,8 +228,6 @@ class PendingWatch(Callback):
         # the preset): wrap map_array for the sweep to start a watch on the jobs each call returns.
         executor, done = submitit.AutoExecutor, threading.Event()
         own, original = "map_array" in vars(executor), executor.map_array
-        keys = ("cpus_per_task", "tasks_per_node", "mem_gb", "gpus_per_node", "nodes", "timeout_min", "partition")
-        request = {key: config.hydra.launcher.get(key) for key in keys}
 
         def map_array(this, fn, *iterable):
             jobs = original(this, fn, *iterable)

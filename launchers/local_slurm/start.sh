@@ -4,7 +4,9 @@
 # starts munged, mariadbd, slurmdbd, slurmctld and slurmd, and waits for an idle node. Needs root (a container is
 # fine: no systemd or cgroups are used). stop.sh stops exactly the daemons this script started.
 #
-#   sudo launchers/local_slurm/start.sh && sinfo && sbatch --wrap hostname && sudo launchers/local_slurm/stop.sh
+#   launchers/local_slurm/start.sh && sinfo && sbatch --wrap hostname && launchers/local_slurm/stop.sh
+#
+# As root (a container) it runs as it is; as another user it runs itself again through sudo (asking its password).
 #
 # Environment: K3TRAIN_SLURM_STATE (default /tmp/k3train-slurm: pid list, logs, spool), K3TRAIN_SLURM_CPUS (the
 # node's CPUs, default nproc), K3TRAIN_SLURM_DEADLINE_S (how long to wait for the idle node, default 60).
@@ -21,7 +23,10 @@ started="$state/started"  # one "name pid" line per daemon this script started; 
 say() { echo "local_slurm: $*" >&2; }
 die() { say "error: $*"; exit 1; }
 
-[[ $(id -u) == 0 ]] || die "run as root (it installs packages and starts daemons)"
+if [[ $(id -u) != 0 ]]; then  # it installs packages and starts daemons
+    command -v sudo >/dev/null || die "run it as root: it installs packages and starts daemons (and there is no sudo)"
+    exec sudo --preserve-env=K3TRAIN_SLURM_STATE,K3TRAIN_SLURM_CPUS,K3TRAIN_SLURM_DEADLINE_S "$0" "$@"
+fi
 if scontrol ping >/dev/null 2>&1; then
     say "a SLURM controller is already running; starting nothing"; exit 0
 fi

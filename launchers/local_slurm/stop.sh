@@ -2,6 +2,10 @@
 # Stops the daemons launchers/local_slurm/start.sh started (and only those), newest first, each with SIGTERM and a
 # deadline before SIGKILL. Packages and configs stay, so the next start.sh is quick.
 set -euo pipefail
+if [[ $(id -u) != 0 ]]; then  # the daemons are root's, as start.sh started them
+    command -v sudo >/dev/null || { echo "local_slurm: error: run it as root (there is no sudo)" >&2; exit 1; }
+    exec sudo --preserve-env=K3TRAIN_SLURM_STATE "$0" "$@"
+fi
 
 state=${K3TRAIN_SLURM_STATE:-/tmp/k3train-slurm}
 started="$state/started"
