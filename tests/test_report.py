@@ -267,7 +267,11 @@ def _known_run(path, *, grad_norms=GRAD_NORMS, grad_clip=CLIP, mfu=True, loss_sh
     events = [{"event": "session", "session": 0, "step": 0}, *train[:2], evals[0], skip, *train[2:4], evals[1]]
     events.append(train[4])
     (path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    config = {"train": {"grad_clip": grad_clip}, "callbacks": {"qk_clip": {"tau": TAU}}}
+    config = {
+        "train": {"grad_clip": grad_clip},
+        "callbacks": {"qk_clip": {"tau": TAU}},
+        "schedule": {"warmup_steps": 15},
+    }
     (path / "run.json").write_text(json.dumps({"config": config, "sessions": [{"session": 0, "overrides": []}]}))
     return path, events
 
@@ -288,14 +292,15 @@ def _chart_of(tmp_path, chart, **kwargs):
     return chart(load_run(run_dir)), events
 
 
-def test_the_loss_figure_draws_train_and_val_loss_against_tokens(tmp_path):
+def test_the_loss_figure_draws_train_and_val_loss_against_steps_with_tokens_above(tmp_path):
     chart, events = _chart_of(tmp_path, loss_chart)
     (panel,) = chart.panels
-    assert (panel.xlabel, panel.ylabel, panel.yscale) == ("tokens", "loss", "linear")
+    assert (panel.xlabel, panel.top_xlabel, panel.ylabel, panel.yscale) == ("step", "tokens", "loss", "linear")
     assert panel.data() == {
-        "train (mean since the last log line)": (_of(events, "train", "tokens"), _of(events, "train", "loss")),
-        "val": (_of(events, "eval", "tokens"), _of(events, "eval", "loss")),
+        "train (mean since the last log line)": (_of(events, "train", "step"), _of(events, "train", "loss")),
+        "val (the first train.eval_batches val batches)": (_of(events, "eval", "step"), _of(events, "eval", "loss")),
     }
+    assert panel.legend_outside
 
 
 def test_the_lr_figure_draws_every_param_group_against_steps(tmp_path):
@@ -377,15 +382,51 @@ def test_the_optimizer_figure_draws_update_rms_first_then_weight_norm_per_group_
         }
 
 
-def test_the_overlay_draws_each_runs_val_and_train_loss_against_tokens(tmp_path):
+def test_the_overlay_draws_each_runs_val_and_train_loss_against_steps(tmp_path):
     (a, events_a), (b, events_b) = _known_run(tmp_path / "a"), _known_run(tmp_path / "b", loss_shift=1.25)
     top, bottom = overlay_chart([load_run(a, label="run a"), load_run(b, label="run b")]).panels
-    assert (top.ylabel, bottom.ylabel, bottom.xlabel) == ("val loss", "train loss", "tokens")
+    assert (top.ylabel, bottom.ylabel, bottom.xlabel) == ("val loss", "train loss", "step")
     for panel, kind in ((top, "eval"), (bottom, "train")):
         assert panel.data() == {
-            label: (_of(events, kind, "tokens"), _of(events, kind, "loss"))
+            label: (_of(events, kind, "step"), _of(events, kind, "loss"))
             for label, events in (("run a", events_a), ("run b", events_b))
         }
+
+
+def test_every_figure_has_steps_below_its_legend_outside_and_a_caption_on_the_page(tmp_path):
+    run_dir, _ = _known_run(tmp_path / "run")
+    charts = run_charts(load_run(run_dir))
+    for chart in charts:
+        assert chart.panels[-1].xlabel == "step", chart.name
+        assert all(panel.legend_outside for panel in chart.panels), chart.name
+        assert len(chart.caption) > 80, chart.name  # what it shows and what good looks like
+    assert "orthogonality error" in {c.name: c for c in charts}["optimizer"].caption
+    write_report([run_dir], tmp_path / "out")
+    page = (tmp_path / "out" / "index.html").read_text()
+    assert page.count("<figcaption>") == len(charts) and "what good" not in page  # the captions' own words
+    assert "[0.5, 1.5]" in page
+
+
+def test_a_log_axis_labels_its_ticks_as_plain_numbers():
+    """The grad-norm figure's log axis (and every other log axis: _finish) reads 0.5, 1, 2, 20, not 5x10^-1."""
+    from matplotlib.figure import Figure
+
+    from k3train.report.figures import _finish
+
+    ax = Figure().subplots()
+    ax.plot([1, 2, 3], [0.4, 2.0, 40.0])
+    _finish(ax, "grad norm", log=True)
+    labels = [ax.yaxis.get_major_formatter()(v, 0) for v in (0.5, 1.0, 2.0, 20.0)]
+    assert labels == ["0.5", "1", "2", "20"]
+    assert [ax.yaxis.get_minor_formatter()(v, 0) for v in (3.0, 30.0)] == ["", ""]
+
+
+def test_the_lr_figure_starts_at_0_and_marks_the_end_of_warmup(tmp_path):
+    chart, _ = _chart_of(tmp_path, lr_chart)
+    (panel,) = chart.panels
+    warmups = [line for line in panel.lines if line.kind == "vline"]
+    assert len(warmups) == 1 and warmups[0].xs == [15.0]
+    assert warmups[0].label == "warmup ends (schedule.warmup_steps 15)"
 
 
 def test_the_report_writes_the_pngs_whose_data_the_charts_carry(tmp_path):
@@ -401,7 +442,7 @@ def test_the_report_writes_the_pngs_whose_data_the_charts_carry(tmp_path):
 def test_the_figures_of_a_resumed_torn_run_draw_the_later_sessions_values(tmp_path):
     charts = {chart.name: chart for chart in run_charts(load_run(_run_dir(tmp_path / "run")))}
     xs, ys = charts["loss"].panels[0].data()["train (mean since the last log line)"]
-    assert xs == [64, 128, 192, 256] and ys[:3] == [5.0, 4.0, 3.5] and math.isnan(ys[3])  # not step 3's 9.0
+    assert xs == [1, 2, 3, 4] and ys[:3] == [5.0, 4.0, 3.5] and math.isnan(ys[3])  # not step 3's 9.0
     assert charts["lr"].panels[0].data()["adamw_embed"] == ([1, 2, 3, 4], [0.003] * 4)
 
 

@@ -44,6 +44,8 @@ class Panel:
     yscale: str  # "linear" or "log"
     lines: list[Line]
     texts: list[str]  # e.g. "no mfu" where a panel has nothing to draw
+    top_xlabel: str = ""  # the second x axis above the panel ("tokens" beside "step"), "" without one
+    legend_outside: bool = True  # its legend (if any) sits right of the axes, never over the curves
 
     def line(self, label: str) -> Line:
         """The one line labelled `label`; KeyError naming the panel's labels when there is none or several."""
@@ -64,6 +66,7 @@ class Chart:
     png: bytes | None  # None: the run has nothing to draw here, and note says why
     note: str = ""
     panels: list[Panel] = field(default_factory=list)  # what png shows (empty when png is None)
+    caption: str = ""  # under the figure on the page: what it shows and what good looks like
 
 
 def _new_figure(rows: int, title: str):
@@ -83,6 +86,9 @@ def _floats(values) -> list[float]:
 
 
 def _panel(ax) -> Panel:
+    top = [child.get_xlabel() for child in ax.child_axes if child.get_xlabel()]
+    legend = ax.get_legend()
+    outside = legend is None or legend.get_bbox_to_anchor().x0 >= ax.get_window_extent().x1
     lines = []
     for artist in ax.get_lines():
         label = artist.get_label()
@@ -94,14 +100,20 @@ def _panel(ax) -> Panel:
             lines.append(Line("vline", label, _floats(artist.get_xdata()[:1]), []))
         else:
             lines.append(Line("data", label, _floats(artist.get_xdata()), _floats(artist.get_ydata())))
-    return Panel(ax.get_xlabel(), ax.get_ylabel(), ax.get_yscale(), lines, [t.get_text() for t in ax.texts])
+    texts = [t.get_text() for t in ax.texts]
+    return Panel(ax.get_xlabel(), ax.get_ylabel(), ax.get_yscale(), lines, texts, top[0] if top else "", outside)
 
 
 def _chart(name: str, title: str, fig, note: str = "") -> Chart:
     """The Chart of a drawn figure: its PNG and, read back from the same figure, what the PNG shows."""
     out = io.BytesIO()
-    fig.savefig(out, format="png", dpi=90)
-    return Chart(name, title, out.getvalue(), note, [_panel(ax) for ax in fig.axes])
+    fig.savefig(out, format="png", dpi=90)  # draws it: the legends' places are known after
+    panels = [_panel(ax) for ax in fig.axes if ax.get_label() != "<colorbar>" and not _is_secondary(ax)]
+    return Chart(name, title, out.getvalue(), note, panels, CAPTIONS.get(name, ""))
+
+
+def _is_secondary(ax) -> bool:
+    return type(ax).__name__ == "SecondaryAxis"
 
 
 def _line(ax, xs, ys, label, **style) -> None:
@@ -114,8 +126,27 @@ def _finish(ax, ylabel: str, *, log: bool = False, legend: bool = True) -> None:
     ax.grid(alpha=0.3)
     if log:
         ax.set_yscale("log")
+        # plain numbers (0.5, 2, 40) at every labelled tick, not 4x10^0 on one and 10^0 on the next
+        from matplotlib.ticker import FuncFormatter, LogLocator
+
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
     if legend and ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize="small", ncol=2 if len(ax.get_legend_handles_labels()[0]) > 6 else 1)
+        # right of the axes, never over the curves (constrained layout makes room for it)
+        ncol = 2 if len(ax.get_legend_handles_labels()[0]) > 12 else 1
+        ax.legend(fontsize="small", ncol=ncol, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
+
+
+def _tokens_axis(ax, run: Run) -> None:
+    """A second x axis above `ax`: the tokens trained by each step. A run's tokens per update are fixed (a resume
+    must keep the global batch), so the last train event's tokens / step is every step's."""
+    steps, tokens = series(run.events, "train", "tokens")
+    if not steps or steps[-1] <= 0 or tokens[-1] <= 0:
+        return
+    per_step = tokens[-1] / steps[-1]
+    top = ax.secondary_xaxis("top", functions=(lambda x: x * per_step, lambda x: x / per_step))
+    top.set_xlabel("tokens")
 
 
 def _all_positive(*ys_lists) -> bool:
@@ -154,14 +185,15 @@ def _per_key_panels(
 
 def loss_chart(run: Run) -> Chart:
     title = "train and val loss"
-    train, val = series(run.events, "train", "loss", x="tokens"), series(run.events, "eval", "loss", x="tokens")
+    train, val = series(run.events, "train", "loss"), series(run.events, "eval", "loss")
     if not train[0] and not val[0]:
         return Chart("loss", title, None, "no train or eval event yet")
     fig, (ax,) = _new_figure(1, title)
     _line(ax, *train, "train (mean since the last log line)")
-    _line(ax, *val, "val", marker="o")
+    _line(ax, *val, "val (the first train.eval_batches val batches)", marker="o")
     _finish(ax, "loss")
-    ax.set_xlabel("tokens")
+    ax.set_xlabel("step")
+    _tokens_axis(ax, run)
     return _chart("loss", title, fig)
 
 
@@ -174,6 +206,11 @@ def lr_chart(run: Run) -> Chart:
     styles = ["-", "--", ":", "-."]  # groups often share one schedule: dashes keep every one visible
     for i, group in enumerate(groups):
         _line(ax, *series(run.events, "train", "lr", group), group, ls=styles[i % len(styles)])
+    warmup = scalar(run.setting("schedule", "warmup_steps"))
+    if warmup:  # the lr is logged every train.log_interval steps: the rise from 0 shows against this line
+        ax.axvline(warmup, color="grey", ls=":", lw=1, label=f"warmup ends (schedule.warmup_steps {warmup:g})")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)  # from 0, so that the warmup is seen to start there
     _finish(ax, "lr")
     ax.set_xlabel("step")
     return _chart("lr", title, fig)
@@ -278,6 +315,34 @@ def optimizer_chart(run: Run) -> Chart:
     )
 
 
+# Under each figure on the page: what it shows and what good looks like.
+CAPTIONS = {
+    "loss": "Train loss (the mean over the updates since the last log line) and val loss (the first "
+    "train.eval_batches val batches, the same rows every time) by step; tokens trained on the top axis. Good: both "
+    "fall, val staying close to train; val rising while train falls is overfitting.",
+    "lr": "Each param group's learning rate as the schedule sets it, by step, from 0. Groups that share a schedule "
+    "lie on each other (dashed to keep each visible); the dotted line is where warmup ends.",
+    "grad_norm": "The global gradient norm before clipping (mean and max over the updates since the last log line) "
+    "and after it, against train.grad_clip. Good: mostly below the threshold after the first steps; clipping every "
+    "update means the lr is too high for it. Red lines: updates skipped for a non-finite loss or gradient.",
+    "throughput": "Tokens per second and model FLOPs utilisation (the model's FLOPs over the device's peak) by step. "
+    "Good: flat after the first steps; dips are evaluations, checkpoints or other processes on the machine.",
+    "moe": "Per MoE layer, the load of its busiest (load_max) and idlest (load_min) routed expert over the mean "
+    "load, 1 (dotted) being perfect balance. Quantile Balancing brings both towards 1 (the quickstart: load_max "
+    "2.2-2.5 at step 10, 1.1-1.2 from step 110); a layer stuck far from 1 routes most tokens to a few experts.",
+    "qk_clip": "QK-Clip: each MLA module's largest attention logit against tau (dotted), and how many heads were "
+    "rescaled since the last log line. Good: logits level off below tau; heads clipped early in training and "
+    "rarely after is QK-Clip doing its job.",
+    "optimizer": "Per param group, the RMS of the last update (the lr included: it follows the schedule), the "
+    "weight norm, and for Muon the Newton-Schulz orthogonality error: max |sigma - 1| over one orthogonalised "
+    "update's singular values, measured every orthogonality_check_interval updates. Muon's 5 quintic steps aim "
+    "for singular values in about [0.5, 1.5], not exactly 1 (Jordan et al., 2024), so up to ~0.5 is by design; "
+    "near 1 is a direction of the momentum with a tiny singular value left small (it gets a small update, "
+    "harmless); far above 1, or NaN, is a fault.",
+    "overlay": "Val (top) and train loss of every run by step, in the sweep table's order (best final val loss "
+    "first). Runs compare step for step where they train the same tokens a step.",
+}
+
 RUN_CHARTS = [loss_chart, lr_chart, grad_norm_chart, throughput_chart, moe_chart, qk_clip_chart, optimizer_chart]
 
 
@@ -290,10 +355,10 @@ def overlay_chart(runs: list[Run]) -> Chart:
     title = "val and train loss of every run"
     fig, (top, bottom) = _new_figure(2, title)
     for run in runs:
-        val, train = series(run.events, "eval", "loss", x="tokens"), series(run.events, "train", "loss", x="tokens")
+        val, train = series(run.events, "eval", "loss"), series(run.events, "train", "loss")
         _line(top, *val, run.label, marker="o")
         _line(bottom, *train, run.label)
     _finish(top, "val loss")
     _finish(bottom, "train loss", legend=False)
-    bottom.set_xlabel("tokens")
+    bottom.set_xlabel("step")  # runs of one sweep may train different tokens a step: no tokens axis here
     return _chart("overlay", title, fig)

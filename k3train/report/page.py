@@ -18,6 +18,7 @@ table { border-collapse: collapse; font-size: 0.9em; margin-bottom: 1em; }
 th, td { border: 1px solid #ccc; padding: 0.2em 0.5em; text-align: left; }
 img { max-width: 100%; border: 1px solid #eee; margin-bottom: 1em; }
 .note { color: #666; font-style: italic; }
+figcaption { color: #333; max-width: 60em; margin-bottom: 1.5em; }
 """
 
 
@@ -26,9 +27,10 @@ def _figure(chart: Chart, href: str) -> str:
         return f'<p class="note">{html.escape(chart.title)}: {html.escape(chart.note)}</p>\n'
     data = base64.b64encode(chart.png).decode()
     note = f'<p class="note">{html.escape(chart.note)}</p>\n' if chart.note else ""
+    caption = f"<figcaption>{html.escape(chart.caption)}</figcaption>" if chart.caption else ""
     return (
         f'<figure><a href="{html.escape(href)}"><img src="data:image/png;base64,{data}" '
-        f'alt="{html.escape(chart.title)}"></a>{note}</figure>\n'
+        f'alt="{html.escape(chart.title)}"></a>{note}{caption}</figure>\n'
     )
 
 
