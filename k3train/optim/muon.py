@@ -22,7 +22,9 @@ Expert-parallel shards (parameters with `expert_parallel` > 1: each rank holds o
 their own rank, never spread; under FSDP2 they are sharded again on the expert dimension, so each rank still holds
 whole experts and orthogonalises those, exchanging nothing, or, with fewer experts than ranks to shard them over, on
 dim 1, and then the ranks holding slices of the same experts share them out as owners as above
-(k3train/train/parallel.py). A checkpoint holds every rank's own experts (k3train/checkpoint/expert_shards.py).
+(k3train/runtime/parallel_layout.expert_shard_dim; which of the three a parameter gets is
+k3train/optim/muon_distributed.muon_placement, the planner's too). A checkpoint holds every rank's own experts
+(k3train/checkpoint/expert_shards.py).
 
 Sources: KellerJordan/Muon, torch.optim.Muon and Moonlight's Muon:
 https://github.com/KellerJordan/Muon/blob/857d1adc159e098212f828d927460782d3da59e9/muon.py
@@ -53,6 +55,7 @@ from k3train.optim.muon_distributed import (
     is_expert_shard,
     is_sharded,
     local_part,
+    muon_placement,
     newton_schulz_cost,
     sum_over_shards,
 )
@@ -249,15 +252,23 @@ class MuonAdamW(torch.optim.Optimizer):
     def _muon_step(self, group: dict[str, Any]) -> None:
         with_grad = [(p, s) for p, s in zip(group["params"], group["head_splits"]) if p.grad is not None]
         ranks = data_parallel_group(self.process_group)
-        # Where each parameter is orthogonalised: an FSDP2 shard (or a slice of experts) at its owner on its mesh; an
-        # expert-parallel shard differs by rank, so its own rank does it (each expert is its own matrix); the rest,
-        # replicated, shared out over the data-parallel ranks, or here in one process.
-        sharded = [is_sharded(p) and not holds_whole_experts(p) for p, _ in with_grad]
-        here = [not s and (ranks is None or is_expert_shard(p)) for s, (p, _) in zip(sharded, with_grad)]
-        replicated = [i for i in range(len(with_grad)) if not sharded[i] and not here[i]]
+        # Where each parameter is orthogonalised (muon_placement): an FSDP2 shard (or a slice of experts) at its
+        # owner on its mesh; an expert-parallel shard differs by rank, so its own rank does it (each expert is its own
+        # matrix); the rest, replicated, shared out over the data-parallel ranks, or here in one process.
+        placed = [
+            muon_placement(
+                sharded=is_sharded(p),
+                expert_parallel=is_expert_shard(p),
+                whole_experts=holds_whole_experts(p),
+                data_parallel=ranks is not None,
+            )
+            for p, _ in with_grad
+        ]
         in_turn = itertools.chain(
-            self._orthogonalise_here(group, with_grad, [i for i in range(len(with_grad)) if here[i]]),
-            self._orthogonalise_spread(group, with_grad, replicated, ranks),
+            self._orthogonalise_here(group, with_grad, [i for i, where in enumerate(placed) if where == "own"]),
+            self._orthogonalise_spread(
+                group, with_grad, [i for i, where in enumerate(placed) if where == "replicated"], ranks
+            ),
         )
         squares = []  # each update's sum of squares (lr-scaled), summed in parameter order as one process would
         for i, O in in_turn:
@@ -265,7 +276,9 @@ class MuonAdamW(torch.optim.Optimizer):
             squares.append(self._apply_update(group, with_grad, i, from_matrices(O, split, local_part(p).shape)))
             if self._orthogonality_due(self.state[p]["step"], i, len(with_grad)):
                 self._ortho_error[group["name"]] = orthogonality_error(O[0])
-        squares += self._orthogonalise_at_owners(group, with_grad, [i for i in range(len(with_grad)) if sharded[i]])
+        squares += self._orthogonalise_at_owners(
+            group, with_grad, [i for i, where in enumerate(placed) if where == "owners"]
+        )
         if squares:
             self._update_sq[group["name"]] = (sum(squares), sum(p.numel() for p, _ in with_grad))
 

@@ -224,6 +224,23 @@ def holds_whole_experts(p: Tensor) -> bool:
     return is_expert_shard(p) and (not is_sharded(p) or p.placements[0] == Shard(0))
 
 
+def muon_placement(*, sharded: bool, expert_parallel: bool, whole_experts: bool, data_parallel: bool) -> str:
+    """Where MuonAdamW orthogonalises a parameter, from what a rank holds of it (MuonAdamW asks it of each tensor,
+    k3train/plan/muon.py of each planned one):
+    - "owners": an FSDP2 shard (`sharded`), other ranks holding the rest of each matrix: one owner per matrix on its
+      mesh (exchange_with_owners), but for expert-parallel weights this rank holds whole experts of
+      (`whole_experts`: FSDP2 shards them on dim 0);
+    - "own": this rank's own whole experts (`expert_parallel`: no other rank of its mesh holds them), or any
+      parameter when there is no other data-parallel rank to share with (`data_parallel` false);
+    - "replicated": the same on every data-parallel rank (DDP): shared out, then all-gathered (all_gather_outputs).
+    """
+    if sharded and not (expert_parallel and whole_experts):
+        return "owners"
+    if expert_parallel or not data_parallel:
+        return "own"
+    return "replicated"
+
+
 def global_square_sum(params: Sequence[Tensor]) -> Tensor:
     """The sum of squares of the whole `params`: FSDP2 shards summed over their mesh, expert-parallel ones also over
     the ranks holding the other experts (a collective: every rank calls it, in step())."""

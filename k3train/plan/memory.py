@@ -38,6 +38,7 @@ from k3train.plan.activations import F32, I64, ContextSlice, LayerActivations, l
 from k3train.plan.mesh import Mesh, rank_rows
 from k3train.plan.muon import NS_BYTES, muon_groups, muon_shares
 from k3train.plan.spec import Param, RunSpec
+from k3train.runtime.parallel_layout import expert_shard_dim
 
 
 @dataclass
@@ -69,7 +70,7 @@ def shard_bytes(p: Param, mesh: Mesh, element: int = F32) -> float:
     shards = mesh.dp_shard
     if p.routed:
         dim0, shards = dim0 // mesh.ep, mesh.expert_shard
-        if dim0 < shards:
+        if expert_shard_dim(dim0, shards) == 1:
             return dim0 * math.ceil(p.shape[1] / shards) * (rest // p.shape[1]) * element
     return math.ceil(dim0 / shards) * rest * element
 

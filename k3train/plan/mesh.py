@@ -1,8 +1,10 @@
 """A mesh to plan for: how N devices divide the work, dp_replicate x dp_shard, with ep ranks splitting the routed
-experts and cp ranks splitting each row's sequence.
+experts and cp ranks splitting each row's sequence. A Mesh is the run's ParallelLayout
+(k3train/runtime/parallel_layout.py: the rules, world, expert_dp, expert_shard, expert_replicas, dp_size), so a
+mesh the planner accepts is one a run accepts, but for HSDP, which it plans and a run does not build yet.
 
     world = dp_replicate x dp_shard          every rank holds its own tokens of the global batch
-    ep | world                               groups of ep consecutive ranks split the routed experts: E / ep whole
+    ep | world (ep | dp_shard under FSDP)    groups of ep consecutive ranks split the routed experts: E / ep whole
                                              experts per rank, token slots exchanged by all-to-all
     cp | world                               groups of cp consecutive ranks split the same rows (parallel.cp): each
                                              holds seq_len / cp positions of them, so world / cp ranks read different
@@ -21,29 +23,12 @@ ones, k3train/runtime/parallel_dims.py), only the tokens a rank holds and what i
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from k3train.runtime.parallel_layout import ParallelLayout
 
 
-@dataclass(frozen=True)
-class Mesh:
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    ep: int = 1
-    cp: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "ep", "cp"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"mesh {name}={getattr(self, name)!r} must be a positive integer")
-        if self.world % self.ep:
-            raise ValueError(f"mesh ep={self.ep} must divide the {self.world} ranks")
-        if self.dp_shard > 1 and self.dp_shard % self.ep:
-            raise ValueError(
-                f"mesh ep={self.ep} must divide dp_shard={self.dp_shard}: under FSDP the expert-parallel ranks are "
-                "taken from the sharded ones"
-            )
-        if self.world % self.cp:
-            raise ValueError(f"mesh cp={self.cp} must divide the {self.world} ranks")
+class Mesh(ParallelLayout):
+    """A ParallelLayout (its rules and sizes are the run's: k3train/runtime/parallel_layout.py) with the planner's
+    text form: --mesh parses one, a plan prints one."""
 
     @classmethod
     def parse(cls, text: str, cp: int = 1) -> Mesh:
@@ -58,33 +43,6 @@ class Mesh:
         if len(values) == 2:
             values.append(1)
         return cls(*values) if len(values) == 4 else cls(*values, cp=cp)
-
-    @property
-    def world(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def expert_shard(self) -> int:
-        """The FSDP degree of each rank's experts: the dp_shard / ep ranks that hold the same ones (1 under DDP)."""
-        return self.dp_shard // self.ep if self.dp_shard > 1 else 1
-
-    @property
-    def expert_replicas(self) -> int:
-        """Ranks holding the same experts' shard: they average its gradients."""
-        return self.world // (self.ep * self.expert_shard)
-
-    @property
-    def dp_size(self) -> int:
-        """Ranks that read different rows: cp consecutive ranks share theirs."""
-        return self.world // self.cp
-
-    @property
-    def strategy(self) -> str:
-        if self.world == 1:
-            return "one process"
-        if self.dp_shard == 1:
-            return "ddp"
-        return "fsdp" if self.dp_replicate == 1 else "hsdp"
 
     def describe(self) -> str:
         cp = f", cp {self.cp}" if self.cp > 1 else ""

@@ -1,15 +1,16 @@
 """How MuonAdamW shares out its Newton-Schulz on a mesh (k3train/optim/muon.py, muon_distributed.py), per Muon
 group: which ranks orthogonalise what, the bytes they exchange, the FLOPs of the busiest rank and the largest buffers.
 
-A group's parameters fall into shares, each handled one way:
+A group's parameters fall into shares, each handled one way (the optimizer's muon_placement decides which,
+k3train/optim/muon_distributed.py):
 - "own": expert-parallel weights whose experts a rank holds whole (plain under DDP, dim 0 under FSDP2): each rank
   orthogonalises its own, alone; nothing is exchanged.
 - "owners": FSDP2 shards (every parameter under FSDP2 but whole local experts; routed experts sliced on dim 1 when
   fewer remain than ranks, a share of their own over the dp_shard / ep ranks holding them): one owner per matrix
   (balanced by cost), in rounds of one matrix per owner, each round two all-to-alls of the Newton-Schulz dtype: every
   rank's shard to the owners, and each owner's update back, one shard a rank.
-- "all-gather": replicated parameters (DDP): owners the same way, then one all-gather of every owner's outputs,
-  ranks x the largest share.
+- "all-gather": replicated parameters ("replicated": DDP): owners the same way, then one all-gather of every
+  owner's outputs, ranks x the largest share.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
-from k3train.optim.muon_distributed import assign_owners, newton_schulz_cost
+from k3train.optim.muon_distributed import assign_owners, muon_placement, newton_schulz_cost
 from k3train.plan.mesh import Mesh, rank_rows, row_breaks
 from k3train.plan.spec import Param, RunSpec
+from k3train.runtime.parallel_layout import expert_shard_dim
 
 NS_BYTES = {"bf16": 2, "fp32": 4}
 
@@ -75,24 +77,38 @@ def muon_shares(spec: RunSpec, mesh: Mesh, group: str, ns_steps: int = 5, device
 def _muon_shares(spec: RunSpec, mesh: Mesh, group: str, ns_steps: int, device_type: str) -> list[MuonShare]:
     members = [p for p in spec.params if p.kind == "muon" and p.group == group]
     element = NS_BYTES[spec.ns_dtype]
-    own = [p for p in members if p.routed and mesh.ep > 1 and (experts_whole(p, mesh) or mesh.dp_shard == 1)]
-    rest = [p for p in members if p not in own]
+    placed = [(p, placement(p, mesh)) for p in members]
+    own = [p for p, where in placed if where == "own"]
+    owners = [p for p, where in placed if where == "owners"]
+    replicated = [p for p, where in placed if where == "replicated"]
     shares = []
-    if own:
+    if own:  # a rank's own experts, or every parameter in one process (ep is 1 there)
         flops = ns_steps * sum(newton_schulz_cost(_local_matrices(p, mesh)) for p in own)
-        shares.append(MuonShare("own", 1, 0.0, 0, flops, 0.0, True))
-    if mesh.dp_shard > 1:
-        sliced = [p for p in rest if p.routed and mesh.ep > 1]
-        dense = [p for p in rest if p not in sliced]
-        for some, ranks, dim in ((dense, mesh.dp_shard, 0), (sliced, mesh.expert_shard, 1)):
-            if some:
-                shares.append(_owners(some, mesh, ranks, dim, element, ns_steps))
-    elif rest and mesh.world > 1:
-        shares.append(_all_gather(rest, mesh, element, ns_steps, device_type))
-    elif rest:
-        flops = ns_steps * sum(newton_schulz_cost(p.matrices) for p in rest)
-        shares.append(MuonShare("own", 1, 0.0, 0, flops, 0.0, False))
+        shares.append(MuonShare("own", 1, 0.0, 0, flops, 0.0, mesh.ep > 1))
+    sliced = [p for p in owners if _expert_parallel(p, mesh)]
+    dense = [p for p in owners if not _expert_parallel(p, mesh)]
+    for some, ranks, dim in ((dense, mesh.dp_shard, 0), (sliced, mesh.expert_shard, 1)):
+        if some:
+            shares.append(_owners(some, mesh, ranks, dim, element, ns_steps))
+    if replicated:
+        shares.append(_all_gather(replicated, mesh, element, ns_steps, device_type))
     return shares
+
+
+def placement(p: Param, mesh: Mesh) -> str:
+    """Where MuonAdamW orthogonalises `p` on `mesh`: the optimizer's own rule (muon_distributed.muon_placement),
+    asked of what the mesh makes of `p`. Under FSDP2 every parameter is sharded but the experts FSDP2 leaves whole
+    per rank (or ignores, expert_shard 1: whole too)."""
+    return muon_placement(
+        sharded=mesh.dp_shard > 1,
+        expert_parallel=_expert_parallel(p, mesh),
+        whole_experts=experts_whole(p, mesh),
+        data_parallel=mesh.world > 1,
+    )
+
+
+def _expert_parallel(p: Param, mesh: Mesh) -> bool:
+    return p.routed and mesh.ep > 1
 
 
 def _owners(params: list[Param], mesh: Mesh, ranks: int, dim: int, element: int, ns_steps: int) -> MuonShare:
@@ -190,19 +206,20 @@ def _all_gather(params: list[Param], mesh: Mesh, element: int, ns_steps: int, de
 
 def _local_shape(p: Param, mesh: Mesh) -> tuple[int, ...]:
     """The tensor a rank's optimizer sees as the parameter's whole: its ep share of the routed experts."""
-    if not (p.routed and mesh.ep > 1):
+    if not _expert_parallel(p, mesh):
         return tuple(p.shape)
     return (p.shape[0] // mesh.ep, *p.shape[1:])
 
 
 def _local_matrices(p: Param, mesh: Mesh) -> tuple[int, int, int]:
     n, a, b = p.matrices
-    if not (p.routed and mesh.ep > 1):
+    if not _expert_parallel(p, mesh):
         return (n, a, b)
     return (n // mesh.ep // (mesh.expert_shard if experts_whole(p, mesh) else 1), a, b)
 
 
 def experts_whole(p: Param, mesh: Mesh) -> bool:
-    """Whether FSDP2 shards a routed-expert weight's local experts whole (dim 0) over the ranks holding them: when
-    there are at least as many as ranks (k3train/train/parallel.py), else on dim 1 (see memory.shard_bytes)."""
-    return p.shape[0] // mesh.ep >= mesh.expert_shard
+    """Whether FSDP2 shards a routed-expert weight's local experts whole (dim 0) over the ranks holding them, as the
+    model's parallelize decides it (k3train/runtime/parallel_layout.expert_shard_dim), else on dim 1 (see
+    memory.shard_bytes)."""
+    return expert_shard_dim(p.shape[0] // mesh.ep, mesh.expert_shard) == 0

@@ -2,10 +2,12 @@
 
     dp_replicate x dp_shard == world size;   ep and cp each divide it
 
-dp_replicate ranks hold whole copies of the model (DDP); dp_shard ranks each hold a slice of every parameter
-(FSDP2). A run uses one of the two (`parallel=ddp` or `parallel=fsdp`). ep (parallel.ep) splits the routed
-experts: groups of ep consecutive ranks each hold 1/ep of them and exchange token slots
-(k3train/models/k3/moe/dispatch.py); the world / ep ranks holding the same experts (expert_dp) average those
+The degrees, their rules and the sizes they imply are a ParallelLayout (k3train/runtime/parallel_layout.py), the
+planner's too (k3train/plan/mesh.py); this adds the rank, the device and the meshes. dp_replicate ranks hold whole
+copies of the model (DDP); dp_shard ranks each hold a slice of every parameter (FSDP2). A run uses one of the two
+(`parallel=ddp` or `parallel=fsdp`): a layout with both (HSDP) is refused here, not built yet (issue 34).
+ep (parallel.ep) splits the routed experts: groups of ep consecutive ranks each hold 1/ep of them and exchange
+token slots (k3train/models/k3/moe/dispatch.py); the world / ep ranks holding the same experts (expert_dp) average those
 experts' gradients: DDP keeps a whole copy of its share on each, FSDP2 shards it again over them.
 
     expert_mesh (ep, expert_dp), world 4, ep 2:   ep groups {0, 1} {2, 3};  expert_dp groups {0, 2} {1, 3}
@@ -21,47 +23,44 @@ and nothing communicates.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from k3train.runtime.parallel_layout import ParallelLayout
+
 STRATEGIES = ("ddp", "fsdp")
 
 
-@dataclass
 class ParallelDims:
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    rank: int = 0
-    device_type: str = "cpu"
-    ep: int = 1
-    cp: int = 1
-    _mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
-    _cp_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
-    _expert_mesh: DeviceMesh | None = field(default=None, init=False, repr=False)
+    """A run's ParallelLayout (the degrees, their rules and the sizes they imply), this rank, and the meshes and
+    groups built from them on first use."""
 
-    def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"ParallelDims.{name} must be >= 1, got {getattr(self, name)}")
-        if self.dp_replicate > 1 and self.dp_shard > 1:
+    def __init__(
+        self,
+        dp_replicate: int = 1,
+        dp_shard: int = 1,
+        rank: int = 0,
+        device_type: str = "cpu",
+        ep: int = 1,
+        cp: int = 1,
+    ) -> None:
+        self.layout = ParallelLayout(dp_replicate, dp_shard, ep, cp)
+        if self.layout.strategy == "hsdp":  # the planner plans it; building it is issue 34
             raise ValueError(
-                f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}: replicated shards (HSDP) are not "
-                "supported yet; use parallel=ddp or parallel=fsdp"
+                f"dp_replicate={dp_replicate} x dp_shard={dp_shard}: replicated shards (HSDP) are not built yet "
+                "(issue 34); use parallel=ddp or parallel=fsdp"
             )
-        if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} outside a world of {self.world_size}")
-        if self.ep < 1 or self.world_size % self.ep:
-            raise ValueError(
-                f"parallel.ep={self.ep} must divide the {self.world_size} process(es): experts split over ep ranks"
-            )
-        if self.cp < 1 or self.world_size % self.cp:
-            raise ValueError(
-                f"parallel.cp={self.cp} must divide the {self.world_size} process(es): each row's sequence is split "
-                "over cp ranks"
-            )
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside a world of {self.world_size}")
+        self.rank = rank
+        self.device_type = device_type
+        self._mesh: DeviceMesh | None = None
+        self._cp_mesh: DeviceMesh | None = None
+        self._expert_mesh: DeviceMesh | None = None
+
+    def __repr__(self) -> str:
+        return f"ParallelDims({self.layout}, rank={self.rank}, device_type={self.device_type!r})"
 
     @classmethod
     def for_strategy(
@@ -76,8 +75,24 @@ class ParallelDims:
         return cls(dp_replicate=world_size, rank=rank, device_type=device_type, ep=ep, cp=cp)
 
     @property
+    def dp_replicate(self) -> int:
+        return self.layout.dp_replicate
+
+    @property
+    def dp_shard(self) -> int:
+        return self.layout.dp_shard
+
+    @property
+    def ep(self) -> int:
+        return self.layout.ep
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.layout.world
 
     @property
     def several_ranks(self) -> bool:
@@ -86,7 +101,7 @@ class ParallelDims:
     @property
     def dp_size(self) -> int:
         """Ranks that read different rows of the global batch: cp consecutive ranks share theirs."""
-        return self.world_size // self.cp
+        return self.layout.dp_size
 
     @property
     def dp_rank(self) -> int:
@@ -135,7 +150,7 @@ class ParallelDims:
     @property
     def expert_dp(self) -> int:
         """Ranks holding the same routed experts."""
-        return self.world_size // self.ep
+        return self.layout.expert_dp
 
     @property
     def expert_mesh(self) -> DeviceMesh:

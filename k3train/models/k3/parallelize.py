@@ -7,7 +7,8 @@ routed experts (MoE.shard_experts, marked `expert_parallel`). Under FSDP2 those 
 over the expert_dp ranks that hold the same experts, as their own unit (torchtitan's llama4 parallelize does the
 same), whose reduce-scatter divides by the world size, not by expert_dp (the strategy's
 average_expert_gradients says why): on dim 0 (whole experts per rank) when each rank gets at least one, else on
-dim 1, whose Newton-Schulz then gathers them (k3train/optim/muon.py), as torchtitan's shard_placement_fn does.
+dim 1, whose Newton-Schulz then gathers them (k3train/optim/muon.py), as torchtitan's shard_placement_fn does
+(k3train/runtime/parallel_layout.expert_shard_dim, which the planner asks too).
 With expert_dp 1 there is nothing to shard them over: FSDP2 ignores them and the strategy's
 average_expert_gradients divides them. The blocks and the root are then FSDP2 units as any model's
 (k3train/models/common/parallelize.py).
@@ -24,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard
 from k3train.models.common.parallelize import FullyShard, annotations_kept, fully_shard_blocks
 from k3train.models.k3.moe import MoE
 from k3train.models.protocol import expert_shards
+from k3train.runtime.parallel_layout import expert_shard_dim
 
 
 def parallelize(model, dims, options: FullyShard | None) -> dict:
@@ -53,7 +55,7 @@ def _fully_shard(model, moes: list[MoE], dims, options: FullyShard):
     placement, ignored = Replicate(), None
     if experts and dims.expert_dp > 1:
         for moe in moes:
-            placement = Shard(0) if moe.experts.w_gate.shape[0] >= dims.expert_dp else Shard(1)
+            placement = Shard(expert_shard_dim(moe.experts.w_gate.shape[0], dims.expert_dp))
             fully_shard(
                 moe.experts,
                 mesh=dims.expert_mesh["expert_dp"],

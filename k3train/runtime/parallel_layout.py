@@ -1,0 +1,104 @@
+"""ParallelLayout: how N ranks divide the work, as degrees and the sizes they imply, with one set of rules; the run's
+ParallelDims (k3train/runtime/parallel_dims.py) holds one and the planner's Mesh (k3train/plan/mesh.py) is one, so
+what k3train.plan plans and what a run builds cannot disagree.
+
+    world = dp_replicate x dp_shard       every rank holds its own tokens of the global batch
+    ep | world, and ep | dp_shard         groups of ep consecutive ranks split the routed experts (parallel.ep)
+      under FSDP2 or HSDP
+    cp | world                            groups of cp consecutive ranks split each row's sequence (parallel.cp)
+
+dp_replicate ranks hold whole copies (DDP, parallel=ddp); dp_shard ranks each hold a slice of every parameter
+(FSDP2, parallel=fsdp); both at once is HSDP, which a layout can express (the planner plans it: --mesh RxSxE) and a
+run does not build yet (ParallelDims refuses it: issue 34).
+
+The ep rule is the runtime's expert mesh: ParallelDims.expert_mesh takes the ranks in order, ep consecutive ones
+splitting the experts and the world / ep ranks at the same place in their groups (expert_dp) holding the same ones,
+so ep must divide the world. Ranks number replicas first (rank = replica x dp_shard + shard), so under HSDP ep
+consecutive ranks lie within one replica's dp_shard ranks only when ep divides dp_shard: the experts are carved out
+of the sharded ranks, as torchtitan does, and each rank's experts FSDP-sharded over the dp_shard / ep ranks holding
+them (expert_shard) and replicated over dp_replicate. Under FSDP2 dp_shard is the world, so the two rules are one.
+cp changes no parameter's placement: gradients still average over every rank, each rank's tokens being different.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# What sets each degree, for the refusals: a run's dp_replicate and dp_shard come from parallel=ddp or
+# parallel=fsdp over its processes, the planner's from --mesh.
+_SET_BY = {
+    "dp_replicate": "dp_replicate (the processes under parallel=ddp; --mesh R x S x E)",
+    "dp_shard": "dp_shard (the processes under parallel=fsdp; --mesh R x S x E)",
+    "ep": "parallel.ep",
+    "cp": "parallel.cp",
+}
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    ep: int = 1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        for name, key in _SET_BY.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key}={value!r} must be a positive integer")
+        if self.world % self.ep:
+            raise ValueError(
+                f"parallel.ep={self.ep} must divide the {self.world} process(es): experts split over ep ranks; "
+                "choose an ep that divides them"
+            )
+        if self.dp_shard > 1 and self.dp_shard % self.ep:
+            raise ValueError(
+                f"parallel.ep={self.ep} must divide dp_shard={self.dp_shard}: under FSDP the expert-parallel ranks "
+                "are taken from the sharded ones; choose an ep that divides dp_shard"
+            )
+        if self.world % self.cp:
+            raise ValueError(
+                f"parallel.cp={self.cp} must divide the {self.world} process(es): each row's sequence is split "
+                "over cp ranks; choose a cp that divides them"
+            )
+
+    @property
+    def world(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that read different rows of the global batch: cp consecutive ranks share theirs."""
+        return self.world // self.cp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same routed experts: expert_shard x expert_replicas."""
+        return self.world // self.ep
+
+    @property
+    def expert_shard(self) -> int:
+        """The FSDP degree of each rank's experts: the dp_shard / ep ranks that hold the same ones (1 under DDP;
+        expert_dp under FSDP2)."""
+        return self.dp_shard // self.ep if self.dp_shard > 1 else 1
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts' shard: they average its gradients."""
+        return self.world // (self.ep * self.expert_shard)
+
+    @property
+    def strategy(self) -> str:
+        if self.world == 1:
+            return "one process"
+        if self.dp_shard == 1:
+            return "ddp"
+        return "fsdp" if self.dp_replicate == 1 else "hsdp"
+
+
+def expert_shard_dim(local_experts: int, ranks: int) -> int:
+    """The dim FSDP2 shards a routed-expert weight [experts, ...] on over the `ranks` holding the same experts
+    (expert_shard; expert_dp under FSDP2): 0, whole experts per rank, when each rank gets at least one, else 1, a
+    slice of every expert (torchtitan's shard_placement_fn), which Muon's owners then gather
+    (k3train/optim/muon_distributed.muon_placement)."""
+    return 0 if local_experts >= ranks else 1
