@@ -164,3 +164,38 @@ def test_a_model_without_the_protocol_is_named_with_what_it_lacks():
         "diagnostics",
         "param_counts",
     ]
+
+
+class WithoutDegrees:
+    """A parallel strategy from before ep and cp: everything but those two."""
+
+    name = "ddp"
+
+    def shard(self, model, device, dims):
+        return model
+
+    def wrap(self, model, device, dims):
+        return model
+
+    def no_sync(self, module):
+        raise AssertionError("never reached")
+
+    def finish_gradients(self, model, dims):
+        pass
+
+    def shard_layouts(self, dims):
+        return {}
+
+
+def test_a_parallel_strategy_without_the_protocol_is_refused_by_what_it_lacks(monkeypatch, tmp_path, tiny_data_dir):
+    from helpers.config import built_run
+
+    with pytest.raises(TypeError, match=r"built a WithoutDegrees, which lacks ep, cp: a strategy implements"):
+        built_run(
+            monkeypatch,
+            tmp_path / "run",
+            tiny_data_dir,
+            "parallel._target_=test_extensions.WithoutDegrees",
+            *("~parallel.bucket_cap_mb", "~parallel.ep", "~parallel.cp"),  # its constructor takes none of them
+        )
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

@@ -30,6 +30,7 @@ from k3train.runtime.distributed import World
 from k3train.runtime.parallel_dims import ParallelDims
 from k3train.train.callbacks import Callback
 from k3train.train.cpu_threads import CpuThreads
+from k3train.train.parallel import strategy_missing
 from k3train.train.rng import configure_determinism, seed_everything
 from k3train.train.trainer import Trainer
 
@@ -115,9 +116,13 @@ def build_parts(
     precision = instantiate(cfg.precision)
     precision.check_device(device)
     parallel = instantiate(cfg.parallel)
-    dims = ParallelDims.for_strategy(
-        parallel.name, world.size, world.rank, device.type, getattr(parallel, "ep", 1), getattr(parallel, "cp", 1)
-    )
+    lacking = strategy_missing(parallel)
+    if lacking:
+        raise TypeError(
+            f"parallel {cfg.parallel.get('_target_')} built a {type(parallel).__name__}, which lacks "
+            f"{', '.join(lacking)}: a strategy implements k3train/train/parallel.py's ParallelStrategy"
+        )
+    dims = ParallelDims.for_strategy(parallel.name, world.size, world.rank, device.type, parallel.ep, parallel.cp)
     data = instantiate(cfg.data)
     # vocab_size: null in a model YAML means "the data's"; a value the user set is kept, and check_data refuses a
     # mismatch.

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,32 @@ from torch.nn.parallel import DistributedDataParallel
 from k3train.models.common.parallelize import FullyShard, parallelize_blocks
 from k3train.models.protocol import Parallelizes, expert_shards
 from k3train.runtime.parallel_dims import ParallelDims
+
+
+@runtime_checkable
+class ParallelStrategy(Protocol):
+    """What build.py and the Trainer ask of conf/parallel/'s `_target_` (DDP and FSDP below are the two): typed
+    members, not getattr with defaults, so a strategy that lacks one is refused by name when the run is built."""
+
+    name: str  # ddp | fsdp: how ParallelDims lays out the ranks
+    ep: int  # expert-parallel degree (parallel.ep)
+    cp: int  # context-parallel degree (parallel.cp)
+
+    def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module: ...
+
+    def wrap(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module: ...
+
+    def no_sync(self, module: nn.Module): ...
+
+    def finish_gradients(self, model: nn.Module, dims: ParallelDims) -> None: ...
+
+    def shard_layouts(self, dims: ParallelDims) -> dict: ...
+
+
+def strategy_missing(strategy: object) -> list[str]:
+    """The ParallelStrategy members `strategy` lacks (empty when it has them all)."""
+    methods = [name for name, value in vars(ParallelStrategy).items() if callable(value) and not name.startswith("_")]
+    return [name for name in [*ParallelStrategy.__annotations__, *methods] if not hasattr(strategy, name)]
 
 
 def global_grad_norm(params: list[torch.Tensor], dims: ParallelDims) -> float:
