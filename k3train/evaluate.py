@@ -35,15 +35,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "source", help="a run directory (its last.pt or last.dcp), a checkpoint (.pt or .dcp), or an export directory"
     )
     p.add_argument("overrides", nargs="*", help="data overrides as in training: data=prepared data.path=DIR")
-    p.add_argument("--split", choices=("val", "train"), default="val", help="which split of the dataset")
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument(
+        "--split", choices=("val", "train"), default="val", help="which split of the dataset (default: %(default)s)"
+    )
+    p.add_argument("--batch-size", type=int, default=8, help="rows per forward (default: %(default)s)")
     p.add_argument("--seq-len", type=int, help="default: the run's train.seq_len, else the model's max_seq_len")
     p.add_argument(
         "--max-batches",
         type=int,
         help="default: the whole split; training's val loss is over its first train.eval_batches (8 by default)",
     )
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     return p.parse_args(argv)
 
 

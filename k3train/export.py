@@ -29,9 +29,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m k3train.export", description=__doc__.split("\n")[0])
     p.add_argument("source", help="a run directory, a checkpoint (.pt or .dcp), an export or a Hugging Face directory")
     p.add_argument("out_dir", type=Path, help="a new (or empty) directory to write")
-    p.add_argument("--format", choices=("k3train", "hf"), default="k3train", help="k3train's own or Hugging Face's")
-    p.add_argument("--shard-size", default="5GB", help="--format hf: the largest safetensors shard (default 5GB)")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="--format hf: the weights' dtype")
+    p.add_argument(
+        "--format",
+        choices=("k3train", "hf"),
+        default="k3train",
+        help="k3train's own or Hugging Face's (default: %(default)s)",
+    )
+    p.add_argument(
+        "--shard-size", default="5GB", help="--format hf: the largest safetensors shard (default: %(default)s)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="--format hf: the weights' dtype (default: %(default)s)",
+    )
     return p.parse_args(argv)
 
 

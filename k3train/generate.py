@@ -30,13 +30,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     prompts = p.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="the text to continue")
     prompts.add_argument("--prompt-file", type=Path, help="a file of prompts, one per line, each continued in turn")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all)")
-    p.add_argument("--top-p", type=float, default=1.0, help="keep the smallest set with this much probability")
-    p.add_argument("--num-samples", type=int, default=1, help="continuations per prompt, decoded as one batch")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=200, help="tokens to add to each prompt (default: %(default)s)"
+    )
+    p.add_argument("--temperature", type=float, default=0.8, help="0 is greedy (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0: all; default: %(default)s)")
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="keep the smallest set with this much probability (default: %(default)s)",
+    )
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=1,
+        help="continuations per prompt, decoded as one batch (default: %(default)s)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="the sampling seed (default: %(default)s)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     p.add_argument("--no-cache", action="store_true", help="recompute the full forward for every token (the reference)")
     return p.parse_args(argv)
 

@@ -308,7 +308,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("inputs", nargs="+", help="files, folders (searched recursively) or globs")
     p.add_argument("--output", "-o", required=True, help="dataset directory to create")
-    p.add_argument("--tokenizer", default="byte", help='"byte" (default) or a local tokenizer.json')
+    p.add_argument("--tokenizer", default="byte", help='"byte" or a local tokenizer.json (default: %(default)s)')
     p.add_argument("--eod-token", help='end-of-document token of a tokenizer.json, e.g. "<|endoftext|>"')
     split = p.add_mutually_exclusive_group()
     split.add_argument(
@@ -318,8 +318,12 @@ def _parser() -> argparse.ArgumentParser:
         "of documents cut in two when there are too few to hold the share",
     )
     split.add_argument("--val-inputs", nargs="+", default=[], help="files, folders or globs for the val split")
-    p.add_argument("--text-field", default="text", help="JSON field holding a .jsonl document's text")
-    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
+    p.add_argument(
+        "--text-field", default="text", help="JSON field holding a .jsonl document's text (default: %(default)s)"
+    )
+    p.add_argument(
+        "--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file (default: %(default)s)"
+    )
     p.add_argument("--workers", type=int, help="tokenizer processes (default: every usable core; 1 for byte)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing prepared dataset at --output")
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar or summary")

@@ -49,11 +49,21 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The description as written, and each option's default where it has one (an unset option's None, or a flag's
+    False, says nothing its help does not)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = Parser(
         prog="python -m k3train.plan",
         description=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     ap.add_argument("overrides", nargs="*", help="Hydra overrides, as for python -m k3train (model=k3 ...)")
     ap.add_argument(

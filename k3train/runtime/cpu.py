@@ -30,6 +30,8 @@ OMP_WAIT_POLICY = "PASSIVE"
 GOMP_SPINCOUNT = "3000000"
 OPENMP_VARIABLES = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 PROC = Path("/proc")
+# Set in each job of a local sweep (conf/hydra/launcher/local.yaml): how many of its jobs run at once.
+LOCAL_JOBS_VARIABLE = "K3TRAIN_LOCAL_JOBS"
 PROC_STAT = PROC / "stat"
 
 
@@ -292,12 +294,17 @@ def usable_cpus() -> tuple[int, str]:
 
 def local_jobs(launcher: dict | None = None) -> tuple[int, str]:
     """How many processes share this machine's CPUs by design, as the launcher states it: torchrun's
-    LOCAL_WORLD_SIZE, or in a multirun the launcher config's `n_jobs` (jobs run at once, joblib's convention:
-    -1 = one per CPU). launcher: the Hydra launcher's config in a multirun, None otherwise. Any other sharing
-    (a test runner's workers, say) is the caller's to state with train.cpu_threads."""
+    LOCAL_WORLD_SIZE, the local sweep preset's K3TRAIN_LOCAL_JOBS (conf/hydra/launcher/local.yaml sets it in each
+    job, conf/config.yaml makes it the sweeper's batch: the jobs submitit starts at once), or in a multirun the
+    launcher config's `n_jobs` (jobs run at once, joblib's convention: -1 = one per CPU). launcher: the Hydra
+    launcher's config in a multirun, None otherwise. Any other sharing (a test runner's workers, say) is the
+    caller's to state with train.cpu_threads."""
     local_world = os.environ.get("LOCAL_WORLD_SIZE", "")
     if local_world.isdigit() and int(local_world) > 1:
         return int(local_world), f"torchrun LOCAL_WORLD_SIZE={local_world}"
+    sweep_jobs = os.environ.get(LOCAL_JOBS_VARIABLE, "")
+    if sweep_jobs.isdigit() and int(sweep_jobs) > 1:
+        return int(sweep_jobs), f"{LOCAL_JOBS_VARIABLE}={sweep_jobs} (local sweep jobs at once)"
     n_jobs = (launcher or {}).get("n_jobs")
     if n_jobs is not None:
         n_jobs = int(n_jobs)

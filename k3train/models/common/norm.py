@@ -14,12 +14,14 @@ class RMSNorm(nn.RMSNorm):
 
     torch's CPU rms_norm is composite: its forward is ~5 elementwise passes over x and autograd differentiates
     them one by one; the written-out backward takes ~8 passes (tests/test_norm.py checks it against nn.RMSNorm,
-    benchmarks/bench_layers.py times both). Elsewhere (GPU, half precision, autocast-cast inputs) torch's own
-    kernel runs.
+    benchmarks/bench_layers.py times both). On a CPU, where x's dtype is not the weight's (a bf16 activation under
+    autocast, the weight fp32), mixed_dtype_rms_norm runs; elsewhere (GPU, half precision) torch's own kernel.
     """
 
     def forward(self, x: Tensor) -> Tensor:
         w = self.weight
+        if x.device.type == "cpu" and w is not None and x.dtype != w.dtype:
+            return mixed_dtype_rms_norm(x, self.normalized_shape, w, self.eps)
         if (
             x.device.type != "cpu"
             or w is None
@@ -30,6 +32,19 @@ class RMSNorm(nn.RMSNorm):
             return super().forward(x)
         eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
         return RMSNormFunction.apply(x, w, eps)
+
+
+def mixed_dtype_rms_norm(x: Tensor, normalized_shape: tuple[int, ...], weight: Tensor, eps: float | None) -> Tensor:
+    """torch.rms_norm on a CPU for an x whose dtype is not the weight's, op for op as torch 2.13 computes it then
+    (its composite path: statistics and the weight's product in x's opmath dtype, the result in x's dtype), so the
+    numbers are bitwise torch's, forward and backward (checked for bf16, fp16 and fp64 inputs, with and without
+    autocast); written out because torch warns on every call that it "cannot dispatch to fused implementation"
+    (under bf16 autocast: every norm of every step), which says nothing to act on."""
+    acc = x.to(torch.promote_types(x.dtype, torch.float32))  # opmath: fp32 for bf16 and fp16
+    eps = torch.finfo(acc.dtype).eps if eps is None else eps
+    dims = tuple(range(-len(normalized_shape), 0))
+    rstd = torch.rsqrt(acc.pow(2).mean(dims, keepdim=True).add_(eps))
+    return acc.mul(rstd).mul(weight).type_as(x)
 
 
 class RMSNormFunction(torch.autograd.Function):
