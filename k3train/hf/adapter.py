@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -44,6 +45,11 @@ class HFAdapter(Protocol):
 
     def to_hf(self, model: nn.Module, layout: str) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) for every tensor of the model, in the layout's shapes."""
+        ...
+
+    def remote_code(self, layout: str) -> tuple[Path, ...]:
+        """Source files written beside the weights for transformers' trust_remote_code (config.json's auto_map
+        names them); none for a layout transformers builds itself."""
         ...
 
     # --- reading -----------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from k3train.checkpoint.latest import newest_checkpoint
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer
 from k3train.hf.adapter import HFAdapter
 from k3train.hf.read import hf_model_type, read_hf
+from k3train.hf.write import BYTE_TOKENIZER_MARK
 from k3train.models.k3.state_dict_adapter import HF_ADAPTER as KIMI_K3_HF
 from k3train.models.kda.fla import require_fla
 from k3train.observe.run_manifest import read_run_json
@@ -151,9 +152,11 @@ def _load_hf(path: Path, device: torch.device) -> Loaded:
     hf = read_hf(HF_ADAPTERS[hf_model_type(path)], path, device)
     config = hf.config.get("text_config", hf.config)
     vocab_size = hf.model.config.vocab_size
-    if (path / EXPORT_TOKENIZER).is_file():
+    settings = _read_json(path / "tokenizer_config.json") or {}
+    if settings.get(BYTE_TOKENIZER_MARK) == "byte" and vocab_size == ByteTokenizer.vocab_size:
+        tok: Tokenizer = ByteTokenizer()  # k3train's export of it: the same ids, and the identity its data names
+    elif (path / EXPORT_TOKENIZER).is_file():
         eos = config.get("eos_token_id", hf.config.get("eos_token_id"))
-        settings = _read_json(path / "tokenizer_config.json") or {}
         eod_token = settings.get("eos_token")
         if isinstance(eod_token, dict):  # transformers' AddedToken form
             eod_token = eod_token.get("content")
@@ -161,7 +164,7 @@ def _load_hf(path: Path, device: torch.device) -> Loaded:
             from tokenizers import Tokenizer as BPE
 
             eod_token = BPE.from_file(str(path / EXPORT_TOKENIZER)).id_to_token(eos)
-        tok: Tokenizer = HFTokenizer(path / EXPORT_TOKENIZER, eod_token)
+        tok = HFTokenizer(path / EXPORT_TOKENIZER, eod_token)
     elif vocab_size == ByteTokenizer.vocab_size:
         tok = ByteTokenizer()
     else:

@@ -84,7 +84,20 @@ def export(
         f"exported {loaded.path} (step {loaded.step}) -> {out_dir} as {layout} ({size / 2**20:.1f} MiB; the "
         f"source is {source_size / 2**20:.1f} MiB)"
     )
+    if fmt == "hf":
+        print(how_to_load(out_dir, layout))
     return 0
+
+
+def how_to_load(out_dir: Path, layout: str) -> str:
+    """The one line export prints after writing the Hugging Face layout: how transformers loads it. A kimi_k3
+    directory carries its own code (k3train/models/k3/hf_remote/), which transformers runs only when told to trust
+    it; AutoTokenizer reads config.json too, so it is told the same (else it asks)."""
+    trust = ", trust_remote_code=True" if layout == "kimi_k3" else ""
+    return (
+        f'load it with AutoModelForCausalLM.from_pretrained("{out_dir}"{trust}) and '
+        f'AutoTokenizer.from_pretrained("{out_dir}"{trust})'
+    )
 
 
 def write_export(loaded, out: Path) -> None:

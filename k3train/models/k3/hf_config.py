@@ -3,7 +3,8 @@
 - `kimi_linear`: transformers' KimiLinearConfig (model_type "kimi_linear"), the form Moonshot's Kimi Linear release
   uses; for a model with none of Kimi K3's components.
 - `kimi_k3`: the released Kimi K3 (model_type "kimi_k3", the text model's fields under `text_config`, 1-based layer
-  lists in `linear_attn_config`); for a model with any of them.
+  lists in `linear_attn_config`); for a model with any of them. transformers has no such model type: `auto_map`
+  names the code the export carries for trust_remote_code=True (hf_remote/, which reads these fields by name).
 
 `to_hf_config` refuses, naming the field, what the layout cannot say; `from_hf_config` refuses, naming the HF field,
 what k3train cannot build. Constants both consumers hard-code are checked, not written: the MLA latent norms' eps
@@ -24,6 +25,12 @@ from k3train.hf import HFFormatError
 from k3train.models.k3.config import KimiK3Config
 
 LAYOUTS = ("kimi_linear", "kimi_k3")
+# transformers has no kimi_k3: a kimi_k3 export carries its own code (hf_remote/, which the writer copies beside the
+# weights), loaded with trust_remote_code=True through these classes
+AUTO_MAP = {
+    "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+    "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
+}
 FIXED_EPS = 1e-6  # MLA q_a/kv_a layernorms and the KDA q/k L2 norm, as both consumers hard-code them
 # Kimi K3's components at their Kimi Linear values: a model with all of these is written as kimi_linear.
 KIMI_LINEAR_FORM = {
@@ -226,6 +233,7 @@ def to_hf_config(cfg: KimiK3Config, layout: str, eos_token_id: int | None, dtype
     return {
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
+        "auto_map": dict(AUTO_MAP),
         "tie_word_embeddings": cfg.tie_embeddings,
         "bos_token_id": None,
         "eos_token_id": eos_token_id,

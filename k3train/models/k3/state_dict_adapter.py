@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -55,6 +56,11 @@ MOE = {
     "latent_up.weight": "routed_expert_up_proj.weight",
 }
 EXPERTS = {"experts.w_gate": "w1", "experts.w_up": "w3", "experts.w_down": "w2"}
+# The code a kimi_k3 export carries for transformers' trust_remote_code=True (config.json's auto_map names it):
+# source files kept beside this module, shipped as package data, importing only torch and transformers
+REMOTE_CODE = tuple(
+    Path(__file__).with_name("hf_remote") / name for name in ("configuration_kimi_k3.py", "modeling_kimi_k3.py")
+)
 LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 # transformers' save_pretrained (5.24) writes a dense layer's FFN under block_sparse_moe., as it does the MoE's
 DENSE_AS_MOE = re.compile(r"(.*layers\.\d+\.)block_sparse_moe\.((?:gate|up|down)_proj\.weight)")
@@ -184,6 +190,11 @@ class KimiK3StateDictAdapter:
 
     def to_hf(self, model: KimiK3, layout: str) -> Iterator[tuple[str, torch.Tensor]]:
         return to_hf(model.state_dict(), model.config, layout)
+
+    def remote_code(self, layout: str) -> tuple[Path, ...]:
+        """The files written beside the weights for trust_remote_code=True: none for kimi_linear, which
+        transformers builds itself; hf_remote/'s for kimi_k3, which it does not know."""
+        return REMOTE_CODE if layout == "kimi_k3" else ()
 
     def from_hf_config(self, config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         return hf_config.from_hf_config(config)
