@@ -4,6 +4,8 @@ from k3train.runtime.bootstrap import bootstrap
 
 bootstrap(training=True)  # before torch loads (runtime/bootstrap.py)
 
+import contextlib
+import logging
 import os
 import signal
 import sys
@@ -32,6 +34,8 @@ def compose_and_run(cfg: DictConfig) -> None:
         line = distributed.failure_line(exc, distributed.current_world())
         if line:
             print(line, file=sys.stderr, flush=True)
+        if line and distributed.lost_peer(exc) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+            sys.exit(1)  # the rank that ended first says what went wrong; this one's traceback is gloo's internals
         raise
 
 
@@ -56,14 +60,30 @@ def main() -> None:
         compose_and_run()
     except BaseException as exc:
         distributed.close(wait_for_others=False)  # another rank may be inside a collective this one never joins
-        if isinstance(exc, SystemExit) and exc.code == 1 and not _composed:
-            sys.exit(2)  # Hydra reported a config it could not compose (unknown key, wrong type): bad input
+        if isinstance(exc, SystemExit):
+            # 2: Hydra reported a config it could not compose (unknown key, wrong type): bad input
+            status = 2 if exc.code == 1 and not _composed else exc.code
+            if world.distributed and (status is None or isinstance(status, int)):
+                _end_rank(status or 0)
+            if status != exc.code:
+                sys.exit(status)
         if isinstance(exc, KeyboardInterrupt):  # Ctrl-C outside the training loop (which stops at an update)
             print("k3train: interrupted by Ctrl-C; checkpoints already written are kept", file=sys.stderr, flush=True)
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGINT)  # end by the signal, as a shell expects of Ctrl-C
         raise
     distributed.close(wait_for_others=True)
+
+
+def _end_rank(status: int) -> None:
+    """End a rank that stops early (its one line said why) without Python's finalization: a gloo thread still
+    releasing a collective's tensors meets it and aborts the process with "terminate called without an active
+    exception" (pytorch/pytorch#190489), a second line and a core's status instead of this one."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more can be said on it
+            stream.flush()
+    os._exit(status)
 
 
 if __name__ == "__main__":

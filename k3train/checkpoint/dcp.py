@@ -20,6 +20,7 @@ that names any other global (a function or class, e.g. posix.system) is refused 
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import pickle
@@ -39,7 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.tensor import DTensor
 
-from k3train.files import atomic_directory
+from k3train.files import _os_error, atomic_directory, temp_path
 
 MakeShard = Callable[[torch.Size, torch.dtype, tuple[str, ...]], torch.Tensor]
 EXTRA = "extra.pt"  # rank 0's part: the tree with placeholders where the sharded tensors go
@@ -189,20 +190,45 @@ def _fill(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
 def write_sharded(directory: Path, tree: Any, writer: bool) -> int:
     """Save `tree` as a sharded checkpoint at `directory` (a new name), atomically: a collective, every rank calls
     it; `writer` (rank 0) writes extra.pt and renames the complete directory into place. Returns the bytes on disk
-    (0 on other ranks)."""
+    (0 on other ranks). A write that fails (a full disk, a read-only directory) leaves no temporary directory and
+    raises, on every rank, an OSError naming rank 0's `directory`, as a single-file checkpoint's does
+    (files.write_atomic)."""
     skeleton, shards = split_shards(tree)
+    named = directory  # in errors: rank 0's name, the one used, on every rank
     try:
         if not writer:
-            (tmp,) = _broadcast([None])
+            tmp, named = _broadcast([None, None])
             dcp.save(shards, checkpoint_id=tmp)
             return 0
         with atomic_directory(directory) as tmp:
-            _broadcast([str(tmp)])
+            _broadcast([str(tmp), str(directory)])
             dcp.save(shards, checkpoint_id=tmp)  # every rank its shards; rank 0 also .metadata, once all are written
             torch.save(skeleton, tmp / EXTRA)
-    except CheckpointException as exc:
-        raise rank_error(exc) from exc
+    except (CheckpointException, OSError, RuntimeError) as exc:
+        error = rank_error(exc) if isinstance(exc, CheckpointException) else exc
+        failure = _write_error(error)
+        if failure is not None:
+            raise OSError(failure.errno, failure.strerror or str(failure), str(named)) from exc
+        if error is exc:
+            raise  # not a write that failed (a lost peer, say): as it came
+        raise error from exc
     return sum(f.stat().st_size for f in directory.iterdir())
+
+
+# torch.save's zip writer checks that each write wrote it all: a short write, which is how a full disk answers
+# once only part of a write fits (tmpfs says nothing else), fails that check with "unexpected pos" and no OSError.
+_SHORT_WRITE = "unexpected pos"
+
+
+def _write_error(exc: BaseException) -> OSError | None:
+    """The OSError a failed write met: exc itself, the one it was raised while handling (torch.save's clean-up
+    raises a RuntimeError on top of it), or ENOSPC for torch's short write; None for any other error."""
+    cause = _os_error(exc)
+    if cause is not None:
+        return cause
+    if isinstance(exc, RuntimeError) and _SHORT_WRITE in str(exc):
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return None
 
 
 def rank_error(exc: CheckpointException) -> Exception:
@@ -320,7 +346,7 @@ class SafeFileSystemReader(FileSystemReader):
 
 def point_to(link: Path, target: Path) -> None:
     """Make `link` a symbolic link to `target`, atomically (a new link renamed over the old name)."""
-    tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
+    tmp = temp_path(link)
     tmp.unlink(missing_ok=True)
     os.symlink(target, tmp)
     os.replace(tmp, link)
@@ -329,3 +355,18 @@ def point_to(link: Path, target: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_TEMP_LINK = re.compile(r"\..+\.tmp-\d+")  # point_to's temporary name (files.temp_path): .<name>.tmp-<pid>
+
+
+def remove_stale_temp_links(directory: Path) -> list[Path]:
+    """Delete the temporary links of dead point_to callers in directory (a kill between its symlink and its
+    replace leaves one; files.remove_stale_temp_files deletes regular files only); only call it while holding the
+    directory's lock. Only point_to's names: any other link is left alone."""
+    removed = []
+    for path in sorted(Path(directory).glob(".*.tmp-*")):
+        if path.is_symlink() and _TEMP_LINK.fullmatch(path.name):
+            path.unlink()
+            removed.append(path)
+    return removed

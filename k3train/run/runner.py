@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
 from k3train.checkpoint.checkpointer import CheckpointError
+from k3train.checkpoint.dcp import remove_stale_temp_links
 from k3train.config import TrainConfig, check_known_keys
 from k3train.files import remove_stale_temp_files
 from k3train.models.protocol import takes_document_ids
@@ -97,14 +98,14 @@ def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bo
             # A writer killed after the final checkpoint (writing run.json, say) may have left a temporary file;
             # the lock is ours, so it is dead: its temporary file is no user's data.
             if current_world().is_main:
-                remove_stale_temp_files(run_dir)
+                _remove_stale_temp_files(run_dir)
             print(f"k3train: {exc}", flush=True)
             return "finished"
         cause = exc.__cause__ if isinstance(exc, InstantiationException) else exc
         if not isinstance(cause, (*USER_ERRORS, MissingMandatoryValue)) or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
         return fail(describe_error(cause), 2, multirun)
-    removed = remove_stale_temp_files(run_dir) if current_world().is_main else []  # the lock is ours: their
+    removed = _remove_stale_temp_files(run_dir) if current_world().is_main else []  # the lock is ours: their
     # writers are dead
     if removed:
         print(
@@ -114,6 +115,11 @@ def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bo
         )
     with slurm.job_log(run_dir if job and current_world().is_main else None):
         return _train(cfg, run_dir, parts, multirun)
+
+
+def _remove_stale_temp_files(run_dir: Path) -> list[Path]:
+    """The temporary files, and sharded checkpoints' temporary links, that dead writers left in run_dir, deleted."""
+    return remove_stale_temp_files(run_dir) + remove_stale_temp_links(run_dir)
 
 
 def _build_and_restore(cfg: DictConfig, run_dir: Path) -> dict:
@@ -156,7 +162,7 @@ def _train(cfg: DictConfig, run_dir: Path, parts: dict, multirun: bool) -> str |
         except BaseException as exc:
             _close(trainer, metrics, manifest, f"error: {type(exc).__name__}: {exc}")
             if trainer.signals.received is not None:  # a preemption must still reach the scheduler's handler
-                traceback.print_exc()
+                _report_before_redelivery(exc)
                 trainer.signals.redeliver()
             raise
         close_error = _close(trainer, metrics, manifest, reason)
@@ -175,6 +181,17 @@ def _train(cfg: DictConfig, run_dir: Path, parts: dict, multirun: bool) -> str |
     if failure is not None:
         return fail(failure, 1, multirun)
     return reason
+
+
+def _report_before_redelivery(exc: BaseException) -> None:
+    """Say what ended a run that a signal is about to end (Hydra never gets to print it). A rank that lost its peer
+    after the launcher's SIGTERM (torchrun sends it to the survivors of a rank that died) says so in its one line;
+    anything else is unforeseen and gets its traceback."""
+    line = distributed.failure_line(exc, current_world())
+    if line is not None and distributed.lost_peer(exc) and os.environ.get("HYDRA_FULL_ERROR") != "1":
+        print(line, file=sys.stderr, flush=True)
+    else:
+        traceback.print_exc()
 
 
 def _close(trainer: Trainer, metrics: MetricsLogger, manifest: RunManifest | None, reason: str) -> OSError | None:

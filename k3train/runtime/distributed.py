@@ -8,14 +8,21 @@ A run is one process unless a launcher says otherwise:
 config, so that every rank resolves the same run directory: rank 0's start time is broadcast and the
 `${run_start:FORMAT}` resolver formats it (conf/config.yaml's hydra.run.dir uses it instead of `${now:...}`).
 Only rank 0 writes the run directory; the other ranks run with hydra.output_subdir=null.
+
+A rank torchrun started ends when torchrun dies (killed, say): without a parent that would end the job it would
+train on alone to the end, holding the run directory's lock. The kernel sends it SIGTERM (prctl's parent-death
+signal, `end_with_launcher`), which stops it at the next update with a checkpoint like any preemption.
 """
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import re
+import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -111,6 +118,28 @@ def _first_host(nodelist: str) -> str:
 
 _WORLD = World()
 _START_TIME = time.time()
+_PARENT_PID = os.getppid()  # read at import, early: a parent that dies later shows as a different getppid()
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def end_with_launcher(env: Mapping[str, str] = os.environ) -> bool:
+    """Under torchrun on Linux: have the kernel send this rank SIGTERM when torchrun dies; whether it will.
+
+    The parent-death signal fires when the thread that started the process ends, not the process: torchrun starts
+    its workers from its main thread, which ends only with it. A torchrun that died before prctl ran is not
+    signalled, so getppid() is checked once after it (the rank was then handed to init or a subreaper)."""
+    if "TORCHELASTIC_RUN_ID" not in env or not sys.platform.startswith("linux"):
+        return False  # srun, a hand-set environment: their launcher ends the tasks itself
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):  # no C library to call here: the rank runs on as it always did
+        return False
+    # Not `_PARENT_PID == 1`: torchrun itself is pid 1 where it is a container's entry point.
+    if os.getppid() != _PARENT_PID:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return True
 
 
 def init_from_env(env: Mapping[str, str] = os.environ) -> World:
@@ -118,6 +147,7 @@ def init_from_env(env: Mapping[str, str] = os.environ) -> World:
     global _WORLD, _START_TIME
     world = world_from_env(env)
     if world.distributed and not dist.is_initialized():
+        end_with_launcher(env)  # before the rendezvous, which waits for ranks a dead torchrun will never start
         os.environ.setdefault("MASTER_ADDR", world.master_addr or "127.0.0.1")
         if world.master_port is not None:
             os.environ.setdefault("MASTER_PORT", str(world.master_port))
@@ -209,6 +239,11 @@ def close(wait_for_others: bool) -> None:
 _LOST_PEER = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
 
 
+def lost_peer(exc: BaseException) -> bool:
+    """Whether exc is gloo's or NCCL's word that the peer of a collective is gone."""
+    return any(marker in str(exc) for marker in _LOST_PEER)
+
+
 def failure_line(exc: BaseException, world: World) -> str | None:
     """The line a failing rank prints about itself (None in one process, where the error says it all): its rank, and
     whether it only lost a peer that ended first (the launcher's summary names that one)."""
@@ -216,7 +251,7 @@ def failure_line(exc: BaseException, world: World) -> str | None:
         return None
     first = (str(exc).strip().splitlines() or [""])[0]
     who = f"k3train: rank {world.rank} of {world.size}"
-    if any(marker in str(exc) for marker in _LOST_PEER):
+    if lost_peer(exc):
         return (
             f"{who} lost contact with another rank in a collective ({type(exc).__name__}): that rank ended "
             "first; its own error, or the launcher's summary (torchrun's Root Cause, srun's task N), names it"
