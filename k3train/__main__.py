@@ -60,6 +60,9 @@ def main() -> None:
         compose_and_run()
     except BaseException as exc:
         distributed.close(wait_for_others=False)  # another rank may be inside a collective this one never joins
+        if isinstance(exc, BrokenPipeError) and not _composed:  # `--help | head`: the reader took what it wanted
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # else the flush at exit raises again
+            sys.exit(0)
         if isinstance(exc, SystemExit):
             # 2: Hydra reported a config it could not compose (unknown key, wrong type): bad input
             status = 2 if exc.code == 1 and not _composed else exc.code

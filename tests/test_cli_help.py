@@ -47,6 +47,18 @@ def test_python_m_k3train_help_prints_k3trains_page_with_the_config_groups():
         assert text in proc.stdout, text
 
 
+@pytest.mark.slow
+def test_help_into_a_pipe_that_closes_early_ends_quietly():
+    """`python -m k3train --help | head -3`: once head has left, the page meets a closed pipe, which is no error of
+    the user's (no traceback, status 0)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "k3train", "--help"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    proc.stdout.close()  # the reader leaves before the page is written (a pipe's buffer would hold all of it)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and b"Traceback" not in err, err.decode()
+
+
 class _Parsed(Exception):
     def __init__(self, parser: argparse.ArgumentParser) -> None:
         self.parser = parser
