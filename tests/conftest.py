@@ -125,3 +125,25 @@ def run_on_gloo_ranks(fn, workdir: Path, *args, world_size: int = 2, timeout: fl
 def gloo_ranks():
     """run_on_gloo_ranks: spawn a gloo process group and collect what each rank returns."""
     return run_on_gloo_ranks
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """mount(size, at=None): a tmpfs of `size` (e.g. "1m") at the new directory `at` (default tmp_path/tmpfs), for a
+    real full disk; unmounted afterwards. Skips, saying why, where mounting is not permitted (not root)."""
+    mounted: list[Path] = []
+
+    def mount(size: str, at: Path | None = None) -> Path:
+        if os.geteuid() != 0:
+            pytest.skip("mounting a tmpfs needs root")
+        at = tmp_path / "tmpfs" if at is None else at
+        at.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(at)], capture_output=True)
+        if proc.returncode != 0:
+            pytest.skip(f"mounting a tmpfs is not permitted here: {proc.stderr.decode().strip()}")
+        mounted.append(at)
+        return at
+
+    yield mount
+    for at in mounted:
+        subprocess.run(["umount", str(at)], check=True)

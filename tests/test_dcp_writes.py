@@ -25,27 +25,6 @@ from helpers.spawn import spawn_ranks
 ROWS = 150_000  # 600 kB of float32 over the ranks: one checkpoint fits the 1 MiB tmpfs, two do not
 
 
-@pytest.fixture
-def tmpfs(tmp_path):
-    """mount(size): a tmpfs of `size` at a new directory, unmounted afterwards."""
-    mounted: list[Path] = []
-
-    def mount(size: str) -> Path:
-        if os.geteuid() != 0:
-            pytest.skip("mounting a tmpfs needs root")
-        at = tmp_path / "tmpfs"
-        at.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(at)], capture_output=True)
-        if proc.returncode != 0:
-            pytest.skip(f"mounting a tmpfs is not permitted here: {proc.stderr.decode().strip()}")
-        mounted.append(at)
-        return at
-
-    yield mount
-    for at in mounted:
-        subprocess.run(["umount", str(at)], check=True)
-
-
 class _Weights:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight

@@ -21,7 +21,7 @@ from k3train.models.k3 import KimiK3
 from k3train.models.k3.hf_config import NotExpressible, from_hf_config, layout_for, to_hf_config
 from k3train.models.k3.state_dict_adapter import HF_ADAPTER, KEEP_FP32, hf_names, to_hf
 
-from helpers.tiny_k3 import TINY
+from helpers.tiny_k3 import TINY, model_with_every_weight_random
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -40,20 +40,6 @@ K3 = {
     "kda_output_gate_bias": None,
     "kda_gate": "sigmoid",
 }
-
-
-def model_with_every_weight_random(fields: dict, seed: int = 0) -> KimiK3:
-    """Norm weights off 1 and router biases off 0: a test that swapped two of them, or dropped one, would see it."""
-    torch.manual_seed(seed)
-    model = KimiK3.from_fields(**fields)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.mul_(1 + 0.2 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):
-                b.copy_(0.05 * torch.randn_like(b))
-    return model.eval()
 
 
 def ids(seed: int = 0, T: int = 70) -> torch.Tensor:  # 70 > one 64-step KDA chunk

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -135,26 +134,6 @@ def test_a_config_describing_a_model_bigger_than_memory_is_refused_before_it_is_
 
 
 # --- a full disk ---------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    """mount(size, at): a tmpfs of `size` at the (new) directory `at`, unmounted afterwards."""
-    mounted: list[Path] = []
-
-    def mount(size: str, at: Path) -> Path:
-        if os.geteuid() != 0:
-            pytest.skip("mounting a tmpfs needs root")
-        at.mkdir()
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(at)], capture_output=True)
-        if proc.returncode != 0:
-            pytest.skip(f"mounting a tmpfs is not permitted here: {proc.stderr.decode().strip()}")
-        mounted.append(at)
-        return at
-
-    yield mount
-    for at in mounted:
-        subprocess.run(["umount", str(at)], check=True)
 
 
 def export_to(fmt: str, source: Path, out: Path) -> int:

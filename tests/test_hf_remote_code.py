@@ -16,12 +16,11 @@ from k3train.data.tokenizers import ByteTokenizer, HFTokenizer
 from k3train.hf.write import write_hf
 from k3train.inference.loading import Loaded
 from k3train.inference.writing import export, how_to_load, write_export
-from k3train.models.k3 import KimiK3
 from k3train.models.k3.hf_config import AUTO_MAP
 from k3train.models.k3.state_dict_adapter import HF_ADAPTER, REMOTE_CODE
 
 from helpers.config import model_config
-from helpers.tiny_k3 import TINY
+from helpers.tiny_k3 import TINY, model_with_every_weight_random
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -51,20 +50,6 @@ def k3_tiny_fields(**changes) -> dict:
     return {**fields, "vocab_size": V, **changes}
 
 
-def random_model(fields: dict, seed: int = 0) -> KimiK3:
-    """Norm weights off 1 and router biases off 0, so a norm or bias the remote code dropped would show."""
-    torch.manual_seed(seed)
-    model = KimiK3.from_fields(**fields)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.mul_(1 + 0.2 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("expert_bias"):
-                b.copy_(0.05 * torch.randn_like(b))
-    return model.eval()
-
-
 def ids(T: int = 70) -> torch.Tensor:  # 70 > one 64-step KDA chunk
     return torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(0))
 
@@ -76,7 +61,7 @@ def test_a_kimi_k3_export_loads_with_its_remote_code_and_gives_k3trains_logits(t
     if not changes:  # k3_tiny has all five components on
         assert fields["attn_res_block_size"] and fields["ffn_activation"] == "situ" and fields["expert_latent_dim"]
         assert fields["mla_output_gate"] and fields["kda_output_gate"] == "full_rank"
-    model = random_model(fields)
+    model = model_with_every_weight_random(fields)
     assert write_hf(HF_ADAPTER, model, ByteTokenizer(), tmp_path, shard_bytes=10**9) == "kimi_k3"
     assert json.loads((tmp_path / "config.json").read_text())["auto_map"] == AUTO_MAP
     for source in REMOTE_CODE:  # the code as the repository keeps it, importing nothing of k3train
@@ -101,7 +86,7 @@ def test_a_kimi_k3_export_loads_with_its_remote_code_and_gives_k3trains_logits(t
 
 @pytest.mark.slow  # seconds: transformers' import
 def test_a_kimi_linear_export_carries_no_code_and_loads_natively(transformers, tmp_path) -> None:
-    model = random_model({**TINY, "vocab_size": V, "kda_output_gate_bias": False})
+    model = model_with_every_weight_random({**TINY, "vocab_size": V, "kda_output_gate_bias": False})
     assert write_hf(HF_ADAPTER, model, ByteTokenizer(), tmp_path, shard_bytes=10**9) == "kimi_linear"
     assert "auto_map" not in json.loads((tmp_path / "config.json").read_text())
     assert not list(tmp_path.glob("*.py"))
@@ -118,7 +103,7 @@ def test_a_kimi_linear_export_carries_no_code_and_loads_natively(transformers, t
 @pytest.mark.slow  # seconds: transformers' import
 def test_a_byte_tokenizer_export_holds_a_byte_level_tokenizer_autotokenizer_loads(transformers, tmp_path) -> None:
     byte = ByteTokenizer()
-    write_hf(HF_ADAPTER, random_model(k3_tiny_fields()), byte, tmp_path, shard_bytes=10**9)
+    write_hf(HF_ADAPTER, model_with_every_weight_random(k3_tiny_fields()), byte, tmp_path, shard_bytes=10**9)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path, trust_remote_code=True)
     encoded = tokenizer(TEXT)["input_ids"]  # no BOS or EOS added: the ids are the text's bytes
     assert encoded == byte.encode(TEXT).tolist() and max(encoded) > 127
@@ -137,7 +122,7 @@ def test_a_bpe_tokenizer_export_loads_in_autotokenizer_with_the_same_ids(transfo
     from helpers.data import train_tiny_bpe
 
     bpe = HFTokenizer(train_tiny_bpe(tmp_path / "tokenizer.json"), "<|endoftext|>")
-    model = random_model({**k3_tiny_fields(), "vocab_size": bpe.vocab_size})
+    model = model_with_every_weight_random({**k3_tiny_fields(), "vocab_size": bpe.vocab_size})
     write_hf(HF_ADAPTER, model, bpe, tmp_path / "hf", shard_bytes=10**9)
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", trust_remote_code=True)
     assert tokenizer(TEXT)["input_ids"] == bpe.encode(TEXT).tolist()
@@ -147,7 +132,7 @@ def test_a_bpe_tokenizer_export_loads_in_autotokenizer_with_the_same_ids(transfo
 def test_export_says_how_to_load_what_it_wrote(tmp_path, capsys) -> None:
     source = tmp_path / "export"
     source.mkdir()
-    model = random_model(k3_tiny_fields())
+    model = model_with_every_weight_random(k3_tiny_fields())
     write_export(Loaded(model, ByteTokenizer(), "k3train.models.k3.KimiK3.from_fields", None, None, source, 7), source)
     assert export(source, tmp_path / "hf", fmt="hf") == 0
     line = capsys.readouterr().out.splitlines()[-1]

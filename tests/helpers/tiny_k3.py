@@ -40,3 +40,18 @@ def batch(B=4, T=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, V, (B, T), generator=g)
     return x, torch.randint(0, V, (B, T), generator=g)
+
+
+def model_with_every_weight_random(fields: dict, seed: int = 0) -> KimiK3:
+    """Norm weights off 1 and router biases off 0: a test that swapped two of them, or dropped one (an export, a
+    reader, the remote code), would see it."""
+    torch.manual_seed(seed)
+    model = KimiK3.from_fields(**fields)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.mul_(1 + 0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):
+                b.copy_(0.05 * torch.randn_like(b))
+    return model.eval()
