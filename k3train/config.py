@@ -6,8 +6,10 @@ runner's `check_known_keys` also refuses keys added with `+`/`++`, which Hydra l
 Cross-field checks live in __post_init__ and run when the Trainer's typed config is built
 (`OmegaConf.to_object`), before any model or data is touched.
 
-The groups model, optim, schedule, precision and data are `_target_` nodes checked by the classes they build;
-callbacks and logger hold any number of them, by name.
+The groups model, optim, schedule, precision, data and parallel are `_target_` nodes, typed by what they build:
+k3train/config_targets.py checks each key and value against its target's signature (a model's against its
+config_class) at start-up, and the classes check ranges when built; callbacks and logger hold any number of them,
+by name, checked the same way.
 """
 
 from __future__ import annotations

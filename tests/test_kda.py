@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from k3train.models.kda import KimiDeltaAttention, chunk_kda, fla_chunk_kda, naive_recurrent_kda
 from k3train.models.kda.layer import CausalConvSiLU, causal_depthwise_conv
+from k3train.models.layout import parameter_layouts
 from k3train.optim.param_groups import partition_parameters
 
 from helpers.kda_problems import assert_close, make_inputs, run
@@ -191,8 +192,10 @@ def test_layer_gates_and_annotations():
     softplus_layer = make_layer()
     g = softplus_layer._forget_gate(softplus_layer.f_a_proj(torch.randn(2, 5, 32)))
     assert (g < 0).all()
-    assert layer.q_proj.weight.head_split == (2, 0) and layer.k_proj.weight.head_split == (2, 0)
-    assert layer.v_proj.weight.head_split == (4, 0) and layer.o_proj.weight.head_split == (4, 1)
+    splits = {name: layout.head_split for name, layout in parameter_layouts(layer).items()}
+    assert splits == {"q_proj.weight": (2, 0), "k_proj.weight": (2, 0), "v_proj.weight": (4, 0)} | {
+        "o_proj.weight": (4, 1)
+    }
     A = layer.A_log.exp()
     assert (A >= 1).all() and (A <= 16).all()
     dt = F.softplus(layer.dt_bias)
@@ -345,7 +348,8 @@ def test_full_rank_gate_parameters_and_annotations():
     assert low.g_b_proj.bias is not None and not hasattr(low, "g_proj")
     assert not hasattr(full, "g_a_proj") and not hasattr(full, "g_b_proj")
     assert full.g_proj.weight.shape == (4 * 8, 32) and full.g_proj.bias is None
-    assert full.g_proj.weight.head_split == (4, 0)  # per value head, as v_proj
+    assert parameter_layouts(full)["g_proj.weight"].head_split == (4, 0)  # per value head, as v_proj
+    assert "g_b_proj.weight" not in parameter_layouts(low)  # low rank: a gate, not per head
     gate_keys = {"g_a_proj.weight", "g_b_proj.weight", "g_b_proj.bias"}
     assert set(low.state_dict()) - set(full.state_dict()) == gate_keys
     assert set(full.state_dict()) - set(low.state_dict()) == {"g_proj.weight"}

@@ -16,6 +16,7 @@ from k3train.models.k3.config import KimiK3Config
 from k3train.models.k3.costs import max_logit_pairs
 from k3train.models.k3.flops import mla_macs
 from k3train.models.k3.mla import MultiHeadLatentAttention, causal_max_logit
+from k3train.models.layout import parameter_layouts
 from k3train.optim.param_groups import partition_parameters
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -289,13 +290,16 @@ def test_head_split_annotations():
     for q_lora_rank in (None, 8):
         m = make_mla(q_lora_rank)
         q_proj = m.q_proj if q_lora_rank is None else m.q_b_proj
-        assert q_proj.weight.head_split == (H, 0) and q_proj.weight.shape[0] == H * (m.dn + m.dr)
-        assert m.kv_b_proj.weight.head_split == (H, 0) and m.kv_b_proj.weight.shape[0] == H * (m.dn + m.dv)
-        assert m.o_proj.weight.head_split == (H, 1) and m.o_proj.weight.shape[1] == H * m.dv
-        assert not hasattr(m.kv_a_proj.weight, "head_split")  # shared across heads
+        splits = {name: layout.head_split for name, layout in parameter_layouts(m).items()}
+        q_name = "q_proj.weight" if q_lora_rank is None else "q_b_proj.weight"
+        # kv_a_proj is shared across heads: no split
+        assert splits == {q_name: (H, 0), "kv_b_proj.weight": (H, 0), "o_proj.weight": (H, 1)}
+        assert q_proj.weight.shape[0] == H * (m.dn + m.dr) and m.kv_b_proj.weight.shape[0] == H * (m.dn + m.dv)
+        assert m.o_proj.weight.shape[1] == H * m.dv
         assert m.g_proj is None
     gated = make_mla(output_gate=True)
-    assert gated.g_proj.weight.head_split == (H, 0) and gated.g_proj.weight.shape == (H * gated.dv, D)
+    assert parameter_layouts(gated)["g_proj.weight"].head_split == (H, 0)
+    assert gated.g_proj.weight.shape == (H * gated.dv, D)
     assert gated.g_proj.bias is None
     # Muon sees g_proj as H per-head matrices, like the other per-head attention projections (not as a KDA gate).
     by_name = {a.name: a for a in partition_parameters(gated)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import hydra
@@ -10,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from k3train.models.layout import ParamLayout, parameter_layouts
 from k3train.optim.muon import MuonAdamW
 from k3train.optim.param_groups import check_partition, partition_parameters
 from k3train.optim.summary import format_param_groups
@@ -27,7 +29,6 @@ class FakeKDA(nn.Module):
         super().__init__()
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(self, name, nn.Linear(D, H * DH, bias=False))
-            getattr(self, name).weight.head_split = (H, 0)
         for name in ("q_conv", "k_conv", "v_conv"):
             setattr(self, name, nn.Conv1d(H * DH, H * DH, 4, groups=H * DH, bias=False))  # weight [C, 1, 4]
         self.f_a_proj, self.f_b_proj = nn.Linear(D, DH, bias=False), nn.Linear(DH, H * DH, bias=False)
@@ -36,7 +37,10 @@ class FakeKDA(nn.Module):
         self.A_log, self.dt_bias = nn.Parameter(torch.zeros(H)), nn.Parameter(torch.zeros(H * DH))
         self.o_norm = nn.RMSNorm(DH)
         self.o_proj = nn.Linear(H * DH, D, bias=False)
-        self.o_proj.weight.head_split = (H, 1)
+
+    def param_layouts(self) -> dict[str, ParamLayout]:
+        rows = {f"{name}.weight": ParamLayout(head_split=(H, 0)) for name in ("q_proj", "k_proj", "v_proj")}
+        return {**rows, "o_proj.weight": ParamLayout(head_split=(H, 1))}
 
 
 class FakeMLA(nn.Module):
@@ -50,8 +54,10 @@ class FakeMLA(nn.Module):
         self.kv_a_proj, self.kv_a_norm = nn.Linear(D, 10, bias=False), nn.RMSNorm(8)
         self.kv_b_proj = nn.Linear(8, H * 2 * DH, bias=False)
         self.o_proj = nn.Linear(H * DH, D, bias=False)
-        self.q_b_proj.weight.head_split, self.kv_b_proj.weight.head_split = (H, 0), (H, 0)
-        self.o_proj.weight.head_split = (H, 1)
+
+    def param_layouts(self) -> dict[str, ParamLayout]:
+        rows = {name: ParamLayout(head_split=(H, 0)) for name in ("q_b_proj.weight", "kv_b_proj.weight")}
+        return {**rows, "o_proj.weight": ParamLayout(head_split=(H, 1))}
 
 
 class FakeMoE(nn.Module):
@@ -120,6 +126,22 @@ def test_head_wise_off_gives_whole_matrices() -> None:
     for a in partition_parameters(FakeModel(), head_wise=False):
         assert a.head_split is None and not a.view.startswith("heads")
         assert a.group == EXPECTED[a.name][0]
+
+
+def test_head_splits_are_the_modules_layouts_and_survive_a_copy() -> None:
+    """The layout table is read from modules and names, so a copy of the model (or FSDP2's new DTensor parameters,
+    tests/test_fsdp.py) is partitioned as the original; a tensor attribute did not survive copy.deepcopy."""
+    model = FakeModel()
+    original = {a.name: a.view for a in partition_parameters(model)}
+    assert {a.name: a.view for a in partition_parameters(copy.deepcopy(model))} == original
+    assert parameter_layouts(model)["layers.1.q_b_proj.weight"].head_split == (H, 0)
+
+
+def test_a_head_split_that_does_not_fit_its_weight_is_an_error() -> None:
+    model = FakeModel()
+    model.layers[1].param_layouts = lambda: {"o_proj.weight": ParamLayout(head_split=(3, 1))}  # 32 columns, 3 heads
+    with pytest.raises(ValueError, match="layers.1.o_proj.weight: head_split=\\(3, 1\\) does not fit"):
+        partition_parameters(model)
 
 
 def test_tied_weights_are_counted_once() -> None:

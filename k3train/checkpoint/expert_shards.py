@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from k3train.models.protocol import expert_shards
+from k3train.models.layout import expert_shards
 from k3train.runtime.parallel_dims import ParallelDims
 
 
@@ -70,7 +70,8 @@ class ExpertShardedModel:
 
     def __init__(self, model: nn.Module, dims: ParallelDims):
         self.model, self.dims = model, dims
-        self.experts = {name: p for name, p in model.named_parameters() if getattr(p, "expert_parallel", 1) > 1}
+        shards = {id(p) for p in expert_shards(model)}
+        self.experts = {name: p for name, p in model.named_parameters() if id(p) in shards}
 
     def state_dict(self) -> dict:
         state = self.model.state_dict()

@@ -13,9 +13,9 @@ model's step time over this one's is the cost of KDA, MLA and the MoE (benchmark
 Its parts are k3train's own where it has them, all from models/common/ (the parts every model family shares):
 RMSNorm (norm.py), the SwiGLU FFN (swiglu.py), the rotary embedding (attention.py, half-split pairing), the chunked
 LM head + loss (loss.py), and the weight initialisation KimiK3 uses (Normal(init_std), residual-writing projections
-scaled by 1 / sqrt(2 n_layers)). The attention projections carry `head_split`, so Muon orthogonalises them per head
-as it does MLA's (k3train/optim/param_groups.py); there is no QK-Clip here (nothing measures this attention's max
-logits).
+scaled by 1 / sqrt(2 n_layers)). The attention projections declare a head split (param_layouts), so Muon
+orthogonalises them per head as it does MLA's (k3train/optim/param_groups.py); there is no QK-Clip here (nothing
+measures this attention's max logits).
 
 Document masking (forward's document_ids, k3train/models/common/documents.py): attention is causal within each
 document (block-diagonal causal: document_attention, models/common/attention.py, as MLA's), every layer reading one
@@ -38,6 +38,7 @@ from k3train.models.common.documents import Documents
 from k3train.models.common.loss import linear_cross_entropy
 from k3train.models.common.norm import RMSNorm
 from k3train.models.common.swiglu import SwiGLU
+from k3train.models.layout import ParamLayout
 
 
 @dataclass
@@ -88,11 +89,12 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(d, d, bias=False)
         self.v_proj = nn.Linear(d, d, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
-        # Muon's per-head views (docs/contracts.md): rows [H*dh, d] for q, k, v; columns [d, H*dh] for o.
-        for proj in (self.q_proj, self.k_proj, self.v_proj):
-            proj.weight.head_split = (H, 0)
-        self.o_proj.weight.head_split = (H, 1)
         self.rotary = RotaryEmbedding(self.head_dim, config.max_seq_len, config.rope_theta)
+
+    def param_layouts(self) -> dict[str, ParamLayout]:
+        """Muon's per-head views (k3train/models/layout.py): rows [H*dh, d] for q, k, v; columns [d, H*dh] for o."""
+        rows = {f"{name}.weight": ParamLayout(head_split=(self.n_heads, 0)) for name in ("q_proj", "k_proj", "v_proj")}
+        return {**rows, "o_proj.weight": ParamLayout(head_split=(self.n_heads, 1))}
 
     def forward(self, x: torch.Tensor, documents: Documents | torch.Tensor | None = None) -> torch.Tensor:
         B, T, d = x.shape
@@ -122,6 +124,7 @@ class Block(nn.Module):
 
 class DenseTransformer(nn.Module):
     log_label = ""
+    config_class = DenseConfig  # what from_fields builds: k3train/config_targets.py checks a run's model.* by it
 
     def __init__(self, config: DenseConfig) -> None:
         super().__init__()

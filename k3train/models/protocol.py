@@ -67,16 +67,9 @@ class Parallelizes(Protocol):
         """Spread over `dims` (a ParallelDims); `fully_shard` is a FullyShard (FSDP2's options) under FSDP2, else
         None. Returns the layouts of its sharded-checkpoint tensors beyond FSDP2's own, {mesh dim names: (mesh,
         placements)}, as the strategy's shard_layouts give them (empty when it has none). A parameter it leaves
-        different on every rank (its own slice of a whole) is marked `expert_parallel` = the ranks it is split over
-        (expert_shards)."""
+        different on every rank (its own slice of a whole) has a layout (k3train/models/layout.py) whose
+        `expert_parallel` is the ranks it is split over."""
         ...
-
-
-def expert_shards(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters of `module` that hold this rank's slice of a whole weight split over expert-parallel ranks
-    (`expert_parallel` > 1, set by the model's parallelize): DDP leaves them out, their gradients are averaged
-    apart, and a checkpoint writes each rank's own (k3train/checkpoint/expert_shards.py)."""
-    return [p for p in module.parameters() if getattr(p, "expert_parallel", 1) > 1]
 
 
 def missing_members(model: object) -> list[str]:

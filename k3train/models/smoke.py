@@ -28,6 +28,7 @@ class SmokeTestConfig:
 
 class SmokeTestLM(nn.Module):
     log_label = "[plumbing: smoke_test_lm] "  # its numbers must never be read as model results
+    config_class = SmokeTestConfig  # what from_fields builds (k3train/config_targets.py checks model.* by it)
 
     def __init__(self, config: SmokeTestConfig):
         super().__init__()

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from k3train.models.layout import expert_group, expert_shards
 from k3train.optim.checks import check_adamw_settings, check_muon_settings
 from k3train.optim.muon import NS_DTYPES, MuonAdamW
 from k3train.optim.param_groups import GROUPS, check_partition, partition_parameters
@@ -98,6 +99,8 @@ def muon_adamw(
         orthogonality_check_interval=orthogonality_check_interval,
         ns_dtype=ns_dtype,
         process_group=process_group,
+        expert_shards=expert_shards(model),
+        expert_group=expert_group(model),
     )
 
 

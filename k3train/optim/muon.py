@@ -2,26 +2,27 @@
 
 Each param group has a "name" and a "kind":
 - "muon": 2D weights and 3D stacked expert weights [E, out, in]. The momentum (Nesterov) is orthogonalised by a
-  Newton-Schulz quintic per *matrix view*: a plain 2D weight is one matrix; a weight annotated with
-  `head_split = (H, dim)` is H head matrices; a 3D expert stack is E matrices. Views of one parameter are
-  orthogonalised as one batch. The update is scaled by rms_match * sqrt(max(A, B)) of the view's matrix shape so
-  that its RMS matches AdamW's (Moonlight, arXiv 2502.16982), which lets Muon share AdamW's lr and weight decay.
+  Newton-Schulz quintic per *matrix view*: a plain 2D weight is one matrix; one whose group gives it a head split (H,
+  dim) (its module's layout, k3train/models/layout.py) is H head matrices; a 3D expert stack is E matrices. Views of one
+  parameter are orthogonalised as one batch. The update is scaled by rms_match * sqrt(max(A, B)) of the view's matrix
+  shape so that its RMS matches AdamW's (Moonlight, arXiv 2502.16982), which lets Muon share AdamW's lr and weight
+  decay.
 - "adamw": decoupled AdamW with bias correction (embeddings, LM head, norms, biases, gates, conv kernels, ...).
 
 Momentum follows torch.optim.Muon exactly (EMA form: buf.lerp_(g, 1 - mu); Nesterov: g.lerp(buf, mu)); an EMA
 buffer is (1 - mu) times a classic `mu * buf + g` buffer, so checkpoints of the two forms are not interchangeable.
 Which parameter goes to which group, and why, is decided in k3train/optim/param_groups.py.
 
-Data-parallel (`process_group` with more than one rank; the run hands its ParallelDims' data-parallel group, None in
-one process): each rank orthogonalises a share of every Muon group's replicated parameters (DDP) and the results
-are all-gathered, so every rank applies the same update as a 1-process run would, bit for bit, and keeps the whole
-optimizer state (rank 0's state_dict is the checkpoint). FSDP2's shards are orthogonalised at one owner per matrix on
-their mesh, which receives the matrix's shards and returns each rank its shard of the update; each rank's momentum
-stays on its shard, and again the result is a 1-process run's bit for bit (k3train/optim/muon_distributed.py).
-Expert-parallel shards (parameters with `expert_parallel` > 1: each rank holds other experts) are orthogonalised by
-their own rank, never spread; under FSDP2 they are sharded again on the expert dimension, so each rank still holds
-whole experts and orthogonalises those, exchanging nothing, or, with fewer experts than ranks to shard them over, on
-dim 1, and then the ranks holding slices of the same experts share them out as owners as above
+Data-parallel (`process_group` with more than one rank; the run hands its ParallelDims' data-parallel group, None in one
+process): each rank orthogonalises a share of every Muon group's replicated parameters (DDP) and the results are
+all-gathered, so every rank applies the same update as a 1-process run would, bit for bit, and keeps the whole optimizer
+state (rank 0's state_dict is the checkpoint). FSDP2's shards are orthogonalised at one owner per matrix on their mesh,
+which receives the matrix's shards and returns each rank its shard of the update; each rank's momentum stays on its
+shard, and again the result is a 1-process run's bit for bit (k3train/optim/muon_distributed.py). Expert-parallel shards
+(`expert_shards`: each rank holds other experts, the rest on `expert_group`) are orthogonalised by their own rank, never
+spread; under FSDP2 they are sharded again on the expert dimension, so each rank still holds whole experts and
+orthogonalises those, exchanging nothing, or, with fewer experts than ranks to shard them over, on dim 1, and then the
+ranks holding slices of the same experts share them out as owners as above
 (k3train/runtime/parallel_layout.expert_shard_dim; which of the three a parameter gets is
 k3train/optim/muon_distributed.muon_placement, the planner's too). A checkpoint holds every rank's own experts
 (k3train/checkpoint/expert_shards.py).
@@ -52,7 +53,6 @@ from k3train.optim.muon_distributed import (
     exchange_with_owners,
     global_square_sum,
     holds_whole_experts,
-    is_expert_shard,
     is_sharded,
     local_part,
     muon_placement,
@@ -63,7 +63,7 @@ from k3train.optim.muon_distributed import (
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 KINDS = ("muon", "adamw")
 
-HeadSplit = tuple[int, int]  # (n_heads, dim): the `param.head_split` annotation of docs/contracts.md
+HeadSplit = tuple[int, int]  # (n_heads, dim): a ParamLayout's head_split (k3train/models/layout.py)
 # Newton-Schulz dtypes: bf16 is torch.optim.Muon's (and fast on GPUs and CPUs with native bf16); fp32 is the
 # choice on CPUs without it, where bf16 matmuls run far slower (k3train/optim/build.py picks for "auto"; measured:
 # docs/decisions/cpu-runtime.md).
@@ -122,7 +122,7 @@ def from_matrices(m: Tensor, head_split: HeadSplit | None, shape: torch.Size) ->
 
 
 def check_head_split(shape: torch.Size, head_split: Any, name: str) -> HeadSplit | None:
-    """Validate a `head_split` annotation against its parameter's shape; returns it as a tuple (or None)."""
+    """Validate a head split against its parameter's shape; returns it as a tuple (or None)."""
     if head_split is None:
         return None
     n_heads, dim = head_split
@@ -163,6 +163,8 @@ class MuonAdamW(torch.optim.Optimizer):
         orthogonality_check_interval: int = 50,
         ns_dtype: str = "bf16",
         process_group: dist.ProcessGroup | None = None,
+        expert_shards: Iterable[Tensor] = (),
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
         check_adamw_settings("", lr, weight_decay, betas, eps)
         check_muon_settings("", momentum, ns_steps, rms_match, orthogonality_check_interval)
@@ -182,6 +184,9 @@ class MuonAdamW(torch.optim.Optimizer):
         }
         self.orthogonality_check_interval = orthogonality_check_interval
         self.process_group = process_group  # the data-parallel ranks to spread Newton-Schulz over (None: alone)
+        # Expert parallelism: the weights of which this rank holds its own experts, the rest on expert_group's ranks
+        self.expert_shards = frozenset(id(p) for p in expert_shards)
+        self.expert_group = expert_group
         # Diagnostics: they never shape an update. The update RMS is the last step's; the orthogonality error is
         # the last measurement (every orthogonality_check_interval steps), so it travels in state_dict: a resumed
         # run reports it at the same steps as an uninterrupted one.
@@ -245,8 +250,10 @@ class MuonAdamW(torch.optim.Optimizer):
                 self._muon_step(group)
             else:
                 self._adamw_step(group)
-            if any(is_sharded(p) or is_expert_shard(p) for p in group["params"]):  # diagnostics(): no collective
-                self._sharded_weight_sq[group["name"]] = float(global_square_sum(group["params"]))
+            # diagnostics() runs no collective: the squared norm is taken here
+            if any(is_sharded(p) or id(p) in self.expert_shards for p in group["params"]):
+                squares = global_square_sum(group["params"], self.expert_shards, self.expert_group)
+                self._sharded_weight_sq[group["name"]] = float(squares)
         return loss
 
     def _muon_step(self, group: dict[str, Any]) -> None:
@@ -258,8 +265,8 @@ class MuonAdamW(torch.optim.Optimizer):
         placed = [
             muon_placement(
                 sharded=is_sharded(p),
-                expert_parallel=is_expert_shard(p),
-                whole_experts=holds_whole_experts(p),
+                expert_parallel=id(p) in self.expert_shards,
+                whole_experts=id(p) in self.expert_shards and holds_whole_experts(p),
                 data_parallel=ranks is not None,
             )
             for p, _ in with_grad

@@ -213,15 +213,10 @@ def local_part(t: Tensor) -> Tensor:
     return t.to_local() if is_sharded(t) else t
 
 
-def is_expert_shard(p: Tensor) -> bool:
-    """A routed-expert weight of which this rank holds its own experts (expert parallelism)."""
-    return getattr(p, "expert_parallel", 1) > 1
-
-
 def holds_whole_experts(p: Tensor) -> bool:
-    """An expert-parallel weight whose every expert this rank holds whole: plain, or FSDP2-sharded on dim 0 (the
-    experts); on dim 1 each rank holds a slice of every expert."""
-    return is_expert_shard(p) and (not is_sharded(p) or p.placements[0] == Shard(0))
+    """Of an expert-parallel weight: whether this rank holds each of its experts whole: plain, or FSDP2-sharded on
+    dim 0 (the experts); on dim 1 each rank holds a slice of every expert."""
+    return not is_sharded(p) or p.placements[0] == Shard(0)
 
 
 def muon_placement(*, sharded: bool, expert_parallel: bool, whole_experts: bool, data_parallel: bool) -> str:
@@ -241,17 +236,20 @@ def muon_placement(*, sharded: bool, expert_parallel: bool, whole_experts: bool,
     return "replicated"
 
 
-def global_square_sum(params: Sequence[Tensor]) -> Tensor:
-    """The sum of squares of the whole `params`: FSDP2 shards summed over their mesh, expert-parallel ones also over
-    the ranks holding the other experts (a collective: every rank calls it, in step())."""
+def global_square_sum(
+    params: Sequence[Tensor], expert_shards: frozenset[int] = frozenset(), expert_group: dist.ProcessGroup | None = None
+) -> Tensor:
+    """The sum of squares of the whole `params`: FSDP2 shards summed over their mesh, expert-parallel ones (ids in
+    `expert_shards`) also over the ranks holding the other experts, `expert_group` (a collective: every rank calls
+    it, in step())."""
     total = torch.zeros(())
     for kind in (False, True):
-        some = [p for p in params if is_expert_shard(p) == kind]
+        some = [p for p in params if (id(p) in expert_shards) == kind]
         if some:
             sq = sum_over_shards(sum(local_part(p.detach()).float().square().sum() for p in some), some)
             if kind:
                 sq = sq.clone()
-                dist.all_reduce(sq, group=some[0].expert_group)
+                dist.all_reduce(sq, group=expert_group)
             total = total + sq
     return total
 

@@ -12,7 +12,8 @@
      ([1, d] `*_res_proj`) -> adamw_aux (decay on): small or special-purpose matrices whose rows are not a
      hidden-to-hidden map; Muon's spectral update would distort them (a [1, d] matrix would become its sign).
   4. 3D stacked expert weights [E, out, in]     -> muon_experts, one matrix per expert.
-  5. other 2D weights: attention projections (or any weight annotated with `head_split`) -> muon_attention,
+  5. other 2D weights: attention projections (or any weight whose layout has a `head_split`,
+     k3train/models/layout.py) -> muon_attention,
      as per-head matrices when annotated and head_wise=True; the rest (dense FFN, shared expert) -> muon_ffn.
 Names are matched on whole components of the dotted parameter name ("b_proj" does not match "q_b_proj").
 A parameter that fits no rule (4D and up) is an error: add a rule here rather than guessing.
@@ -27,6 +28,7 @@ from typing import Any
 
 from torch import nn
 
+from k3train.models.layout import parameter_layouts
 from k3train.optim.muon import HeadSplit, check_head_split
 
 # group -> (optimizer kind, weight decay on)
@@ -64,18 +66,21 @@ class ParamAssignment:
 def partition_parameters(model: nn.Module, head_wise: bool = True) -> list[ParamAssignment]:
     """One ParamAssignment per trainable parameter of `model` (tied weights once, under their first name)."""
     owners = {name: module for name, module in model.named_modules()}
+    head_splits = {name: layout.head_split for name, layout in parameter_layouts(model).items()}
     assignments = []
     for name, p in model.named_parameters():  # deduplicates tied parameters
         if not p.requires_grad:
             continue
         owner = owners[name.rpartition(".")[0]]
-        group, view, reason, split = _classify(name, p, owner, head_wise)
+        group, view, reason, split = _classify(name, p, owner, head_wise, head_splits.get(name))
         kind, decay = GROUPS[group]
         assignments.append(ParamAssignment(name, tuple(p.shape), group, kind, view, decay, reason, split, p))
     return assignments
 
 
-def _classify(name: str, p: nn.Parameter, owner: nn.Module, head_wise: bool) -> tuple[str, str, str, HeadSplit | None]:
+def _classify(
+    name: str, p: nn.Parameter, owner: nn.Module, head_wise: bool, head_split: HeadSplit | None
+) -> tuple[str, str, str, HeadSplit | None]:
     """(group, view, reason, head_split) for one parameter, by the rules in the module docstring."""
     parts = set(name.split("."))
     if isinstance(owner, nn.Embedding):
@@ -96,7 +101,7 @@ def _classify(name: str, p: nn.Parameter, owner: nn.Module, head_wise: bool) -> 
     if p.ndim == 3:
         return "muon_experts", f"experts({p.shape[0]})", "stacked expert weights, one matrix per expert", None
     if p.ndim == 2:
-        split = check_head_split(p.shape, getattr(p, "head_split", None), name)
+        split = check_head_split(p.shape, head_split, name)
         group = "muon_attention" if split is not None or parts & ATTENTION_NAMES else "muon_ffn"
         if split is not None and head_wise:
             return group, f"heads({split[0]}, dim={split[1]})", "hidden matrix, per-head views", split

@@ -16,6 +16,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from k3train.config import TrainConfig, check_known_keys
+from k3train.config_targets import check_target_settings
 from k3train.optim.muon import as_matrices
 from k3train.optim.param_groups import partition_parameters
 from k3train.plan.costs import ModelCosts, PlansCosts
@@ -86,6 +87,7 @@ def build_spec(cfg: DictConfig, device_type: str, vocab_size: int | None = None)
     """The composed config as a RunSpec; the model is built on the meta device. vocab_size: what the model's
     `vocab_size: null` takes (the data's), when the config leaves it null."""
     check_known_keys(cfg)
+    check_target_settings(cfg)
     train: TrainConfig = OmegaConf.to_object(cfg.train)
     overrides = {} if cfg.model.get("vocab_size") is not None else {"vocab_size": vocab_size}
     if cfg.model.get("vocab_size") is None and vocab_size is None:

@@ -22,6 +22,7 @@ from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConf
 from k3train.data.context_slices import ContextSlices
 from k3train.inference.loading import load
 from k3train.models.common.context_parallel import ContextParallel, set_context_parallel
+from k3train.models.layout import WHOLE, parameter_layouts
 from k3train.models.protocol import missing_members
 from k3train.observe.metrics import MetricsLogger, MetricsSink
 from k3train.runtime.cpu import ThreadChoice, apply_threads, choose_threads, prepare_cpu_training
@@ -40,10 +41,12 @@ def build_meta(
 ) -> dict:
     """The identities a checkpoint pins and a resume must match."""
     data_parallel = world.size if dims is None else dims.dp_size  # ranks reading different rows
+    table = parameter_layouts(model)
+    split_over = {id(p): table.get(name, WHOLE).expert_parallel for name, p in model.named_parameters()}
     layout = {
         # whole sizes: an expert-parallel shard counts as its whole weight, so any ep can resume the checkpoint
         g.get("name", str(i)): f"{len(g['params'])} tensors, "
-        f"{sum(p.numel() * getattr(p, 'expert_parallel', 1) for p in g['params'])} values"
+        f"{sum(p.numel() * split_over.get(id(p), 1) for p in g['params'])} values"
         for i, g in enumerate(optimizer.param_groups)
     }
     identity = data.identity()

@@ -28,6 +28,7 @@ from omegaconf.errors import MissingMandatoryValue
 from k3train.checkpoint.checkpointer import CheckpointError
 from k3train.checkpoint.dcp import remove_stale_temp_links
 from k3train.config import TrainConfig, check_known_keys
+from k3train.config_targets import check_target_settings
 from k3train.files import remove_stale_temp_files
 from k3train.models.protocol import takes_document_ids
 from k3train.observe.metrics import MetricsLogger
@@ -126,6 +127,7 @@ def _build_and_restore(cfg: DictConfig, run_dir: Path) -> dict:
     """Check the settings, resolve the resume, set the process up, build every part and restore the checkpoint:
     all before anything is written (a refusal anywhere leaves no trace)."""
     check_known_keys(cfg)
+    check_target_settings(cfg)
     train_cfg: TrainConfig = OmegaConf.to_object(cfg.train)  # its checks, before any work
     world = current_world()
     resume_path = rank_zero_decides(lambda: resolve_resume(cfg.resume, run_dir))  # one answer, before anyone writes

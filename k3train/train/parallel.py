@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel
 
 from k3train.models.common.parallelize import FullyShard, parallelize_blocks
-from k3train.models.protocol import Parallelizes, expert_shards
+from k3train.models.layout import expert_shards
+from k3train.models.protocol import Parallelizes
 from k3train.runtime.parallel_dims import ParallelDims
 
 
@@ -57,11 +58,12 @@ def strategy_missing(strategy: object) -> list[str]:
     return [name for name in [*ParallelStrategy.__annotations__, *methods] if not hasattr(strategy, name)]
 
 
-def global_grad_norm(params: list[torch.Tensor], dims: ParallelDims) -> float:
+def global_grad_norm(params: list[torch.Tensor], dims: ParallelDims, experts: frozenset[int] = frozenset()) -> float:
     """The L2 norm of every gradient of the model, over all ranks: FSDP2's shards summed (full_value), and the
-    routed experts' shards of expert parallelism, which differ by rank, summed over the expert-parallel group."""
-    whole = [p.grad for p in params if p.grad is not None and getattr(p, "expert_parallel", 1) == 1]
-    split = [p.grad for p in params if p.grad is not None and getattr(p, "expert_parallel", 1) > 1]
+    routed experts' shards of expert parallelism (`experts`: their ids, expert_shards), which differ by rank, summed
+    over the expert-parallel group."""
+    whole = [p.grad for p in params if p.grad is not None and id(p) not in experts]
+    split = [p.grad for p in params if p.grad is not None and id(p) in experts]
     total = full_value(torch.nn.utils.get_total_norm(whole)).square() if whole else torch.zeros(())
     if split:  # FSDP2 may shard them again over expert_dp: full_value sums those shards first
         split_sq = full_value(torch.nn.utils.get_total_norm(split)).square()

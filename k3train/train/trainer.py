@@ -26,6 +26,7 @@ from k3train.checkpoint.checkpointer import Checkpointer
 from k3train.checkpoint.expert_shards import with_expert_shards
 from k3train.config import ProfileConfig, TrainConfig
 from k3train.data import EndOfData
+from k3train.models.layout import expert_shards
 from k3train.models.protocol import LanguageModel, document_inputs
 from k3train.observe.metrics import MetricsLogger
 from k3train.observe.mfu import MFU
@@ -99,6 +100,7 @@ class Trainer:
         # Global: every rank's rows of the batch (the loaders' data-parallel view), so plans and logs are per run.
         self.tokens_per_update = train_loader.global_tokens_per_batch * config.gradient_accumulation_steps
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.expert_shards = frozenset(id(p) for p in expert_shards(model))  # each rank's own: norms sum over ep
         self.mfu = MFU.for_model(
             model, config.seq_len, device, precision.dtype, config.peak_flops, devices=self.dims.world_size
         )
@@ -165,7 +167,7 @@ class Trainer:
         loss = mean_across_ranks(torch.stack(losses).mean().item(), self.device, self.dims.dp_group)
 
         self.scaler.unscale_(self.optimizer)
-        grad_norm = global_grad_norm(self.params, self.dims)
+        grad_norm = global_grad_norm(self.params, self.dims, self.expert_shards)
         result = {"loss": loss, "grad_norm": grad_norm, "lr_factor": lr_factor}
         if math.isfinite(loss) and math.isfinite(grad_norm):
             if self.config.clip_norm is not None:

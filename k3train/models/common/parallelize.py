@@ -4,15 +4,11 @@ parallelize gets (k3train/models/protocol.py's Parallelizes).
 Every module of an nn.ModuleList (the transformer blocks) is one FSDP2 unit and the root holds the rest
 (embeddings, head, final norm): a block's parameters are all-gathered just before its forward and backward and
 freed after; gradients are reduce-scattered (averaged) at the end of backward. fully_shard replaces each parameter
-by a new DTensor parameter, which loses Python attributes such as `head_split` (docs/contracts.md) and
-`expert_parallel`: `annotations_kept` reads them before and sets them again after, so the optimizer built
-afterwards sees them.
+by a new DTensor parameter under the same name, so the layout table (k3train/models/layout.py) still describes it.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch import nn
@@ -24,17 +20,6 @@ class FullyShard:
     """FSDP2's options, as conf/parallel/fsdp.yaml sets them, handed to a model's parallelize."""
 
     reshard_after_forward: bool = True
-
-
-@contextlib.contextmanager
-def annotations_kept(model: nn.Module) -> Iterator[None]:
-    """Within: fully_shard may replace `model`'s parameters; after, each parameter has again the Python attributes
-    the one of its name had before."""
-    annotations = {name: dict(vars(p)) for name, p in model.named_parameters() if vars(p)}
-    yield
-    for name, p in model.named_parameters():
-        for key, value in annotations.get(name, {}).items():
-            setattr(p, key, value)
 
 
 def fully_shard_blocks(model: nn.Module, mesh, options: FullyShard, ignored_params: set | None = None) -> None:
@@ -52,6 +37,5 @@ def parallelize_blocks(model: nn.Module, dims, fully_shard: FullyShard | None) -
     if dims.ep > 1:
         raise ValueError(f"parallel.ep={dims.ep}: {type(model).__name__} has no MoE layer to split")
     if fully_shard is not None and dims.world_size > 1:
-        with annotations_kept(model):
-            fully_shard_blocks(model, dims.shard_mesh, fully_shard)
+        fully_shard_blocks(model, dims.shard_mesh, fully_shard)
     return {}

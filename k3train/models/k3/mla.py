@@ -38,6 +38,7 @@ from k3train.models.common.context_parallel import ContextParallel
 from k3train.models.common.documents import Documents
 from k3train.models.common.norm import RMSNorm
 from k3train.models.k3.cache import MLACache
+from k3train.models.layout import ParamLayout
 
 # causal_max_logit's square tiles: a tile's fp32 logits for every head hold at most this many values, the same
 # budget whatever the heads and the sequence (the [H, T, S] logits at K3's 96 heads and 131,072 positions would be
@@ -94,14 +95,6 @@ class MultiHeadLatentAttention(nn.Module):
         self.g_proj = nn.Linear(d_model, n_heads * self.dv, bias=False) if output_gate else None
         self.rotary = RotaryEmbedding(self.dr, max_seq_len, rope_theta) if rope else None
 
-        # Muon may orthogonalise these per head (`head_split`, docs/contracts.md): rows [H*dh, in] or columns
-        # [out, H*dh].
-        self.q_out_proj.weight.head_split = (n_heads, 0)
-        self.kv_b_proj.weight.head_split = (n_heads, 0)
-        self.o_proj.weight.head_split = (n_heads, 1)
-        if self.g_proj is not None:  # rows [H*dv, d]: head h's rows gate head h's output channels
-            self.g_proj.weight.head_split = (n_heads, 0)
-
         self.track_max_logit = False
         self.max_logit: torch.Tensor | None = None  # [H] fp32 running max since QK-Clip last read it
         # the ranks the sequence is split over (parallel.cp; k3train/models/common/context_parallel.py), or None
@@ -111,6 +104,15 @@ class MultiHeadLatentAttention(nn.Module):
     def q_out_proj(self) -> nn.Linear:
         """The projection whose rows are per head [q_nope | q_rope]: q_proj, or q_b_proj with query compression."""
         return self.q_proj if hasattr(self, "q_proj") else self.q_b_proj
+
+    def param_layouts(self) -> dict[str, ParamLayout]:
+        """Muon may orthogonalise these per head (k3train/models/layout.py): rows [H*dh, in] of the query's and
+        kv_b's outputs and of the gate (head h's rows gate head h's output channels), columns [out, H*dh] of o."""
+        rows = ["q_proj" if hasattr(self, "q_proj") else "q_b_proj", "kv_b_proj"]
+        if self.g_proj is not None:
+            rows.append("g_proj")
+        layouts = {f"{name}.weight": ParamLayout(head_split=(self.n_heads, 0)) for name in rows}
+        return {**layouts, "o_proj.weight": ParamLayout(head_split=(self.n_heads, 1))}
 
     def forward(self, x: torch.Tensor, documents: Documents | torch.Tensor | None = None) -> torch.Tensor:
         """x [B, T, d] -> [B, T, d], causal; with documents (a Documents, or document_ids [B, T]), causal within each

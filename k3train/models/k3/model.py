@@ -233,6 +233,7 @@ class Block(nn.Module):
 
 class KimiK3(nn.Module):
     log_label = ""
+    config_class = KimiK3Config  # what from_fields builds: k3train/config_targets.py checks a run's model.* by it
 
     def __init__(self, config: KimiK3Config) -> None:
         super().__init__()

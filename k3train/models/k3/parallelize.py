@@ -1,13 +1,13 @@
 """How a KimiK3 is spread over a run's ranks (the model's `parallelize`, called by the parallel strategy:
 k3train/train/parallel.py), as torchtitan's models/deepseek_v3/infra/parallelize.py is DeepSeek-V3's.
 
-Every MoE balances over the data-parallel group (Quantile Balancing reduces over the global batch:
-MoE.balance_over), in one process too (None: its own tokens). With ep > 1 each MoE keeps this rank's 1/ep of its
-routed experts (MoE.shard_experts, marked `expert_parallel`). Under FSDP2 those are not sharded over all ranks but
-over the expert_dp ranks that hold the same experts, as their own unit (torchtitan's llama4 parallelize does the
-same), whose reduce-scatter divides by the world size, not by expert_dp (the strategy's
-average_expert_gradients says why): on dim 0 (whole experts per rank) when each rank gets at least one, else on
-dim 1, whose Newton-Schulz then gathers them (k3train/optim/muon.py), as torchtitan's shard_placement_fn does
+Every MoE balances over the data-parallel group (Quantile Balancing reduces over the global batch: MoE.balance_over), in
+one process too (None: its own tokens). With ep > 1 each MoE keeps this rank's 1/ep of its routed experts
+(MoE.shard_experts; their layout says `expert_parallel`, k3train/models/layout.py). Under FSDP2 those are not sharded
+over all ranks but over the expert_dp ranks that hold the same experts, as their own unit (torchtitan's llama4
+parallelize does the same), whose reduce-scatter divides by the world size, not by expert_dp (the strategy's
+average_expert_gradients says why): on dim 0 (whole experts per rank) when each rank gets at least one, else on dim 1,
+whose Newton-Schulz then gathers them (k3train/optim/muon.py), as torchtitan's shard_placement_fn does
 (k3train/runtime/parallel_layout.expert_shard_dim, which the planner asks too).
 With expert_dp 1 there is nothing to shard them over: FSDP2 ignores them and the strategy's
 average_expert_gradients divides them. The blocks and the root are then FSDP2 units as any model's
@@ -22,9 +22,9 @@ from __future__ import annotations
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
-from k3train.models.common.parallelize import FullyShard, annotations_kept, fully_shard_blocks
+from k3train.models.common.parallelize import FullyShard, fully_shard_blocks
 from k3train.models.k3.moe import MoE
-from k3train.models.protocol import expert_shards
+from k3train.models.layout import expert_shards
 from k3train.runtime.parallel_layout import expert_shard_dim
 
 
@@ -43,8 +43,7 @@ def parallelize(model, dims, options: FullyShard | None) -> dict:
             moe.shard_experts(dims.ep_group)
     placement = Replicate()  # DDP: each ep rank's experts whole on every expert_dp rank
     if options is not None:
-        with annotations_kept(model):
-            placement = _fully_shard(model, moes, dims, options)
+        placement = _fully_shard(model, moes, dims, options)
     return {("ep", "expert_dp"): (dims.expert_mesh, [Shard(0), placement])} if dims.ep > 1 else {}
 
 

@@ -34,6 +34,7 @@ from k3train.models.kda.fla import (
 )
 from k3train.models.kda.naive import compute_dtype, naive_recurrent_kda
 from k3train.models.kda.state import KDAState
+from k3train.models.layout import ParamLayout
 
 IMPLEMENTATIONS = ("chunk", "recurrent", "fla")
 GATES = ("softplus", "sigmoid")
@@ -140,13 +141,15 @@ class KimiDeltaAttention(nn.Module):
             self.g_proj = nn.Linear(d_model, value_dim, bias=False)
         self.o_norm = RMSNorm(head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(value_dim, d_model, bias=False)
-        # Muon may orthogonalise per head (`head_split`, docs/contracts.md).
-        per_head = [(self.q_proj, n_heads), (self.k_proj, n_heads), (self.v_proj, n_value_heads)]
-        if output_gate == "full_rank":  # rows per value head as v_proj's: one gate logit per output channel
-            per_head.append((self.g_proj, n_value_heads))
-        for proj, heads in per_head:
-            proj.weight.head_split = (heads, 0)
-        self.o_proj.weight.head_split = (n_value_heads, 1)
+
+    def param_layouts(self) -> dict[str, ParamLayout]:
+        """Muon may orthogonalise per head (k3train/models/layout.py): rows per head of q, k, v and the full-rank
+        output gate (one gate logit per output channel, per value head as v_proj), columns of o."""
+        rows = {"q_proj": self.n_heads, "k_proj": self.n_heads, "v_proj": self.n_value_heads}
+        if self.output_gate == "full_rank":
+            rows["g_proj"] = self.n_value_heads
+        layouts = {f"{name}.weight": ParamLayout(head_split=(heads, 0)) for name, heads in rows.items()}
+        return {**layouts, "o_proj.weight": ParamLayout(head_split=(self.n_value_heads, 1))}
 
     def extra_repr(self) -> str:
         return (

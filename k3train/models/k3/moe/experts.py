@@ -6,8 +6,8 @@ Every FFN is w_down(act(w_gate x, w_up x)) with act either SwiGLU's silu(g) * u 
 (activation="situ"; k3train/models/common/situ.py: formula, derivatives, why).
 
 Expert parallelism keeps whole experts on each rank: RoutedExperts.keep_shard replaces each stacked weight with this
-rank's 1/ep of it, annotated (expert_parallel = ep, expert_group) so that the gradient averaging, the optimizer's
-norms and the checkpoint (k3train/models/protocol.py's expert_shards) know it is part of a whole.
+rank's 1/ep of it, and its param_layouts say so (expert_parallel = ep, expert_group; k3train/models/layout.py)
+so that the gradient averaging, the optimizer's norms and the checkpoint know it is part of a whole.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from torch import nn
 
 from k3train.models.common.situ import check_activation
 from k3train.models.k3.moe.grouped_swiglu import GroupedSwiGLU
+from k3train.models.layout import ParamLayout
 
 EXPERT_IMPLEMENTATIONS = ("auto", "loop", "grouped_mm")
 
@@ -60,6 +61,7 @@ class RoutedExperts(nn.Module):
             )
         self.activation, self.situ_beta, self.situ_linear_beta = activation, situ_beta, situ_linear_beta
         self.implementation = implementation
+        self.expert_split = ParamLayout()  # keep_shard: this rank's share of each stacked weight
         self.w_gate = nn.Parameter(torch.empty(n_experts, ffn_dim, d_model))
         self.w_up = nn.Parameter(torch.empty(n_experts, ffn_dim, d_model))
         self.w_down = nn.Parameter(torch.empty(n_experts, d_model, ffn_dim))
@@ -90,13 +92,13 @@ class RoutedExperts(nn.Module):
 
     def keep_shard(self, rank: int, ep: int, group: dist.ProcessGroup) -> None:
         """Keep experts [rank E/ep, (rank+1) E/ep) of every stacked weight (whole experts; E divisible by ep), each
-        annotated as 1/ep of the whole weight held across `group`."""
+        1/ep of the whole weight held across `group`."""
         per_rank = self.w_gate.shape[0] // ep
         for name in ("w_gate", "w_up", "w_down"):
             full = getattr(self, name)
-            local = nn.Parameter(full.detach()[rank * per_rank : (rank + 1) * per_rank].clone())
-            for key, value in vars(full).items():  # annotations such as head_split travel with the weight
-                setattr(local, key, value)
-            local.expert_parallel = ep  # 1/ep of the whole weight: its gradient, norm and checkpoint need the others
-            local.expert_group = group  # the ranks holding the rest of it
-            setattr(self, name, local)
+            setattr(self, name, nn.Parameter(full.detach()[rank * per_rank : (rank + 1) * per_rank].clone()))
+        self.expert_split = ParamLayout(expert_parallel=ep, expert_group=group)
+
+    def param_layouts(self) -> dict[str, ParamLayout]:
+        """Each stacked weight: whole, or after keep_shard this rank's 1/ep of it (k3train/models/layout.py)."""
+        return {name: self.expert_split for name in ("w_gate", "w_up", "w_down")}
