@@ -59,8 +59,9 @@ def test_parallel_dims_say_how_the_ranks_divide_the_work() -> None:
     assert (fsdp.dp_replicate, fsdp.dp_shard) == (1, 2) and fsdp.describe() == "FSDP2 over 2 process(es)"
     with pytest.raises(ValueError, match="no dp_shard dimension"):
         ddp.shard_mesh  # noqa: B018 - a DDP run has nothing to shard over
-    with pytest.raises(ValueError, match="HSDP"):
-        ParallelDims(dp_replicate=2, dp_shard=2)
+    hsdp = ParallelDims.for_strategy("fsdp", world_size=4, rank=3, device_type="cpu", dp_replicate=2)
+    assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.dp_size, hsdp.dp_rank) == (2, 2, 4, 3)
+    assert hsdp.describe() == "HSDP: 2 replica groups, each FSDP2 over 2 process(es)"
     with pytest.raises(ValueError, match="rank 4 outside a world of 4"):
         ParallelDims(dp_replicate=4, rank=4)
     with pytest.raises(ValueError, match="unknown parallel strategy 'tp'"):

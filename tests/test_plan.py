@@ -328,6 +328,15 @@ def _count_collectives(monkeypatch_targets: dict) -> tuple[dict, dict]:
         counts["Newton-Schulz all-to-all"] += input.nbytes
         return ns_all_to_all(output, input, output_split_sizes, input_split_sizes, group=group)
 
+    class CountingAllReduce:  # FSDP2's module-level `dist`, its all_reduce (HSDP's, across replicas) counted
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        @staticmethod
+        def all_reduce(tensor, group=None, op=dist.ReduceOp.SUM, async_op=False):
+            counts["HSDP all-reduce"] += tensor.nbytes
+            return dist.all_reduce(tensor, group=group, op=op, async_op=async_op)
+
     def dtensor_gather(tensor, gather_dim=0, group=None, **kw):  # DTensor.full_tensor: none may come from Muon
         mesh, dim = group
         counts["Newton-Schulz momentum"] += tensor.nbytes * mesh.size(dim)
@@ -337,6 +346,7 @@ def _count_collectives(monkeypatch_targets: dict) -> tuple[dict, dict]:
         {
             (_fsdp_collectives.DefaultAllGather, "__call__"): fsdp_all_gather,
             (_fsdp_collectives.DefaultReduceScatter, "__call__"): fsdp_reduce_scatter,
+            (_fsdp_collectives, "dist"): CountingAllReduce(),
             (moe, "_all_gather_single"): balancing_gather,
             (moe, "_all_to_all_single"): balancing_all_to_all,
             (muon_distributed, "_all_gather_single"): newton_schulz_gather,
@@ -347,8 +357,11 @@ def _count_collectives(monkeypatch_targets: dict) -> tuple[dict, dict]:
     return counts, state
 
 
-def _train_step(overrides: list[str], mode: str, accumulation: int, rank: int, strategy: str) -> dict:
-    """One optimizer step of the SMALL model on this rank under k3train's FSDP or DDP; the bytes per kind."""
+def _train_step(
+    overrides: list[str], mode: str, accumulation: int, rank: int, strategy: str, world: int = 2, replicas: int = 1
+) -> dict:
+    """One optimizer step of the SMALL model on this rank under k3train's FSDP (HSDP: `replicas` > 1) or DDP; the
+    bytes per kind."""
     from k3train.runtime.parallel_dims import ParallelDims
     from k3train.train.parallel import DDP, FSDP
 
@@ -362,8 +375,8 @@ def _train_step(overrides: list[str], mode: str, accumulation: int, rank: int, s
         torch.manual_seed(0)
         model = instantiate(cfg.model).train()
         model.set_activation_checkpointing(mode)
-        dims = ParallelDims.for_strategy(strategy, 2, rank, "cpu")
-        parallel = FSDP() if strategy == "fsdp" else DDP()
+        dims = ParallelDims.for_strategy(strategy, world, rank, "cpu", dp_replicate=replicas)
+        parallel = FSDP(dp_replicate=replicas) if strategy == "fsdp" else DDP()
         model = parallel.shard(model, torch.device("cpu"), dims)
         optimizer = instantiate(cfg.optim)(model, process_group=dims.dp_group)
         wrapped = parallel.wrap(model, torch.device("cpu"), dims)
@@ -415,6 +428,26 @@ def planned(spec, mesh: Mesh) -> dict[str, float]:
             kind = "balancing all-to-all"
         out[kind] += x.payload
     return dict(out)
+
+
+def _hsdp_rank_main(rank: int, world_size: int) -> dict:
+    return _train_step(SMALL, "block", 2, rank, "fsdp", world=4, replicas=2)
+
+
+@pytest.mark.slow
+def test_hsdp_collective_bytes_equal_a_four_rank_gloo_run(tmp_path: Path) -> None:
+    """HSDP 2 x 2: FSDP2's all-gathers and reduce-scatters within each replica group, its all-reduce of every
+    unit's shard across the groups, Muon's owners within a group, Quantile Balancing over all four: byte for byte."""
+    spec = spec_of(*SMALL, "train.activation_checkpointing=block", "train.gradient_accumulation_steps=2")
+    mesh = Mesh(2, 2, 1)
+    want = planned(spec, mesh)
+    assert want["HSDP all-reduce"] > 0 and "DDP all-reduce" not in want
+    shares = [s for group in muon_groups(spec) for s in muon_shares(spec, mesh, group) if s.how == "owners"]
+    assert want.pop("Newton-Schulz all-to-all") == sum(s.payload for s in shares)
+    for rank, counts in enumerate(spawn_ranks(_hsdp_rank_main, tmp_path, nprocs=4)):
+        got = dict(counts)
+        assert got.pop("Newton-Schulz all-to-all") == sum(s.sent_by(rank % 2) for s in shares), f"rank {rank}"
+        assert got == pytest.approx(want, rel=1e-9), f"rank {rank}"
 
 
 @pytest.mark.slow
@@ -728,6 +761,16 @@ def test_a_given_mesh_is_planned_as_given(capsys: pytest.CaptureFixture) -> None
     assert main([*TINY, "--gpus", "4", "--mesh", "1x4x2", "--gpu", "h100"]) == 0
     out = capsys.readouterr().out
     assert "mesh 1x4x2" in out and "EP all-to-all" in out and "FSDP all-gather (routed experts)" in out
+
+
+def test_an_hsdp_mesh_says_how_to_run_it_and_what_cannot_run_yet(capsys: pytest.CaptureFixture) -> None:
+    assert main([*TINY, "--gpus", "4", "--mesh", "2x2x1", "--gpu", "h100"]) == 0
+    out = capsys.readouterr().out
+    assert "HSDP all-reduce" in out and "run it with parallel=fsdp parallel.dp_replicate=2 " in out
+    assert main([*TINY, "parallel=hsdp", "--gpus", "4", "--mesh", "2x2x1", "--gpu", "h100"]) == 0
+    assert "run it with" not in capsys.readouterr().out  # the config already says so
+    assert main([*TINY, "--gpus", "4", "--mesh", "2x2x2", "--gpu", "h100"]) == 0
+    assert "HSDP without expert parallelism only, yet" in capsys.readouterr().out
 
 
 def test_context_parallel_is_planned_only_when_asked(capsys: pytest.CaptureFixture) -> None:

@@ -48,7 +48,6 @@ from k3train.optim.checks import check_adamw_settings, check_muon_settings
 from k3train.optim.muon_distributed import (
     all_gather_outputs,
     assign_owners,
-    check_fsdp_layout,
     data_parallel_group,
     exchange_with_owners,
     global_square_sum,
@@ -57,6 +56,8 @@ from k3train.optim.muon_distributed import (
     local_part,
     muon_placement,
     newton_schulz_cost,
+    shard_group,
+    shard_placement,
     sum_over_shards,
 )
 
@@ -346,16 +347,23 @@ class MuonAdamW(torch.optim.Optimizer):
         Returns each mesh's sum of squares."""
         by_mesh: dict[Any, list[int]] = {}
         for i in items:  # meshes in the order their first parameter comes: the same on every rank
-            by_mesh.setdefault(with_grad[i][0].device_mesh, []).append(i)
-        return [self._orthogonalise_on_mesh(group, with_grad, members, mesh) for mesh, members in by_mesh.items()]
+            p = with_grad[i][0]
+            by_mesh.setdefault((p.device_mesh, shard_placement(p)[0]), []).append(i)
+        return [
+            self._orthogonalise_on_mesh(group, with_grad, members, shard_group(with_grad[members[0]][0]))
+            for members in by_mesh.values()
+        ]
 
     def _orthogonalise_on_mesh(
-        self, group: dict[str, Any], with_grad: list[tuple[Tensor, HeadSplit | None]], members: list[int], mesh: Any
+        self,
+        group: dict[str, Any],
+        with_grad: list[tuple[Tensor, HeadSplit | None]],
+        members: list[int],
+        shards: dist.ProcessGroup,
     ) -> Tensor:
-        """The members sharded on one mesh: their exchange with the owners, every rank's updates applied; the sum of
-        their updates' squares over the mesh (a collective, as is the orthogonality error's maximum when due)."""
-        for i in members:
-            check_fsdp_layout(with_grad[i][0])
+        """The members sharded over one group of ranks (`shards`: a mesh dimension; under HSDP each replica's
+        group does the same): their exchange with the owners, every rank's updates applied; the sum of their
+        updates' squares over the group (a collective, as is the orthogonality error's maximum when due)."""
         device = with_grad[members[0]][0].device  # the collectives' (NCCL's) device
         ortho = torch.zeros((), dtype=torch.float64, device=device)
         steps = [self.state[with_grad[i][0]].get("step", 0) + 1 for i in members]  # the step about to be taken
@@ -375,17 +383,17 @@ class MuonAdamW(torch.optim.Optimizer):
         sq = torch.zeros((), device=device)
         for k, update in exchange_with_owners(
             [with_grad[i][0].shape for i in members],
-            [with_grad[i][0].placements[0].dim for i in members],
+            [shard_placement(with_grad[i][0])[1] for i in members],
             [newton_schulz_cost(m.shape) for m in matrices],
             local_input,
             orthogonalise,
             NS_DTYPES[group["ns_dtype"]],
-            mesh.get_group(),
+            shards,
         ):
             sq = sq + self._apply_update(group, with_grad, members[k], update)
-        dist.all_reduce(sq, group=mesh.get_group())
+        dist.all_reduce(sq, group=shards)
         if due:
-            dist.all_reduce(ortho, op=dist.ReduceOp.MAX, group=mesh.get_group())
+            dist.all_reduce(ortho, op=dist.ReduceOp.MAX, group=shards)
             self._ortho_error[group["name"]] = float(ortho)
         return sq
 

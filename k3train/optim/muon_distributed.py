@@ -200,12 +200,26 @@ def is_sharded(t: Tensor) -> bool:
 
 
 def check_fsdp_layout(t: Tensor) -> None:
-    """Only FSDP2's layouts are supported: sharded on one dim (0; 1 for routed experts) of a 1-D mesh."""
-    if t.device_mesh.ndim != 1 or any(not isinstance(pl, Shard) for pl in t.placements):
+    """Only FSDP2's layouts are supported: sharded on one dim (0; 1 for routed experts) over one mesh dimension,
+    replicated over any other (HSDP's replicas, which hold the same shards and so take the same updates)."""
+    shards = [pl for pl in t.placements if isinstance(pl, Shard)]
+    if len(shards) != 1 or any(not (isinstance(pl, Shard) or pl.is_replicate()) for pl in t.placements):
         raise NotImplementedError(
-            f"MuonAdamW supports DTensor parameters sharded on one dim of a 1-D mesh (FSDP2's "
-            f"fully_shard); got placements {t.placements} on a {t.device_mesh.ndim}-D mesh"
+            f"MuonAdamW supports DTensor parameters sharded on one dim over one mesh dimension and replicated over "
+            f"the others (FSDP2's fully_shard, HSDP); got placements {t.placements} on a {t.device_mesh.ndim}-D mesh"
         )
+
+
+def shard_placement(t: Tensor) -> tuple[int, int]:
+    """(mesh dimension, tensor dim) an FSDP2 or HSDP DTensor is sharded over and on (check_fsdp_layout's form)."""
+    check_fsdp_layout(t)
+    return next((m, pl.dim) for m, pl in enumerate(t.placements) if isinstance(pl, Shard))
+
+
+def shard_group(t: Tensor) -> dist.ProcessGroup:
+    """The ranks holding the other shards of an FSDP2 or HSDP DTensor: its sharded mesh dimension's group (the
+    replicas beside them hold the same shards again)."""
+    return t.device_mesh.get_group(shard_placement(t)[0])
 
 
 def local_part(t: Tensor) -> Tensor:
@@ -216,7 +230,7 @@ def local_part(t: Tensor) -> Tensor:
 def holds_whole_experts(p: Tensor) -> bool:
     """Of an expert-parallel weight: whether this rank holds each of its experts whole: plain, or FSDP2-sharded on
     dim 0 (the experts); on dim 1 each rank holds a slice of every expert."""
-    return not is_sharded(p) or p.placements[0] == Shard(0)
+    return not is_sharded(p) or shard_placement(p)[1] == 0
 
 
 def muon_placement(*, sharded: bool, expert_parallel: bool, whole_experts: bool, data_parallel: bool) -> str:
@@ -266,7 +280,6 @@ def sum_over_shards(local_sum: Tensor, params: Sequence[Tensor]) -> Tensor:
             "a MuonAdamW param group mixes FSDP2-sharded (DTensor) and plain parameters; "
             "shard the whole model with fully_shard or none of it"
         )
-    check_fsdp_layout(sharded[0])
     total = local_sum.clone()
-    dist.all_reduce(total, group=sharded[0].device_mesh.get_group())
+    dist.all_reduce(total, group=shard_group(sharded[0]))
     return total

@@ -103,16 +103,18 @@ def notes_for(mesh: Mesh, spec) -> list[str]:
     """What running `mesh` takes in k3train's config, and what k3train cannot run yet."""
     notes = []
     if mesh.world > 1:
-        want = f"parallel={'ddp' if mesh.dp_shard == 1 else 'fsdp'}" + (
-            f" parallel.ep={mesh.ep}" if mesh.ep > 1 else ""
-        )
+        want = f"parallel={'ddp' if mesh.dp_shard == 1 else 'fsdp'}"
+        want += f" parallel.dp_replicate={mesh.dp_replicate}" if mesh.strategy == "hsdp" else ""
+        want += f" parallel.ep={mesh.ep}" if mesh.ep > 1 else ""
         want += f" parallel.cp={mesh.cp}" if mesh.cp > 1 else ""
-        have = f"parallel={spec.strategy}" + (f" parallel.ep={spec.ep}" if spec.ep > 1 else "")
+        have = f"parallel={spec.strategy}"
+        have += f" parallel.dp_replicate={spec.dp_replicate}" if spec.dp_replicate > 1 else ""
+        have += f" parallel.ep={spec.ep}" if spec.ep > 1 else ""
         have += f" parallel.cp={spec.cp}" if spec.cp > 1 else ""
         if want != have:
             notes.append(f"run it with {want} (the config says {have})")
-    if mesh.strategy == "hsdp":
-        notes.append("k3train runs DDP or FSDP, not both at once (HSDP), yet")
+    if mesh.strategy == "hsdp" and mesh.ep > 1:
+        notes.append("k3train runs HSDP without expert parallelism only, yet (parallel.ep=1 with dp_replicate > 1)")
     return notes
 
 

@@ -14,6 +14,8 @@ tokens that leave it.
 - FSDP reduce-scatter: the gradients of every unit once per step (no_sync holds them for the earlier
   micro-batches), fp32; frozen parameters have none.
 - DDP all-reduce: all gradients once per step (no_sync), fp32.
+- HSDP all-reduce (dp_replicate x dp_shard): after each unit's reduce-scatter within a replica group, its padded
+  gradient shard all-reduced across the dp_replicate groups, once per step, fp32 (FSDP2 over a 2-D mesh).
 - EP all-to-all (k3train/models/k3/moe/dispatch.py): per MoE layer and micro-batch, dispatch and combine in the
   forward and their gradients in the backward (4; 6 when checkpointing recomputes the routed experts), each tokens
   x top-k x the routed width (the latent width for a latent MoE: k3train projects before dispatch) x the activation
@@ -98,8 +100,12 @@ def plan_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
         for name, payload, ranks in (("", dense, mesh.dp_shard), (" (routed experts)", routed, mesh.expert_shard)):
             if payload and ranks > 1:
                 out.append(Collective(f"FSDP reduce-scatter{name}", payload, ring(payload, ranks), ranks, units, True))
-    if mesh.dp_replicate > 1:
-        split = mesh.ep > 1 and mesh.dp_shard == 1  # DDP leaves the expert-parallel shards out of its all-reduce
+    if mesh.dp_replicate > 1 and mesh.dp_shard > 1:  # HSDP: each unit's reduce-scattered (padded) shard, once
+        grads = sum(shard_bytes(p, mesh) for p in spec.params if p.kind != "frozen")
+        R = mesh.dp_replicate
+        out.append(Collective("HSDP all-reduce", grads, ring(grads, R, 2), R, units, True))
+    elif mesh.dp_replicate > 1:
+        split = mesh.ep > 1  # DDP leaves the expert-parallel shards out of its all-reduce
         grads = sum(shard_bytes(p, mesh) for p in spec.params if p.kind != "frozen" and not (split and p.routed))
         out.append(Collective("DDP all-reduce", grads, ring(grads, mesh.dp_replicate, 2), mesh.dp_replicate, 1, True))
         experts = sum(shard_bytes(p, mesh) for p in spec.params if p.kind != "frozen" and split and p.routed)
@@ -199,6 +205,6 @@ def _span(coll: Collective, mesh: Mesh) -> int:
     """How many consecutive ranks the group covers: routed experts' FSDP groups stride over ep."""
     if "routed experts" in coll.kind or "muon_experts" in coll.kind:
         return coll.ranks * mesh.ep
-    if coll.kind.startswith("DDP") and mesh.dp_shard > 1:
+    if coll.kind.startswith("HSDP"):  # across the replica groups, dp_shard ranks apart
         return coll.ranks * mesh.dp_shard
     return coll.ranks

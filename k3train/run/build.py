@@ -125,7 +125,9 @@ def build_parts(
             f"parallel {cfg.parallel.get('_target_')} built a {type(parallel).__name__}, which lacks "
             f"{', '.join(lacking)}: a strategy implements k3train/train/parallel.py's ParallelStrategy"
         )
-    dims = ParallelDims.for_strategy(parallel.name, world.size, world.rank, device.type, parallel.ep, parallel.cp)
+    dims = ParallelDims.for_strategy(
+        parallel.name, world.size, world.rank, device.type, parallel.ep, parallel.cp, parallel.dp_replicate
+    )
     data = instantiate(cfg.data)
     # vocab_size: null in a model YAML means "the data's"; a value the user set is kept, and check_data refuses a
     # mismatch.

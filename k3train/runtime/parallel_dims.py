@@ -4,8 +4,10 @@
 
 The degrees, their rules and the sizes they imply are a ParallelLayout (k3train/runtime/parallel_layout.py), the
 planner's too (k3train/plan/mesh.py); this adds the rank, the device and the meshes. dp_replicate ranks hold whole
-copies of the model (DDP); dp_shard ranks each hold a slice of every parameter (FSDP2). A run uses one of the two
-(`parallel=ddp` or `parallel=fsdp`): a layout with both (HSDP) is refused here, not built yet (issue 34).
+copies of the model (DDP); dp_shard ranks each hold a slice of every parameter (FSDP2); both at once is HSDP
+(`parallel=hsdp`, or parallel=fsdp with parallel.dp_replicate=R): R groups of world / R consecutive ranks, each group
+sharding the whole model as FSDP2 does, its shards replicated across the groups (FSDP2 over the 2-D shard_mesh:
+gradients reduce-scattered within a group, then all-reduced across the groups, torchtitan's HSDP).
 ep (parallel.ep) splits the routed experts: groups of ep consecutive ranks each hold 1/ep of them and exchange
 token slots (k3train/models/k3/moe/dispatch.py); the world / ep ranks holding the same experts (expert_dp) average those
 experts' gradients: DDP keeps a whole copy of its share on each, FSDP2 shards it again over them.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
 
 from k3train.runtime.parallel_layout import ParallelLayout
 
@@ -46,10 +49,10 @@ class ParallelDims:
         cp: int = 1,
     ) -> None:
         self.layout = ParallelLayout(dp_replicate, dp_shard, ep, cp)
-        if self.layout.strategy == "hsdp":  # the planner plans it; building it is issue 34
+        if self.layout.strategy == "hsdp" and ep > 1:  # the planner plans it: the experts' own 3-D mesh is not built
             raise ValueError(
-                f"dp_replicate={dp_replicate} x dp_shard={dp_shard}: replicated shards (HSDP) are not built yet "
-                "(issue 34); use parallel=ddp or parallel=fsdp"
+                f"parallel.ep={ep} with HSDP (dp_replicate={dp_replicate} x dp_shard={dp_shard}): expert "
+                "parallelism under replicated shards is not built yet; use parallel=fsdp (dp_replicate=1) with ep"
             )
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
@@ -64,14 +67,31 @@ class ParallelDims:
 
     @classmethod
     def for_strategy(
-        cls, strategy: str, world_size: int, rank: int, device_type: str, ep: int = 1, cp: int = 1
+        cls,
+        strategy: str,
+        world_size: int,
+        rank: int,
+        device_type: str,
+        ep: int = 1,
+        cp: int = 1,
+        dp_replicate: int = 1,
     ) -> ParallelDims:
-        """All ranks data-parallel: replicas under DDP, shards under FSDP2; routed experts split over ep; each row's
-        sequence over cp."""
+        """All ranks data-parallel: replicas under DDP, shards under FSDP2 (in dp_replicate replica groups: HSDP
+        when > 1); routed experts split over ep; each row's sequence over cp."""
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown parallel strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if strategy == "fsdp":
-            return cls(dp_shard=world_size, rank=rank, device_type=device_type, ep=ep, cp=cp)
+            if not isinstance(dp_replicate, int) or dp_replicate < 1 or world_size % dp_replicate:
+                raise ValueError(
+                    f"parallel.dp_replicate={dp_replicate!r} must be a positive integer dividing the {world_size} "
+                    "process(es): each replica group shards the model over world / dp_replicate of them"
+                )
+            return cls(dp_replicate, world_size // dp_replicate, rank=rank, device_type=device_type, ep=ep, cp=cp)
+        if dp_replicate != 1:
+            raise ValueError(
+                f"parallel.dp_replicate={dp_replicate} is FSDP2's replica groups (HSDP): under parallel=ddp every "
+                "process is a replica; use parallel=hsdp"
+            )
         return cls(dp_replicate=world_size, rank=rank, device_type=device_type, ep=ep, cp=cp)
 
     @property
@@ -130,12 +150,22 @@ class ParallelDims:
 
     @property
     def shard_mesh(self) -> DeviceMesh:
-        """The 1-D mesh FSDP2 shards over (dp_shard); built on first use, a collective on every rank."""
+        """The mesh FSDP2 shards over: 1-D (dp_shard), or under HSDP 2-D (dp_replicate, dp_shard), whose replica
+        groups are consecutive ranks; built on first use, a collective on every rank."""
         if self.dp_shard == 1:
             raise ValueError("no dp_shard dimension to shard over (dp_shard == 1)")
         if self._mesh is None:
-            self._mesh = init_device_mesh(self.device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
+            if self.dp_replicate == 1:
+                self._mesh = init_device_mesh(self.device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
+            else:
+                shape, names = (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
+                self._mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
         return self._mesh
+
+    @property
+    def shard_placements(self) -> list:
+        """How FSDP2 holds a parameter on shard_mesh: dim 0 over dp_shard, whole over dp_replicate (HSDP)."""
+        return [Shard(0)] if self.dp_replicate == 1 else [Replicate(), Shard(0)]
 
     @property
     def ep_group(self) -> dist.ProcessGroup | None:
@@ -170,6 +200,8 @@ class ParallelDims:
             return "one process"
         experts = f", routed experts split over {self.ep} ranks (expert parallel)" if self.ep > 1 else ""
         experts += f", each sequence split over {self.cp} ranks (context parallel)" if self.cp > 1 else ""
+        if self.dp_shard > 1 and self.dp_replicate > 1:
+            return f"HSDP: {self.dp_replicate} replica groups, each FSDP2 over {self.dp_shard} process(es){experts}"
         if self.dp_shard > 1:
             return f"FSDP2 over {self.dp_shard} process(es){experts}"
         return f"DDP over {self.dp_replicate} process(es){experts}"

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from k3train.models.common.parallelize import FullyShard, parallelize_blocks
@@ -40,6 +40,7 @@ class ParallelStrategy(Protocol):
     name: str  # ddp | fsdp: how ParallelDims lays out the ranks
     ep: int  # expert-parallel degree (parallel.ep)
     cp: int  # context-parallel degree (parallel.cp)
+    dp_replicate: int  # FSDP2's replica groups (HSDP when > 1); 1 under DDP, where every rank is a replica
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module: ...
 
@@ -118,6 +119,7 @@ class DDP:
     DDP leaves those weights out of its all-reduce, and average_expert_gradients averages them instead."""
 
     name = "ddp"
+    dp_replicate = 1  # not a setting: every rank is a replica
 
     def __init__(self, bucket_cap_mb: int = 25, ep: int = 1, cp: int = 1):
         self.bucket_cap_mb = bucket_cap_mb
@@ -165,13 +167,16 @@ class FSDP:
     gradient and of the optimizer state, a unit per block (k3train/models/common/parallelize.py). The model's
     parallelize decides its units (KimiK3's also shards its routed experts over expert_dp under ep > 1:
     k3train/models/k3/parallelize.py). Buffers (the MoE balancing bias) stay whole on every rank.
+    With dp_replicate = R > 1 (HSDP, conf/parallel/hsdp.yaml) the slices are 1/(N/R), each replica group of N/R
+    consecutive ranks holding the whole model, and gradients are averaged across the groups too (FSDP2 over the
+    2-D ParallelDims.shard_mesh).
     """
 
     name = "fsdp"
 
-    def __init__(self, reshard_after_forward: bool = True, ep: int = 1, cp: int = 1):
+    def __init__(self, reshard_after_forward: bool = True, ep: int = 1, cp: int = 1, dp_replicate: int = 1):
         self.reshard_after_forward = reshard_after_forward
-        self.ep, self.cp = ep, cp
+        self.ep, self.cp, self.dp_replicate = ep, cp, dp_replicate
         self.model_layouts: dict = {}  # the model's own sharded-checkpoint layouts: set by shard()
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
@@ -180,9 +185,13 @@ class FSDP:
 
     def shard_layouts(self, dims: ParallelDims) -> dict:
         """How this run holds each kind of sharded checkpoint tensor, by the names of the mesh it was saved on:
-        (mesh, placements). Under FSDP2 everything is sharded on dim 0 over dp_shard, then the model's own (KimiK3's
-        routed experts over ep, then expert_dp)."""
-        layouts = {("dp_shard",): (dims.shard_mesh, [Shard(0)])} if dims.several_ranks else {}
+        (mesh, placements). Under FSDP2 everything is sharded on dim 0 over dp_shard (and under HSDP replicated over
+        dp_replicate), then the model's own (KimiK3's routed experts over ep, then expert_dp)."""
+        if not dims.several_ranks:
+            return dict(self.model_layouts)
+        held = (dims.shard_mesh, dims.shard_placements)
+        # ("dp_shard",) is also how a tensor saved on a mesh this run lacks is read (ShardedCheckpointer)
+        layouts = {("dp_shard",): held, tuple(dims.shard_mesh.mesh_dim_names): held}
         return {**layouts, **self.model_layouts}
 
     def wrap(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:

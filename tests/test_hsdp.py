@@ -1,0 +1,66 @@
+"""HSDP (parallel=hsdp: FSDP2 over a 2-D (dp_replicate, dp_shard) mesh) on CPU (gloo): 2 replica groups of 2
+sharded ranks train as 1 process does with the same global batch (Muon's owners within each group, Quantile
+Balancing and QK-Clip over all four), and its sharded checkpoint resumes on another mesh (plain FSDP2 on 2 ranks)
+and consolidates into one file."""
+
+import pytest
+from test_fsdp import assert_same_steps, assert_same_weights
+
+from k3train.checkpoint.checkpointer import load_checkpoint
+from k3train.consolidate import consolidate
+from k3train.runtime.parallel_dims import ParallelDims
+
+from helpers.distributed_runs import K3, launch, steps
+
+
+@pytest.mark.slow
+def test_hsdp_2x2_k3_tiny_equals_one_process_and_resumes_on_another_mesh(k3_cache, tmp_path):
+    args = [
+        *K3,
+        "train.max_steps=4",
+        "train.gradient_accumulation_steps=2",
+        "train.checkpoint_interval=2",
+        "train.keep_last_k=2",
+    ]
+    one, four, ddp, two = tmp_path / "one", tmp_path / "four", tmp_path / "ddp", tmp_path / "two"
+    proc = launch(k3_cache, *args, "train.batch_size=4", f"hydra.run.dir={one}", ranks=None)
+    assert proc.returncode == 0, proc.stderr
+    proc = launch(k3_cache, *args, "parallel=hsdp", "train.batch_size=1", f"hydra.run.dir={four}", ranks=4)
+    assert proc.returncode == 0, proc.stderr
+    assert "HSDP: 2 replica groups, each FSDP2 over 2 process(es)" in proc.stdout
+    assert launch(k3_cache, *args, "train.batch_size=1", f"hydra.run.dir={ddp}", ranks=4).returncode == 0
+    for event in ("train", "eval"):
+        assert_same_steps(steps(four, event), steps(one, event))
+    want, got = load_checkpoint(one / "last.pt")["model"], load_checkpoint(four / "last.dcp")["model"]
+    # DDP on the same 4 ranks sums the same 4 gradients: the same weights to the last bits
+    assert_same_weights(got, load_checkpoint(ddp / "last.pt")["model"], atol=1e-6)
+    # and 1 process within 1e-5, but for the embedding: AdamW divides a row's update by its own gradient RMS, so a
+    # row whose gradients nearly cancel turns a 4-way sum's last-bit difference into 1% of lr (measured: one row,
+    # 2.9e-5 after 4 steps, the same under DDP on 4 ranks; 2 ranks stay within 1e-5, tests/test_fsdp.py)
+    embedding = "embed_tokens.weight"
+    assert_same_weights(
+        {k: v for k, v in got.items() if k != embedding}, {k: v for k, v in want.items() if k != embedding}, atol=1e-5
+    )
+    assert_same_weights({embedding: got[embedding]}, {embedding: want[embedding]}, atol=1e-4)
+
+    # the step-2 checkpoint of 2 x 2 ranks resumed by plain FSDP2 on 2 ranks (2 rows each: the same global batch)
+    step2 = four / "step_0000002.dcp"
+    proc = launch(
+        k3_cache, *args, "parallel=fsdp", "train.batch_size=2", f"hydra.run.dir={two}", f"resume={step2}", ranks=2
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert_same_steps(steps(two), {s: loss for s, loss in steps(one).items() if s > 2})
+    assert_same_weights(load_checkpoint(two / "last.dcp")["model"], got, atol=1e-5)
+    assert load_checkpoint(consolidate(step2))["trainer"]["step"] == 2
+
+
+def test_an_hsdp_layout_that_cannot_be_built_is_refused_in_one_line(k3_cache, tmp_path):
+    run = tmp_path / "run"
+    proc = launch(k3_cache, *K3, "parallel=hsdp", f"hydra.run.dir={run}", ranks=None)  # 2 groups of 1 process?
+    assert proc.returncode == 2, proc.stderr
+    assert "parallel.dp_replicate=2 must be a positive integer dividing the 1 process(es)" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (run / "metrics.jsonl").exists()
+    with pytest.raises(ValueError, match=r"parallel.ep=2 with HSDP \(dp_replicate=2 x dp_shard=2\)"):
+        ParallelDims.for_strategy("fsdp", 4, 0, "cpu", ep=2, dp_replicate=2)
+    with pytest.raises(ValueError, match="under parallel=ddp every process is a replica"):
+        ParallelDims.for_strategy("ddp", 4, 0, "cpu", dp_replicate=2)
