@@ -27,18 +27,17 @@ def test_one_set_of_rules_refuses_for_the_run_and_the_planner(degrees: dict, mes
             layout(**degrees)
 
 
-def test_hsdp_is_a_layout_the_planner_plans_and_the_run_builds_without_expert_parallelism() -> None:
+def test_hsdp_is_a_layout_the_planner_plans_and_the_run_builds() -> None:
     hsdp = ParallelLayout(dp_replicate=2, dp_shard=4, ep=2)
     assert (hsdp.strategy, hsdp.world, hsdp.expert_dp, hsdp.expert_shard, hsdp.expert_replicas) == ("hsdp", 8, 4, 2, 2)
     assert Mesh.parse("2x4x2").strategy == "hsdp"
-    assert ParallelDims(dp_replicate=2, dp_shard=4).layout == ParallelLayout(dp_replicate=2, dp_shard=4)
-    with pytest.raises(ValueError, match=r"expert parallelism under replicated shards is not built yet"):
-        ParallelDims(dp_replicate=2, dp_shard=4, ep=2)
+    dims = ParallelDims(dp_replicate=2, dp_shard=4, ep=2)
+    assert dims.layout == hsdp and dims.expert_shard == hsdp.expert_shard
 
 
 @pytest.mark.parametrize(
     "strategy, world, ep, cp, replicas",
-    [("ddp", 8, 4, 1, 1), ("fsdp", 8, 2, 2, 1), ("fsdp", 4, 4, 1, 1), ("fsdp", 8, 1, 2, 2)],
+    [("ddp", 8, 4, 1, 1), ("fsdp", 8, 2, 2, 1), ("fsdp", 4, 4, 1, 1), ("fsdp", 8, 1, 2, 2), ("fsdp", 8, 2, 1, 2)],
 )
 def test_the_run_holds_the_layout_the_planner_plans(strategy: str, world: int, ep: int, cp: int, replicas: int) -> None:
     dims = ParallelDims.for_strategy(strategy, world, 0, "cpu", ep=ep, cp=cp, dp_replicate=replicas)
@@ -46,7 +45,8 @@ def test_the_run_holds_the_layout_the_planner_plans(strategy: str, world: int, e
     assert dims.layout == ParallelLayout(mesh.dp_replicate, mesh.dp_shard, mesh.ep, mesh.cp)
     assert (dims.world_size, dims.dp_size, dims.expert_dp) == (mesh.world, mesh.dp_size, mesh.expert_dp)
     assert mesh.expert_dp == mesh.expert_shard * mesh.expert_replicas
-    if strategy == "fsdp" and replicas == 1:  # FSDP2 shards each rank's experts over all of expert_dp
+    assert dims.expert_shard == mesh.expert_shard  # FSDP2: all of expert_dp; HSDP: within a replica group
+    if strategy == "fsdp" and replicas == 1:
         assert mesh.expert_shard == dims.expert_dp
 
 

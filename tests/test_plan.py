@@ -763,14 +763,14 @@ def test_a_given_mesh_is_planned_as_given(capsys: pytest.CaptureFixture) -> None
     assert "mesh 1x4x2" in out and "EP all-to-all" in out and "FSDP all-gather (routed experts)" in out
 
 
-def test_an_hsdp_mesh_says_how_to_run_it_and_what_cannot_run_yet(capsys: pytest.CaptureFixture) -> None:
+def test_an_hsdp_mesh_says_how_to_run_it(capsys: pytest.CaptureFixture) -> None:
     assert main([*TINY, "--gpus", "4", "--mesh", "2x2x1", "--gpu", "h100"]) == 0
     out = capsys.readouterr().out
     assert "HSDP all-reduce" in out and "run it with parallel=fsdp parallel.dp_replicate=2 " in out
     assert main([*TINY, "parallel=hsdp", "--gpus", "4", "--mesh", "2x2x1", "--gpu", "h100"]) == 0
     assert "run it with" not in capsys.readouterr().out  # the config already says so
     assert main([*TINY, "--gpus", "4", "--mesh", "2x2x2", "--gpu", "h100"]) == 0
-    assert "HSDP without expert parallelism only, yet" in capsys.readouterr().out
+    assert "run it with parallel=fsdp parallel.dp_replicate=2 parallel.ep=2 " in capsys.readouterr().out
 
 
 def test_context_parallel_is_planned_only_when_asked(capsys: pytest.CaptureFixture) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
 from k3train.models.layout import expert_shards
 from k3train.runtime.parallel_dims import ParallelDims
@@ -32,16 +32,18 @@ def to_whole(value: torch.Tensor, p: nn.Parameter, dims: ParallelDims) -> DTenso
     """`value` (p itself, or a state tensor laid out like it) as the DTensor of the whole [E, ...] over the expert
     mesh: ep first, then expert_dp as p is placed there (FSDP2's shard of each ep rank's experts, else the same rows
     on every expert_dp rank)."""
-    again = p.placements[0] if isinstance(p, DTensor) else Replicate()
+    again = p.placements[-1] if isinstance(p, DTensor) else Replicate()  # its shard (HSDP: after the replicas)
+    mesh, placements = dims.expert_checkpoint_layout(again)
     shape = torch.Size((p.shape[0] * dims.ep, *p.shape[1:]))
     stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(_local(value), dims.expert_mesh, [Shard(0), again], shape=shape, stride=stride)
+    return DTensor.from_local(_local(value), mesh, placements, shape=shape, stride=stride)
 
 
 def to_rank(value: torch.Tensor, p: nn.Parameter, dims: ParallelDims) -> torch.Tensor:
     """A checkpoint's value of p (a DTensor over the expert mesh, or the whole tensor) as this rank holds p: its ep
     rank's experts, sharded like p under FSDP2."""
-    if isinstance(value, DTensor) and value.device_mesh.mesh_dim_names == ("ep", "expert_dp"):
+    held = dims.expert_checkpoint_layout(Replicate())[0].mesh_dim_names
+    if isinstance(value, DTensor) and value.device_mesh.mesh_dim_names == held:
         local = value.to_local()  # allocated in this run's layout (the strategy's shard_layouts)
         if not isinstance(p, DTensor):
             return local

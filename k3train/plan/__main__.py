@@ -113,8 +113,6 @@ def notes_for(mesh: Mesh, spec) -> list[str]:
         have += f" parallel.cp={spec.cp}" if spec.cp > 1 else ""
         if want != have:
             notes.append(f"run it with {want} (the config says {have})")
-    if mesh.strategy == "hsdp" and mesh.ep > 1:
-        notes.append("k3train runs HSDP without expert parallelism only, yet (parallel.ep=1 with dp_replicate > 1)")
     return notes
 
 

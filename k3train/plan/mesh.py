@@ -1,7 +1,7 @@
 """A mesh to plan for: how N devices divide the work, dp_replicate x dp_shard, with ep ranks splitting the routed
 experts and cp ranks splitting each row's sequence. A Mesh is the run's ParallelLayout
 (k3train/runtime/parallel_layout.py: the rules, world, expert_dp, expert_shard, expert_replicas, dp_size), so a
-mesh the planner accepts is one a run accepts, but for HSDP with ep > 1, which it plans and a run does not build yet.
+mesh the planner accepts is one a run accepts.
 
     world = dp_replicate x dp_shard          every rank holds its own tokens of the global batch
     ep | world (ep | dp_shard under FSDP)    groups of ep consecutive ranks split the routed experts: E / ep whole

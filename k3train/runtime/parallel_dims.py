@@ -49,11 +49,6 @@ class ParallelDims:
         cp: int = 1,
     ) -> None:
         self.layout = ParallelLayout(dp_replicate, dp_shard, ep, cp)
-        if self.layout.strategy == "hsdp" and ep > 1:  # the planner plans it: the experts' own 3-D mesh is not built
-            raise ValueError(
-                f"parallel.ep={ep} with HSDP (dp_replicate={dp_replicate} x dp_shard={dp_shard}): expert "
-                "parallelism under replicated shards is not built yet; use parallel=fsdp (dp_replicate=1) with ep"
-            )
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
         self.rank = rank
@@ -61,6 +56,7 @@ class ParallelDims:
         self._mesh: DeviceMesh | None = None
         self._cp_mesh: DeviceMesh | None = None
         self._expert_mesh: DeviceMesh | None = None
+        self._expert_hsdp_mesh: DeviceMesh | None = None
 
     def __repr__(self) -> str:
         return f"ParallelDims({self.layout}, rank={self.rank}, device_type={self.device_type!r})"
@@ -194,6 +190,42 @@ class ParallelDims:
             ranks = torch.arange(self.world_size).view(self.expert_dp, self.ep).t()  # [ep, expert_dp]
             self._expert_mesh = DeviceMesh(self.device_type, ranks, mesh_dim_names=("ep", "expert_dp"))
         return self._expert_mesh
+
+    @property
+    def expert_shard(self) -> int:
+        """The ranks FSDP2 shards each rank's experts over (ParallelLayout.expert_shard): expert_dp under FSDP2,
+        the dp_shard / ep of them in its replica group under HSDP, 1 under DDP."""
+        return self.layout.expert_shard
+
+    @property
+    def expert_hsdp_mesh(self) -> DeviceMesh:
+        """Under HSDP: expert_mesh with expert_dp unflattened into (expert_replicate, expert_shard), the replica
+        groups and the dp_shard / ep ranks within one that hold the same experts (expert_dp's index is replica x
+        expert_shard + shard, as ranks number replicas first). Built on first use, a collective on every rank."""
+        if self.ep == 1 or self.layout.strategy != "hsdp":
+            raise ValueError("no expert HSDP mesh: it needs parallel.ep > 1 under HSDP")
+        if self._expert_hsdp_mesh is None:
+            shape = (self.dp_replicate, self.expert_shard, self.ep)
+            ranks = torch.arange(self.world_size).view(shape).permute(2, 0, 1)  # [ep, replicas, expert_shard]
+            names = ("ep", "expert_replicate", "expert_shard")
+            self._expert_hsdp_mesh = DeviceMesh(self.device_type, ranks, mesh_dim_names=names)
+        return self._expert_hsdp_mesh
+
+    @property
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """The mesh FSDP2 shards each rank's experts over: expert_dp (FSDP2), or (expert_replicate, expert_shard)
+        (HSDP: sharded within a replica group, replicated across them)."""
+        if self.layout.strategy == "hsdp":
+            return self.expert_hsdp_mesh["expert_replicate", "expert_shard"]
+        return self.expert_mesh["expert_dp"]
+
+    def expert_checkpoint_layout(self, placement) -> tuple[DeviceMesh, list]:
+        """(mesh, placements) of a whole routed-expert weight in a checkpoint: Shard(0) over ep, then each rank's
+        experts as `placement` (FSDP2's shard, or Replicate) over expert_dp, or under HSDP whole over the replica
+        groups and `placement` over expert_shard (k3train/checkpoint/expert_shards.py)."""
+        if self.layout.strategy == "hsdp":
+            return self.expert_hsdp_mesh, [Shard(0), Replicate(), placement]
+        return self.expert_mesh, [Shard(0), placement]
 
     def describe(self) -> str:
         if not self.several_ranks:

@@ -8,8 +8,7 @@ what k3train.plan plans and what a run builds cannot disagree.
     cp | world                            groups of cp consecutive ranks split each row's sequence (parallel.cp)
 
 dp_replicate ranks hold whole copies (DDP, parallel=ddp); dp_shard ranks each hold a slice of every parameter
-(FSDP2, parallel=fsdp); both at once is HSDP (parallel=hsdp; the planner: --mesh RxSxE), which a run builds without
-expert parallelism (ParallelDims refuses HSDP with ep > 1).
+(FSDP2, parallel=fsdp); both at once is HSDP (parallel=hsdp; the planner: --mesh RxSxE).
 
 The ep rule is the runtime's expert mesh: ParallelDims.expert_mesh takes the ranks in order, ep consecutive ones
 splitting the experts and the world / ep ranks at the same place in their groups (expert_dp) holding the same ones,

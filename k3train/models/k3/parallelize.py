@@ -44,27 +44,31 @@ def parallelize(model, dims, options: FullyShard | None) -> dict:
     placement = Replicate()  # DDP: each ep rank's experts whole on every expert_dp rank
     if options is not None:
         placement = _fully_shard(model, moes, dims, options)
-    return {("ep", "expert_dp"): (dims.expert_mesh, [Shard(0), placement])} if dims.ep > 1 else {}
+    if dims.ep == 1:
+        return {}
+    mesh, placements = dims.expert_checkpoint_layout(placement)
+    return {tuple(mesh.mesh_dim_names): (mesh, placements)}
 
 
 def _fully_shard(model, moes: list[MoE], dims, options: FullyShard):
-    """The routed experts' units over expert_dp (when there is one to shard them over), then the blocks and the
-    root; returns the experts' placement over expert_dp."""
+    """The routed experts' units over the ranks holding the same ones (when there are several to shard them over:
+    expert_dp, or under HSDP expert_shard within a replica group, replicated across the groups), then the blocks and
+    the root; returns the experts' placement over those ranks."""
     experts = set(expert_shards(model))
     placement, ignored = Replicate(), None
-    if experts and dims.expert_dp > 1:
+    if experts and dims.expert_shard > 1:
         for moe in moes:
-            placement = Shard(expert_shard_dim(moe.experts.w_gate.shape[0], dims.expert_dp))
+            placement = Shard(expert_shard_dim(moe.experts.w_gate.shape[0], dims.expert_shard))
             fully_shard(
                 moe.experts,
-                mesh=dims.expert_mesh["expert_dp"],
+                mesh=dims.expert_fsdp_mesh,
                 reshard_after_forward=options.reshard_after_forward,
                 shard_placement_fn=lambda p, placement=placement: placement,
             )
             moe.experts.set_gradient_divide_factor(float(dims.world_size))
             if dims.device_type == "cpu":  # gloo has no PREMUL_SUM: a sum, divided after
                 moe.experts.set_force_sum_reduction_for_comms(True)
-    elif experts:
-        ignored = experts  # each rank's own, whole: the strategy's average_expert_gradients averages them
+    elif experts:  # each rank's own, whole (HSDP: on each replica): average_expert_gradients averages them
+        ignored = experts
     fully_shard_blocks(model, dims.shard_mesh, options, ignored)
     return placement
