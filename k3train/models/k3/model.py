@@ -65,6 +65,7 @@ from k3train.models.k3.flops import flops_per_token
 from k3train.models.k3.mla import MultiHeadLatentAttention
 from k3train.models.k3.moe import MoE, RoutedExperts, replayed_routes
 from k3train.models.k3.parallelize import parallelize as parallelize_k3
+from k3train.models.k3.pipeline import KimiK3Stage
 from k3train.models.kda.layer import KimiDeltaAttention
 from k3train.models.kda.state import KDAState
 
@@ -253,6 +254,10 @@ class KimiK3(nn.Module):
             self.output_attn_res_norm = RMSNorm(config.d_model, eps=config.norm_eps)
             self.output_attn_res_proj = nn.Linear(config.d_model, 1, bias=False)
         self._init_weights()
+
+    def pipeline_stage(self, first: int, last: int) -> KimiK3Stage:
+        """Layers [first, last) as a pipeline stage (k3train/models/k3/pipeline.py; the Pipelines protocol)."""
+        return KimiK3Stage(self, first, last)
 
     def parallelize(self, dims, fully_shard) -> dict:
         """Spread over a run's ranks (k3train/models/k3/parallelize.py; the Parallelizes protocol)."""

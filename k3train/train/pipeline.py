@@ -1,0 +1,195 @@
+"""Pipeline parallelism (parallel.pp): the model cut by block into stages over pp ranks, micro-batches run through
+them by one of torch.distributed.pipelining's schedules (an existing engine: PipelineStage and its schedules).
+
+    stage_bounds(n_layers, S)   the layers of each of S stages, as even as they split (the first get the extra)
+    stages_of(rank, pp, ...)    which stages a rank holds: one; v of them, loop-style (rank, rank + pp, ...) for the
+                                interleaved schedules; two, V-shaped (rank, 2 pp - 1 - rank), for zero-bubble V
+    Pipeline                    this rank's stage modules (model.pipeline_stage: the Pipelines protocol), their
+                                PipelineStages and the schedule; step(x, y, document_ids) runs one update's
+                                forward and backward
+
+A step takes the update's rows (gradient_accumulation_steps x batch_size of them) as one batch and splits them into
+n_microbatches; the last stage's loss_fn divides each micro-batch's mean loss by n_microbatches before its backward,
+as the Trainer divides by gradient_accumulation_steps, and gradients are not scaled again (scale_grads=False), so a
+pipelined update sums what an accumulating one does. The schedules: https://docs.pytorch.org/docs/stable/distributed.pipelining.html
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import get_schedule_class
+
+# parallel.pp_schedule -> torch's schedule name, and whether a rank holds several stages (the virtual ones)
+SCHEDULES = {
+    "gpipe": ("GPipe", False),
+    "1f1b": ("1F1B", False),
+    "interleaved_1f1b": ("Interleaved1F1B", True),
+    "interleaved_zero_bubble": ("InterleavedZeroBubble", True),
+    "zbv_zero_bubble": ("ZBVZeroBubble", True),  # exactly 2 stages a rank, V-shaped
+}
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """parallel.pp, pp_schedule, pp_virtual_stages (stages a rank holds under an interleaved schedule) and
+    pp_microbatches (None: the update's gradient_accumulation_steps)."""
+
+    pp: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    microbatches: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pp, int) or self.pp < 1:
+            raise ValueError(f"parallel.pp={self.pp!r} must be a positive integer")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"parallel.pp_schedule={self.schedule!r} is not a schedule; choose one of {', '.join(SCHEDULES)}"
+            )
+        multi = SCHEDULES[self.schedule][1]
+        if self.schedule == "zbv_zero_bubble" and self.virtual_stages != 2:
+            raise ValueError(
+                f"parallel.pp_schedule=zbv_zero_bubble holds 2 stages a rank (a V); got pp_virtual_stages="
+                f"{self.virtual_stages}: set parallel.pp_virtual_stages=2"
+            )
+        if not multi and self.virtual_stages != 1:
+            raise ValueError(
+                f"parallel.pp_schedule={self.schedule} holds one stage a rank; pp_virtual_stages="
+                f"{self.virtual_stages} needs an interleaved schedule (interleaved_1f1b, interleaved_zero_bubble)"
+            )
+        if multi and self.virtual_stages < 2:
+            raise ValueError(
+                f"parallel.pp_schedule={self.schedule} interleaves several stages a rank: set "
+                "parallel.pp_virtual_stages to 2 or more"
+            )
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+    def n_microbatches(self, rows: int, accumulation: int) -> int:
+        """The micro-batches an update's `rows` split into; refused when they do not divide the rows, or are too
+        few to fill the pipeline's schedule."""
+        n = accumulation if self.microbatches is None else self.microbatches
+        if not isinstance(n, int) or n < 1 or rows % n:
+            raise ValueError(
+                f"parallel.pp_microbatches={n!r} must divide the update's {rows} rows a rank "
+                "(train.batch_size x train.gradient_accumulation_steps); choose a divisor"
+            )
+        if self.pp > 1 and self.schedule != "gpipe" and n < self.pp:
+            raise ValueError(
+                f"parallel.pp_schedule={self.schedule} needs at least pp={self.pp} micro-batches an update, got {n}: "
+                "raise train.gradient_accumulation_steps or parallel.pp_microbatches"
+            )
+        return n
+
+
+def stage_bounds(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    """[first, last) layers of each stage: n_layers split as evenly as they go, the first stages taking the extra."""
+    if n_stages > n_layers:
+        raise ValueError(
+            f"{n_stages} pipeline stages (parallel.pp x pp_virtual_stages) for {n_layers} layers: every stage needs "
+            "a layer; lower parallel.pp or pp_virtual_stages"
+        )
+    per, extra = divmod(n_layers, n_stages)
+    bounds, first = [], 0
+    for s in range(n_stages):
+        last = first + per + (1 if s < extra else 0)
+        bounds.append((first, last))
+        first = last
+    return bounds
+
+
+def stages_of(pp_rank: int, settings: PipelineSettings) -> list[int]:
+    """The stage indices rank `pp_rank` of the pipeline holds, in the order its schedule wants them."""
+    pp, v = settings.pp, settings.virtual_stages
+    if settings.schedule == "zbv_zero_bubble":
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(v)]
+
+
+class Pipeline:
+    """This rank's stages of `model` and the schedule that runs them, over the ranks of `group` (one per pp rank,
+    in pp order)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        settings: PipelineSettings,
+        pp_rank: int,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        n_microbatches: int,
+        micro_shape: tuple[int, int],
+    ) -> None:
+        self.settings, self.n_microbatches = settings, n_microbatches
+        bounds = stage_bounds(len(model.layers), settings.n_stages)
+        self.stage_ids = stages_of(pp_rank, settings)
+        self.modules = [model.pipeline_stage(*bounds[s]) for s in self.stage_ids]
+        rows, seq = micro_shape
+        width = model.config.d_model
+        self.stages = [
+            PipelineStage(
+                module,
+                s,
+                settings.n_stages,
+                device,
+                input_args=_example_inputs(module, rows, seq, width),
+                output_args=_example_outputs(module, rows, seq, width),
+                group=group,
+            )
+            for s, module in zip(self.stage_ids, self.modules)
+        ]
+        name, multi = SCHEDULES[settings.schedule]
+        schedule_class = get_schedule_class(name)
+        stages = self.stages if multi else self.stages[0]
+        self.schedule = schedule_class(stages, n_microbatches=n_microbatches, loss_fn=self._loss, scale_grads=False)
+
+    @property
+    def holds_last(self) -> bool:
+        return any(m.is_last for m in self.modules)
+
+    @property
+    def holds_first(self) -> bool:
+        return any(m.is_first for m in self.modules)
+
+    def _loss(self, loss: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+        return loss.sum() / self.n_microbatches  # [1]: the micro-batch's mean loss
+
+    def parameters(self):
+        for module in self.modules:
+            yield from module.parameters()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, document_ids: torch.Tensor | None = None) -> float | None:
+        """One update's forward and backward over the rows x, y [rows, T]; the mean loss over them on a rank that
+        holds the last stage, else None. Every rank of the pipeline calls it with the same rows."""
+        kwargs = {"targets": y} | ({} if document_ids is None else {"document_ids": document_ids})
+        losses: list[torch.Tensor] = []
+        args = (x,) if self.holds_first else ()
+        self.schedule.step(*args, target=y, losses=losses, **kwargs)
+        if not self.holds_last:
+            return None
+        return float(torch.stack([loss.detach().float() for loss in losses]).sum())
+
+
+# What crosses a cut, as meta tensors for PipelineStage's buffers. requires_grad: what the stage receives and sends
+# has a gradient to return (without it the schedule sends none back and the earlier stages learn nothing).
+def _example_inputs(module: nn.Module, rows: int, seq: int, width: int) -> tuple[torch.Tensor, ...]:
+    if module.is_first:
+        return (torch.empty(rows, seq, dtype=torch.long, device="meta"),)
+    return _activations(rows, seq, width, 1 + module.blocks_in)
+
+
+def _example_outputs(module: nn.Module, rows: int, seq: int, width: int) -> tuple[torch.Tensor, ...]:
+    if module.is_last:
+        return (torch.empty(1, device="meta", requires_grad=True),)
+    return _activations(rows, seq, width, 1 + module.blocks_out)
+
+
+def _activations(rows: int, seq: int, width: int, n: int) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty(rows, seq, width, device="meta", requires_grad=True) for _ in range(n))
