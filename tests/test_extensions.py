@@ -167,7 +167,7 @@ def test_a_model_without_the_protocol_is_named_with_what_it_lacks():
 
 
 class WithoutDegrees:
-    """A parallel strategy from before ep and cp: everything but those two."""
+    """A parallel strategy from before ep, cp, HSDP and pipelines: everything but those."""
 
     name = "ddp"
 
@@ -190,12 +190,15 @@ class WithoutDegrees:
 def test_a_parallel_strategy_without_the_protocol_is_refused_by_what_it_lacks(monkeypatch, tmp_path, tiny_data_dir):
     from helpers.config import built_run
 
-    with pytest.raises(TypeError, match=r"built a WithoutDegrees, which lacks ep, cp: a strategy implements"):
+    lacks = "ep, cp, dp_replicate, pipeline"
+    with pytest.raises(TypeError, match=rf"built a WithoutDegrees, which lacks {lacks}: a strategy implements"):
         built_run(
             monkeypatch,
             tmp_path / "run",
             tiny_data_dir,
             "parallel._target_=test_extensions.WithoutDegrees",
             *("~parallel.bucket_cap_mb", "~parallel.ep", "~parallel.cp"),  # its constructor takes none of them
+            *("~parallel.pp", "~parallel.pp_schedule", "~parallel.pp_virtual_stages"),
+            *("parallel.pp_microbatches=1", "~parallel.pp_microbatches"),  # Hydra deletes no null value
         )
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())

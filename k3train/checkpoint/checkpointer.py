@@ -279,6 +279,15 @@ class Checkpointer:
         )
 
 
+class GatheredCheckpointer(Checkpointer):
+    """The single-file Checkpointer of a run whose parts gather their state on rank 0 (a pipeline's stages:
+    k3train/train/pipeline_state.py): every rank takes its parts' state_dicts (a collective), rank 0 writes."""
+
+    def _write(self, step: int) -> int:
+        payload = self.payload(step)
+        return save_checkpoint(self.path, payload) if self.writer else 0
+
+
 class ShardedCheckpointer(Checkpointer):
     """The Checkpointer of a run with sharded tensors (FSDP2, expert parallelism): every rank writes its shards
     (dcp.py) of each checkpoint into a new directory `dcp/step_<7 digits>-<random>/`, and the names a run uses

@@ -72,6 +72,19 @@ class Parallelizes(Protocol):
         ...
 
 
+@runtime_checkable
+class Pipelines(Protocol):
+    """Optional: a model that can be cut into pipeline stages by block (parallel.pp; k3train/models/k3/pipeline.py
+    is KimiK3's). It has `layers` (its blocks) and `config.d_model` (the width of what crosses a cut)."""
+
+    def pipeline_stage(self, first: int, last: int) -> torch.nn.Module:
+        """Layers [first, last) as a module under the model's names, with the embedding when first is 0 and the
+        loss when last is the layer count; forward(tokens or (h, *carried), document_ids=, targets=) returns what
+        the next stage takes, or on the last the micro-batch's mean loss, shape [1]. It has is_first, is_last,
+        blocks_in and blocks_out (how many tensors beside h it receives and sends)."""
+        ...
+
+
 def missing_members(model: object) -> list[str]:
     """The LanguageModel members `model` lacks (empty when it has them all)."""
     methods = [name for name, value in vars(LanguageModel).items() if callable(value) and not name.startswith("_")]

@@ -16,14 +16,15 @@ from pathlib import Path
 import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
 
-from k3train.checkpoint.checkpointer import Checkpointer, ShardedCheckpointer
+from k3train.checkpoint.checkpointer import Checkpointer, GatheredCheckpointer, ShardedCheckpointer
 from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig
 from k3train.data.context_slices import ContextSlices
 from k3train.inference.loading import load
 from k3train.models.common.context_parallel import ContextParallel, set_context_parallel
 from k3train.models.layout import WHOLE, parameter_layouts
-from k3train.models.protocol import missing_members
+from k3train.models.protocol import Pipelines, missing_members
 from k3train.observe.metrics import MetricsLogger, MetricsSink
 from k3train.runtime.cpu import ThreadChoice, apply_threads, choose_threads, prepare_cpu_training
 from k3train.runtime.devices import device_for_rank
@@ -32,6 +33,7 @@ from k3train.runtime.parallel_dims import ParallelDims
 from k3train.train.callbacks import Callback
 from k3train.train.cpu_threads import CpuThreads
 from k3train.train.parallel import strategy_missing
+from k3train.train.pipeline import Pipeline
 from k3train.train.rng import configure_determinism, seed_everything
 from k3train.train.trainer import Trainer
 
@@ -126,8 +128,17 @@ def build_parts(
             f"{', '.join(lacking)}: a strategy implements k3train/train/parallel.py's ParallelStrategy"
         )
     dims = ParallelDims.for_strategy(
-        parallel.name, world.size, world.rank, device.type, parallel.ep, parallel.cp, parallel.dp_replicate
+        parallel.name,
+        world.size,
+        world.rank,
+        device.type,
+        parallel.ep,
+        parallel.cp,
+        parallel.dp_replicate,
+        parallel.pipeline.pp,
     )
+    if dims.pp > 1:
+        _check_pipelined(train_cfg, precision)
     data = instantiate(cfg.data)
     # vocab_size: null in a model YAML means "the data's"; a value the user set is kept, and check_data refuses a
     # mismatch.
@@ -159,7 +170,14 @@ def build_parts(
             raise ValueError(f"parallel.cp={dims.cp}: {type(model).__name__} has no layer that splits its sequence")
     model.to(device)
     model = parallel.shard(model, device, dims)  # before the optimizer: FSDP2 replaces the parameters
-    optimizer = _build_optimizer(instantiate(cfg.optim), model, dims)
+    pipeline = whole_optimizer = None
+    if dims.pp > 1:
+        pipeline = _pipeline(model, parallel.pipeline, dims, device, train_cfg)
+        # the stages' optimizer, and the whole model's (no state: its layout is the checkpoint's format)
+        optimizer = _build_optimizer(instantiate(cfg.optim), nn.ModuleList(pipeline.modules), dims)
+        whole_optimizer = _build_optimizer(instantiate(cfg.optim), model, ParallelDims(device_type=device.type))
+    else:
+        optimizer = _build_optimizer(instantiate(cfg.optim), model, dims)
     callbacks = _build_named(cfg.callbacks, Callback, "callbacks")
     if device.type == "cpu" and str(train_cfg.cpu_threads) == "adaptive" and threads.threads > 1:
         governor = CpuThreads.for_this_process(threads.threads)  # fewer threads while other processes need the CPUs
@@ -169,12 +187,14 @@ def build_parts(
 
     # The log file is opened at its first event, after all checks.
     metrics = MetricsLogger(run_dir / "metrics.jsonl", sinks=list(sinks.values()), enabled=world.is_main)
-    meta = build_meta(model, optimizer, train_cfg, precision, data, world, dims)
-    checkpointer = (  # sharded parameters or experts: every rank writes its own
-        ShardedCheckpointer(run_dir, meta, train_cfg.keep_last_k, parallel.shard_layouts(dims), writer=world.is_main)
-        if dims.dp_shard > 1 or dims.ep > 1
-        else Checkpointer(run_dir, meta, train_cfg.keep_last_k, writer=world.is_main)
-    )
+    meta = build_meta(model, whole_optimizer or optimizer, train_cfg, precision, data, world, dims)
+    if dims.dp_shard > 1 or dims.ep > 1:  # sharded parameters or experts: every rank writes its own
+        layouts = parallel.shard_layouts(dims)
+        checkpointer = ShardedCheckpointer(run_dir, meta, train_cfg.keep_last_k, layouts, writer=world.is_main)
+    elif dims.pp > 1:  # the stages' state gathered: the whole model's file
+        checkpointer = GatheredCheckpointer(run_dir, meta, train_cfg.keep_last_k, writer=world.is_main)
+    else:
+        checkpointer = Checkpointer(run_dir, meta, train_cfg.keep_last_k, writer=world.is_main)
     trainer = Trainer(
         model=model,
         optimizer=optimizer,
@@ -190,8 +210,36 @@ def build_parts(
         parallel=parallel,
         dims=dims,
         profile=profile_cfg,
+        pipeline=pipeline,
+        whole_optimizer=whole_optimizer,
     )
     return {"trainer": trainer, "metrics": metrics, "data": data}
+
+
+def _check_pipelined(train_cfg: TrainConfig, precision) -> None:
+    """What a pipelined run cannot do yet, refused before anything is built."""
+    if precision.dtype == "fp16":
+        raise ValueError(
+            "precision=fp16 with parallel.pp > 1: its loss scaling is not threaded through the pipeline's schedule; "
+            "use precision=bf16 or fp32"
+        )
+    if train_cfg.compile:
+        raise ValueError(
+            "train.compile=true with parallel.pp > 1: the stages are not compiled; set train.compile=false"
+        )
+
+
+def _pipeline(model, settings, dims: ParallelDims, device: torch.device, train_cfg: TrainConfig) -> Pipeline:
+    """This rank's stages of `model` and their schedule (k3train/train/pipeline.py), for updates of
+    batch_size x gradient_accumulation_steps rows."""
+    if not isinstance(model, Pipelines):
+        raise ValueError(
+            f"parallel.pp={dims.pp}: {type(model).__name__} cannot be cut into pipeline stages (it has no "
+            "pipeline_stage: k3train/models/protocol.py's Pipelines); use parallel.pp=1"
+        )
+    rows = train_cfg.batch_size * train_cfg.gradient_accumulation_steps
+    n = settings.n_microbatches(rows, train_cfg.gradient_accumulation_steps)
+    return Pipeline(model, settings, dims.pp_rank, dims.pp_group, device, n, (rows // n, train_cfg.seq_len))
 
 
 def _build_optimizer(factory, model, dims: ParallelDims) -> torch.optim.Optimizer:

@@ -47,8 +47,15 @@ class ParallelDims:
         device_type: str = "cpu",
         ep: int = 1,
         cp: int = 1,
+        pp: int = 1,
     ) -> None:
-        self.layout = ParallelLayout(dp_replicate, dp_shard, ep, cp)
+        self.layout = ParallelLayout(dp_replicate, dp_shard, ep, cp, pp)
+        if pp > 1 and (dp_shard > 1 or ep > 1 or cp > 1):
+            other = "parallel=fsdp" if dp_shard > 1 else f"parallel.ep={ep}" if ep > 1 else f"parallel.cp={cp}"
+            raise ValueError(
+                f"parallel.pp={pp} with {other}: pipeline parallelism composes with DDP only, yet; use "
+                "parallel=ddp with parallel.ep=1 and parallel.cp=1, or parallel.pp=1"
+            )
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
         self.rank = rank
@@ -57,6 +64,7 @@ class ParallelDims:
         self._cp_mesh: DeviceMesh | None = None
         self._expert_mesh: DeviceMesh | None = None
         self._expert_hsdp_mesh: DeviceMesh | None = None
+        self._pp_mesh: DeviceMesh | None = None
 
     def __repr__(self) -> str:
         return f"ParallelDims({self.layout}, rank={self.rank}, device_type={self.device_type!r})"
@@ -71,9 +79,17 @@ class ParallelDims:
         ep: int = 1,
         cp: int = 1,
         dp_replicate: int = 1,
+        pp: int = 1,
     ) -> ParallelDims:
         """All ranks data-parallel: replicas under DDP, shards under FSDP2 (in dp_replicate replica groups: HSDP
-        when > 1); routed experts split over ep; each row's sequence over cp."""
+        when > 1); routed experts split over ep; each row's sequence over cp; the blocks over pp pipeline stages,
+        each held by world / pp ranks."""
+        if not isinstance(pp, int) or pp < 1 or world_size % pp:
+            raise ValueError(
+                f"parallel.pp={pp!r} must be a positive integer dividing the {world_size} process(es): each of the pp "
+                "pipeline stages is held by world / pp of them"
+            )
+        world_size //= pp
         if strategy not in STRATEGIES:
             raise ValueError(f"unknown parallel strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
         if strategy == "fsdp":
@@ -82,13 +98,14 @@ class ParallelDims:
                     f"parallel.dp_replicate={dp_replicate!r} must be a positive integer dividing the {world_size} "
                     "process(es): each replica group shards the model over world / dp_replicate of them"
                 )
-            return cls(dp_replicate, world_size // dp_replicate, rank=rank, device_type=device_type, ep=ep, cp=cp)
+            shard = world_size // dp_replicate
+            return cls(dp_replicate, shard, rank=rank, device_type=device_type, ep=ep, cp=cp, pp=pp)
         if dp_replicate != 1:
             raise ValueError(
                 f"parallel.dp_replicate={dp_replicate} is FSDP2's replica groups (HSDP): under parallel=ddp every "
                 "process is a replica; use parallel=hsdp"
             )
-        return cls(dp_replicate=world_size, rank=rank, device_type=device_type, ep=ep, cp=cp)
+        return cls(dp_replicate=world_size, rank=rank, device_type=device_type, ep=ep, cp=cp, pp=pp)
 
     @property
     def dp_replicate(self) -> int:
@@ -120,8 +137,18 @@ class ParallelDims:
         return self.layout.dp_size
 
     @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def pp_rank(self) -> int:
+        """Which pipeline stage(s) this rank holds: ranks number stages first (rank = pp_rank x stage_world +
+        its place among the stage's ranks), as torchtitan puts pp outermost."""
+        return self.rank // self.layout.stage_world
+
+    @property
     def dp_rank(self) -> int:
-        return self.rank // self.cp
+        return (self.rank % self.layout.stage_world) // self.cp
 
     @property
     def cp_rank(self) -> int:
@@ -140,9 +167,33 @@ class ParallelDims:
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
-        """Every rank, whose tokens all differ (gradient, loss and balancing reductions: with cp, the ranks of a
-        row hold different positions of it), or None in one process."""
+        """Every rank holding the same layers, whose tokens all differ (gradient, loss and balancing reductions:
+        with cp, the ranks of a row hold different positions of it): every rank, or under pipeline parallelism the
+        ranks of this rank's stage; None when there is no other."""
+        if self.pp == 1:
+            return dist.group.WORLD if self.several_ranks else None
+        return self.pp_mesh["dp"].get_group() if self.layout.stage_world > 1 else None
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """Every rank (the decisions all must take together: stopping), or None in one process."""
         return dist.group.WORLD if self.several_ranks else None
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The ranks of this rank's pipeline, one a stage in pp order (None: pp == 1)."""
+        return self.pp_mesh["pp"].get_group() if self.pp > 1 else None
+
+    @property
+    def pp_mesh(self) -> DeviceMesh:
+        """(pp, dp): the pipelines' stages and each stage's data-parallel ranks; built on first use, a collective
+        on every rank."""
+        if self.pp == 1:
+            raise ValueError("no pipeline mesh: parallel.pp is 1")
+        if self._pp_mesh is None:
+            shape = (self.pp, self.layout.stage_world)
+            self._pp_mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=("pp", "dp"))
+        return self._pp_mesh
 
     @property
     def shard_mesh(self) -> DeviceMesh:
@@ -230,6 +281,8 @@ class ParallelDims:
     def describe(self) -> str:
         if not self.several_ranks:
             return "one process"
+        if self.pp > 1:
+            return f"{self.pp} pipeline stages, each DDP over {self.dp_replicate} process(es)"
         experts = f", routed experts split over {self.ep} ranks (expert parallel)" if self.ep > 1 else ""
         experts += f", each sequence split over {self.cp} ranks (context parallel)" if self.cp > 1 else ""
         if self.dp_shard > 1 and self.dp_replicate > 1:

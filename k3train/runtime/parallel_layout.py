@@ -30,6 +30,7 @@ _SET_BY = {
     "dp_shard": "dp_shard (the processes under parallel=fsdp; --mesh R x S x E)",
     "ep": "parallel.ep",
     "cp": "parallel.cp",
+    "pp": "parallel.pp",
 }
 
 
@@ -39,6 +40,7 @@ class ParallelLayout:
     dp_shard: int = 1
     ep: int = 1
     cp: int = 1
+    pp: int = 1  # pipeline stages over which the model's blocks are cut (parallel.pp): outermost, world = pp x the rest
 
     def __post_init__(self) -> None:
         for name, key in _SET_BY.items():
@@ -63,12 +65,18 @@ class ParallelLayout:
 
     @property
     def world(self) -> int:
+        return self.pp * self.stage_world
+
+    @property
+    def stage_world(self) -> int:
+        """The ranks that hold one pipeline stage (all of them without pipeline parallelism)."""
         return self.dp_replicate * self.dp_shard
 
     @property
     def dp_size(self) -> int:
-        """Ranks that read different rows of the global batch: cp consecutive ranks share theirs."""
-        return self.world // self.cp
+        """Ranks that read different rows of the global batch: cp consecutive ranks share theirs, and the pp ranks
+        of a pipeline the same ones."""
+        return self.stage_world // self.cp
 
     @property
     def expert_dp(self) -> int:

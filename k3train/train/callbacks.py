@@ -85,6 +85,16 @@ class QKClip(Callback):
         self._reset_window()
         return out
 
+    @staticmethod
+    def merge(figures: list[dict]) -> dict:
+        """metrics() of the ranks of a pipeline's stages as one: each measured its own MLA layers."""
+        out: dict = {"max_logit": {}, "n_clipped": 0, "clipped_heads": {}}
+        for part in figures:
+            out["max_logit"] |= part["max_logit"]
+            out["clipped_heads"] |= part["clipped_heads"]
+            out["n_clipped"] += part["n_clipped"]
+        return out
+
     def describe(self) -> str:
         if not self.n_modules:
             return "QK-Clip: off (the model has no attention module that measures its max logits)"

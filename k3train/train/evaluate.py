@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -13,13 +15,20 @@ from k3train.train.rng import capture_rng_state, restore_rng_state
 
 @torch.no_grad()
 def evaluate(
-    model, val_loader, num_batches: int, precision, device: torch.device, group: dist.ProcessGroup | None = None
+    model,
+    val_loader,
+    num_batches: int,
+    precision,
+    device: torch.device,
+    group: dist.ProcessGroup | None = None,
+    loss_of: Callable | None = None,
 ) -> dict:
     """Mean loss over the first num_batches val batches (fewer if the split is shorter).
 
     Model mode, the val cursor and all RNG states are restored afterwards, so evaluating never changes what
     training does next; routers see model.eval() and leave their balancing state alone. Documents are masked as the
-    loader marks them, as in training (the same TokenData gives both loaders).
+    loader marks them, as in training (the same TokenData gives both loaders). `loss_of(x, y, document_ids)`, when
+    given, is a batch's mean loss instead of the model's forward (a pipeline's stages in turn).
     """
     was_training = model.training
     rng = capture_rng_state()
@@ -34,7 +43,12 @@ def evaluate(
             except EndOfData:
                 break
             with precision.autocast(device):
-                _, loss = model(x.to(device), targets=y.to(device), **document_inputs(model, document_ids, device))
+                if loss_of is not None:
+                    ids = None if document_ids is None else document_ids.to(device)
+                    loss = torch.tensor(loss_of(x.to(device), y.to(device), ids))
+                else:
+                    documents = document_inputs(model, document_ids, device)
+                    _, loss = model(x.to(device), targets=y.to(device), **documents)
             losses.append(loss.float())
     finally:
         val_loader.load_state_dict(cursor)

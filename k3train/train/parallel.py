@@ -30,6 +30,7 @@ from k3train.models.common.parallelize import FullyShard, parallelize_blocks
 from k3train.models.layout import expert_shards
 from k3train.models.protocol import Parallelizes
 from k3train.runtime.parallel_dims import ParallelDims
+from k3train.train.pipeline import PipelineSettings
 
 
 @runtime_checkable
@@ -41,6 +42,7 @@ class ParallelStrategy(Protocol):
     ep: int  # expert-parallel degree (parallel.ep)
     cp: int  # context-parallel degree (parallel.cp)
     dp_replicate: int  # FSDP2's replica groups (HSDP when > 1); 1 under DDP, where every rank is a replica
+    pipeline: PipelineSettings  # parallel.pp and its schedule (k3train/train/pipeline.py)
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module: ...
 
@@ -60,7 +62,8 @@ def strategy_missing(strategy: object) -> list[str]:
 
 
 def global_grad_norm(params: list[torch.Tensor], dims: ParallelDims, experts: frozenset[int] = frozenset()) -> float:
-    """The L2 norm of every gradient of the model, over all ranks: FSDP2's shards summed (full_value), and the
+    """The L2 norm of every gradient of the model, over all ranks: FSDP2's shards summed (full_value), the
+    pipeline's stages summed over its pp ranks, and the
     routed experts' shards of expert parallelism (`experts`: their ids, expert_shards), which differ by rank, summed
     over the expert-parallel group."""
     whole = [p.grad for p in params if p.grad is not None and id(p) not in experts]
@@ -70,6 +73,8 @@ def global_grad_norm(params: list[torch.Tensor], dims: ParallelDims, experts: fr
         split_sq = full_value(torch.nn.utils.get_total_norm(split)).square()
         dist.all_reduce(split_sq, group=dims.ep_group)
         total = total + split_sq
+    if dims.pp_group is not None:  # each rank of a pipeline holds its stages' gradients
+        dist.all_reduce(total, group=dims.pp_group)
     return total.sqrt().item()
 
 
@@ -121,9 +126,19 @@ class DDP:
     name = "ddp"
     dp_replicate = 1  # not a setting: every rank is a replica
 
-    def __init__(self, bucket_cap_mb: int = 25, ep: int = 1, cp: int = 1):
+    def __init__(
+        self,
+        bucket_cap_mb: int = 25,
+        ep: int = 1,
+        cp: int = 1,
+        pp: int = 1,
+        pp_schedule: str = "1f1b",
+        pp_virtual_stages: int = 1,
+        pp_microbatches: int | None = None,
+    ):
         self.bucket_cap_mb = bucket_cap_mb
         self.ep, self.cp = ep, cp
+        self.pipeline = PipelineSettings(pp, pp_schedule, pp_virtual_stages, pp_microbatches)
         self.model_layouts: dict = {}  # the model's own sharded-checkpoint layouts: set by shard()
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
@@ -140,7 +155,7 @@ class DDP:
         return dict(self.model_layouts)
 
     def wrap(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
-        if not dims.several_ranks:
+        if not dims.several_ranks or dims.pp > 1:  # a pipeline averages its stages' gradients itself
             return model
         experts = {id(p) for p in expert_shards(model)}
         if experts:  # each rank's differ: finish_gradients averages them, not DDP's all-reduce
@@ -174,9 +189,17 @@ class FSDP:
 
     name = "fsdp"
 
-    def __init__(self, reshard_after_forward: bool = True, ep: int = 1, cp: int = 1, dp_replicate: int = 1):
+    def __init__(
+        self, reshard_after_forward: bool = True, ep: int = 1, cp: int = 1, dp_replicate: int = 1, pp: int = 1
+    ):
+        if pp != 1:
+            raise ValueError(
+                f"parallel.pp={pp} under parallel=fsdp: pipeline parallelism composes with DDP only, yet; use "
+                "parallel=ddp parallel.pp=N"
+            )
         self.reshard_after_forward = reshard_after_forward
         self.ep, self.cp, self.dp_replicate = ep, cp, dp_replicate
+        self.pipeline = PipelineSettings()
         self.model_layouts: dict = {}  # the model's own sharded-checkpoint layouts: set by shard()
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:

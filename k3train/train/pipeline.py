@@ -113,6 +113,11 @@ def stages_of(pp_rank: int, settings: PipelineSettings) -> list[int]:
     return [pp_rank + k * pp for k in range(v)]
 
 
+def owner_of(stage: int, settings: PipelineSettings) -> int:
+    """The pp rank that holds `stage` (stages_of's inverse)."""
+    return next(r for r in range(settings.pp) if stage in stages_of(r, settings))
+
+
 class Pipeline:
     """This rank's stages of `model` and the schedule that runs them, over the ranks of `group` (one per pp rank,
     in pp order)."""
@@ -127,12 +132,12 @@ class Pipeline:
         n_microbatches: int,
         micro_shape: tuple[int, int],
     ) -> None:
-        self.settings, self.n_microbatches = settings, n_microbatches
+        self.settings, self.n_microbatches, self.group = settings, n_microbatches, group
         bounds = stage_bounds(len(model.layers), settings.n_stages)
         self.stage_ids = stages_of(pp_rank, settings)
         self.modules = [model.pipeline_stage(*bounds[s]) for s in self.stage_ids]
         rows, seq = micro_shape
-        width = model.config.d_model
+        width = self.width = model.config.d_model
         self.stages = [
             PipelineStage(
                 module,
@@ -175,6 +180,47 @@ class Pipeline:
         if not self.holds_last:
             return None
         return float(torch.stack([loss.detach().float() for loss in losses]).sum())
+
+    @torch.no_grad()
+    def forward_loss(self, x: torch.Tensor, y: torch.Tensor, document_ids: torch.Tensor | None = None) -> float | None:
+        """The mean loss over rows x, y without a backward (evaluation): the stages in turn, each sending what
+        crosses its cut to the next stage's rank; the loss on the rank of the last stage, else None. Any number of
+        rows: no schedule, so no micro-batch count to match."""
+        kwargs = {"targets": y} | ({} if document_ids is None else {"document_ids": document_ids})
+        mine = dict(zip(self.stage_ids, self.modules))
+        carried: tuple[torch.Tensor, ...] = (x,)
+        loss = None
+        for stage in range(self.settings.n_stages):
+            before = owner_of(stage - 1, self.settings) if stage else None
+            here = owner_of(stage, self.settings)
+            module = mine.get(stage)
+            if module is None:
+                continue
+            if stage and before != here:  # received from the rank of the stage before
+                carried = tuple(torch.empty(*y.shape, self.width, device=y.device) for _ in range(1 + module.blocks_in))
+                for t in carried:
+                    dist.recv(t, group=self.group, group_src=before)
+            out = module(*carried, **kwargs)
+            if module.is_last:
+                loss = float(out.float().sum())
+                continue
+            carried = out
+            after = owner_of(stage + 1, self.settings)
+            if after != here:
+                for t in carried:
+                    dist.send(t.contiguous(), group=self.group, group_dst=after)
+        return loss
+
+    def reduce_gradients(self, group: dist.ProcessGroup | None) -> None:
+        """The stages' gradients averaged over the ranks holding the same stages (DDP's all-reduce, once an update:
+        no backward runs through a DDP module here)."""
+        if group is None:
+            return
+        size = dist.get_world_size(group)
+        for p in self.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+                p.grad.div_(size)
 
 
 # What crosses a cut, as meta tensors for PipelineStage's buffers. requires_grad: what the stage receives and sends

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 
 from k3train.checkpoint.checkpointer import Checkpointer
 from k3train.checkpoint.expert_shards import with_expert_shards
@@ -39,6 +40,8 @@ from k3train.runtime.signals import StopSignals
 from k3train.train.callbacks import Callback
 from k3train.train.evaluate import evaluate
 from k3train.train.parallel import DDP, clip_gradients, global_grad_norm
+from k3train.train.pipeline import Pipeline, owner_of
+from k3train.train.pipeline_state import PipelineModel, PipelineOptimizer, merge_stage_figures
 from k3train.train.plan import TrainingPlan
 from k3train.train.precision import Precision
 from k3train.train.rng import RNGState
@@ -74,6 +77,8 @@ class Trainer:
         parallel: DDP | None = None,
         dims: ParallelDims | None = None,
         profile: ProfileConfig | None = None,
+        pipeline: Pipeline | None = None,
+        whole_optimizer: torch.optim.Optimizer | None = None,
     ):
         self.model = model  # the unwrapped, uncompiled module: its state_dict keys stay stable
         self.parallel = parallel or DDP()
@@ -99,7 +104,10 @@ class Trainer:
         self.label = model.log_label
         # Global: every rank's rows of the batch (the loaders' data-parallel view), so plans and logs are per run.
         self.tokens_per_update = train_loader.global_tokens_per_batch * config.gradient_accumulation_steps
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        # parallel.pp > 1: this rank's stages of the model, run by the pipeline's schedule (k3train/train/pipeline.py)
+        self.pipeline = pipeline
+        held = pipeline.parameters() if pipeline is not None else model.parameters()
+        self.params = [p for p in held if p.requires_grad]
         self.expert_shards = frozenset(id(p) for p in expert_shards(model))  # each rank's own: norms sum over ep
         self.mfu = MFU.for_model(
             model, config.seq_len, device, precision.dtype, config.peak_flops, devices=self.dims.world_size
@@ -119,6 +127,11 @@ class Trainer:
             "trainer": self.state,
             "plan": self.plan,
         }  # restored in this order: the plan re-derives from the counters and cursor
+        if pipeline is not None:  # the whole model's checkpoint, gathered from the stages
+            parts["model"] = PipelineModel(model, pipeline.modules, self.dims.pp_group)
+            parts["optimizer"] = PipelineOptimizer(
+                self._optimizer_part, optimizer, whole_optimizer, model, pipeline.modules, self.dims.pp_group
+            )
         for name, part in with_expert_shards(parts, model, optimizer, self.dims).items():
             checkpointer.add(name, part)
         for callback in self.callbacks.values():
@@ -152,6 +165,8 @@ class Trainer:
         lr_factor = self.schedule.apply(self.optimizer, self.state.step)
         losses = []
         batches = self._micro_batches()
+        if self.pipeline is not None:
+            return self._update(self._pipelined_loss(batches), lr_factor)
         for i, (x, y, document_ids) in enumerate(batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             documents = document_inputs(self.model, document_ids, self.device)  # {} without boundaries
@@ -162,10 +177,37 @@ class Trainer:
                 self.scaler.scale(loss / accum).backward()
             losses.append(loss.detach().float())
         self.parallel.finish_gradients(self.model, self.dims)  # e.g. expert-parallel weights, which DDP leaves out
-        self.state.tokens += self.tokens_per_update
         # The global batch's loss, so every rank takes the same skip-or-step decision (a NaN anywhere is NaN here).
         loss = mean_across_ranks(torch.stack(losses).mean().item(), self.device, self.dims.dp_group)
+        return self._update(loss, lr_factor)
 
+    def _pipelined_loss(self, batches: list) -> float:
+        """The update's micro-batches through the pipeline (one schedule step: every forward and backward), the
+        stages' gradients averaged over their data-parallel ranks; the global batch's loss on every rank."""
+        x = torch.cat([b[0] for b in batches]).to(self.device)
+        y = torch.cat([b[1] for b in batches]).to(self.device)
+        ids = [b[2] for b in batches]
+        documents = None
+        if any(d is not None for d in ids):  # a micro-batch without boundaries is one document a row
+            documents = torch.cat([torch.zeros_like(b[0]) if d is None else d for b, d in zip(batches, ids)])
+            documents = documents.to(self.device)
+        with self.precision.autocast(self.device):
+            loss = self.pipeline.step(x, y, documents)
+        self.pipeline.reduce_gradients(self.dims.dp_group)
+        loss = self._from_last_stage(loss)
+        return mean_across_ranks(loss, self.device, self.dims.dp_group)
+
+    def _from_last_stage(self, loss: float | None) -> float:
+        """A figure of the last stage's rank, on every rank of its pipeline."""
+        t = torch.tensor([math.nan if loss is None else loss], dtype=torch.float64, device=self.device)
+        src = owner_of(self.pipeline.settings.n_stages - 1, self.pipeline.settings)
+        dist.broadcast(t, group=self.dims.pp_group, group_src=src)
+        return t.item()
+
+    def _update(self, loss: float, lr_factor: float) -> dict:
+        """The optimizer step after an update's backward: the gradient norm over every rank, clipping, the step or
+        its skip (a non-finite loss or norm)."""
+        self.state.tokens += self.tokens_per_update
         self.scaler.unscale_(self.optimizer)
         grad_norm = global_grad_norm(self.params, self.dims, self.expert_shards)
         result = {"loss": loss, "grad_norm": grad_norm, "lr_factor": lr_factor}
@@ -218,7 +260,7 @@ class Trainer:
                     self._after_update(window, progress)
                 # Every rank stops at the same boundary, whichever of them a signal reached.
                 received = self.signals.received
-                if any_across_ranks(received is not None, self.device, self.dims.dp_group):
+                if any_across_ranks(received is not None, self.device, self.dims.world_group):
                     reason = f"signal:{received.name}" if received else "signal:another rank"
                 else:
                     reason = self._stop_reason()
@@ -288,11 +330,27 @@ class Trainer:
             figures = callback.metrics()  # since the last train event
             if figures:
                 out[name] = figures
+        if self.pipeline is not None:  # each rank measured its own stages' layers: the log has every stage's
+            parts = [None] * dist.get_world_size(self.dims.pp_group)
+            dist.all_gather_object(parts, out, group=self.dims.pp_group)
+            out = merge_stage_figures(parts, self.callbacks)
         return out
 
     def run_eval(self, progress: Progress | None = None) -> dict:
+        loss_of = None
+        if self.pipeline is not None:
+
+            def loss_of(x, y, document_ids):
+                return self._from_last_stage(self.pipeline.forward_loss(x, y, document_ids))
+
         result = evaluate(
-            self.model, self.val_loader, self.config.eval_batches, self.precision, self.device, self.dims.dp_group
+            self.model,
+            self.val_loader,
+            self.config.eval_batches,
+            self.precision,
+            self.device,
+            self.dims.dp_group,
+            loss_of=loss_of,
         )
         self.metrics.log("eval", step=self.state.step, tokens=self.state.tokens, **result)
         # What it measured, beside the number: `k3train.evaluate` reads the whole split by default (another number).

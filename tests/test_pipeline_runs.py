@@ -1,0 +1,98 @@
+"""parallel.pp end to end (python -m k3train under torchrun, gloo on CPU): a pipelined run takes one process's steps
+(2 ranks, and 4 ranks: 2 stages x 2 data-parallel), writes the whole model's checkpoint, which resumes without the
+pipeline and with another schedule, resumes exactly after a rank is killed, and bad pipeline settings are refused in
+one line before anything is written."""
+
+import pytest
+from test_fsdp import assert_same_steps, assert_same_weights
+
+from k3train.checkpoint.checkpointer import load_checkpoint
+from k3train.observe.metrics import read_metrics
+
+from helpers.distributed_runs import K3, kill_a_rank_then_resume, launch, steps
+
+ARGS = [*K3, "train.max_steps=4", "train.gradient_accumulation_steps=2", "train.checkpoint_interval=2"]
+ARGS.append("train.keep_last_k=3")
+
+
+@pytest.mark.slow
+def test_a_pipelined_run_takes_one_process_steps_and_its_checkpoint_resumes_anywhere(k3_cache, tmp_path):
+    one, two, four, back = (tmp_path / name for name in ("one", "two", "four", "back"))
+    assert launch(k3_cache, *ARGS, "train.batch_size=2", f"hydra.run.dir={one}", ranks=None).returncode == 0
+    proc = launch(k3_cache, *ARGS, "parallel.pp=2", "train.batch_size=2", f"hydra.run.dir={two}")
+    assert proc.returncode == 0, proc.stderr
+    assert "2 pipeline stages, each DDP over 1 process(es)" in proc.stdout
+    for event in ("train", "eval"):
+        assert_same_steps(steps(two, event), steps(one, event), rel=1e-6)
+    want = load_checkpoint(one / "last.pt")
+    got = load_checkpoint(two / "last.pt")  # the whole model, as one process writes it
+    assert_same_weights(got["model"], want["model"], atol=1e-6)
+    assert sorted(got["optimizer"]["state"]) == sorted(want["optimizer"]["state"])
+    train = [e for e in read_metrics(two / "metrics.jsonl") if e["event"] == "train"]
+    assert sum(e["qk_clip"]["n_clipped"] for e in train) > 0  # the MLA layer is on stage 1: its clipping is logged
+    one_train = [e for e in read_metrics(one / "metrics.jsonl") if e["event"] == "train"]
+    assert set(train[-1]["model"]) == set(one_train[-1]["model"])  # every stage's MoE layers reported
+
+    # 2 stages x 2 data-parallel ranks, interleaved (2 stages a rank): the same global batch of 4 rows a micro-batch
+    args = ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"]
+    proc = launch(k3_cache, *ARGS, *args, "train.batch_size=1", f"hydra.run.dir={four}", ranks=4)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 pipeline stages, each DDP over 2 process(es)" in proc.stdout
+
+    # the pipelined step-2 checkpoint in one process, which goes on as the pipeline did
+    step2 = two / "step_0000002.pt"
+    proc = launch(k3_cache, *ARGS, "train.batch_size=2", f"hydra.run.dir={back}", f"resume={step2}", ranks=None)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_steps(steps(back), {s: loss for s, loss in steps(one).items() if s > 2}, rel=1e-6)
+    assert_same_weights(load_checkpoint(back / "last.pt")["model"], want["model"], atol=1e-6)
+
+
+@pytest.mark.slow
+def test_2_stages_x_2_data_parallel_ranks_equal_ddp_on_2(k3_cache, tmp_path):
+    """gpipe over 2 stages, each DDP over 2 ranks: one process's losses, and the weights of plain DDP on 2 ranks
+    (the same 2-way gradient average; one process differs from both by up to 7.5e-5 on rarely seen rows, AdamW's
+    amplification of a nearly cancelling sum: tests/test_hsdp.py)."""
+    one, ddp, four = tmp_path / "one", tmp_path / "ddp", tmp_path / "four"
+    assert launch(k3_cache, *ARGS, "train.batch_size=4", f"hydra.run.dir={one}", ranks=None).returncode == 0
+    assert launch(k3_cache, *ARGS, "train.batch_size=2", f"hydra.run.dir={ddp}", ranks=2).returncode == 0
+    args = ["parallel.pp=2", "parallel.pp_schedule=gpipe", "train.batch_size=2"]
+    proc = launch(k3_cache, *ARGS, *args, f"hydra.run.dir={four}", ranks=4)
+    assert proc.returncode == 0, proc.stderr
+    assert_same_steps(steps(four), steps(one))
+    assert_same_steps(steps(four, "eval"), steps(one, "eval"))
+    want = load_checkpoint(ddp / "last.pt")["model"]
+    assert_same_weights(load_checkpoint(four / "last.pt")["model"], want, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.fault
+def test_a_killed_pipeline_rank_resumes_exactly(k3_cache, tmp_path):
+    args = [*K3, "parallel.pp=2", "train.max_steps=8", "train.batch_size=2", "train.gradient_accumulation_steps=2"]
+    args += ["train.checkpoint_interval=2", "train.keep_last_k=3"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert launch(k3_cache, *args, f"hydra.run.dir={straight}").returncode == 0
+    kill_a_rank_then_resume(k3_cache, args, straight, killed, "last.pt")
+    assert_same_weights(
+        load_checkpoint(killed / "last.pt")["model"], load_checkpoint(straight / "last.pt")["model"], atol=0
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.n_layers=1"], "2 pipeline stages (parallel.pp x pp_virtual_stages) for 1 layers"),
+        (["parallel.pp_schedule=1f1f"], "parallel.pp_schedule='1f1f' is not a schedule"),
+        (["parallel.pp_microbatches=3"], "parallel.pp_microbatches=3 must divide the update's 4 rows"),
+        (["parallel=fsdp"], "parallel.pp=2 under parallel=fsdp: pipeline parallelism composes with DDP only, yet"),
+    ],
+)
+def test_bad_pipeline_settings_are_refused_in_one_line_before_anything_is_written(
+    k3_cache, tmp_path, overrides, message
+):
+    run = tmp_path / "run"
+    recipe = ["parallel.pp=2", "train.batch_size=2", "train.gradient_accumulation_steps=2", f"hydra.run.dir={run}"]
+    proc = launch(k3_cache, *K3, *overrides, *recipe)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr
+    assert "exitcode  : 2" in proc.stderr  # each rank's own status: bad input
+    assert not (run / "metrics.jsonl").exists() and not list(run.glob("*.pt"))
