@@ -74,6 +74,9 @@ def _pipelined(rank: int, world_size: int) -> dict:
         model = _model(checkpointing)
         settings = PipelineSettings(world_size, schedule, virtual)
         pipe = Pipeline(model, settings, rank, None, torch.device("cpu"), MICROBATCHES, (ROWS // MICROBATCHES, T))
+        held = {n for module in pipe.modules for n, _ in module.named_parameters()}
+        released = {n for n, p in model.named_parameters() if p.is_meta}  # the other stages': memory freed
+        assert released == {n for n, _ in model.named_parameters()} - held, name
         optimizer = muon_adamw(torch.nn.ModuleList(pipe.modules), **OPTIM)
         losses = []
         for update in range(UPDATES):
