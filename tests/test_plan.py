@@ -752,6 +752,8 @@ def test_nothing_fits_exits_2_and_names_the_largest_items(capsys: pytest.Capture
 
 
 def test_bad_input_exits_2(capsys: pytest.CaptureFixture) -> None:
+    assert main([*TINY, "parallel.pp=2", "--gpus", "4"]) == 2
+    assert "parallel.pp=2: the planner does not plan pipeline parallelism yet" in capsys.readouterr().err
     assert main([*TINY, "--gpus", "4", "--mesh", "1x2x1"]) == 2  # 2 ranks for 4 devices
     assert main(["model=smoke_test_lm", "--vocab-size", "257"]) == 2  # not a KimiK3
     assert "KimiK3" in capsys.readouterr().err

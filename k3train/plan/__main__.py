@@ -137,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose_config(args.overrides)
         device_type = "cpu" if args.gpu == "cpu" else "cuda"
         spec = build_spec(cfg, device_type, vocab_for(cfg, args.vocab_size))
+        if spec.pp > 1:  # a plan without the stages would print another run's memory and step time
+            raise ValueError(
+                f"parallel.pp={spec.pp}: the planner does not plan pipeline parallelism yet (its bubble, the stages' "
+                "memory, the activations sent between them); plan with parallel.pp=1"
+            )
         hw = lookup(args.gpu)
         cp = spec.cp if args.cp is None else args.cp
         mesh = Mesh.parse(args.mesh, cp=cp) if args.mesh else None

@@ -48,6 +48,7 @@ class RunSpec:
     ep: int  # the configured parallel.ep (1 where the config has none)
     cp: int  # the configured parallel.cp (1 where the config has none)
     dp_replicate: int  # the configured parallel.dp_replicate (HSDP's replica groups; 1 where the config has none)
+    pp: int  # the configured parallel.pp (pipeline stages; 1 where the config has none)
     reshard_after_forward: bool
     batch_size: int  # sequences per micro-batch, per process
     seq_len: int  # a whole row's; split over cp ranks, each holds seq_len / cp of it
@@ -116,6 +117,7 @@ def build_spec(cfg: DictConfig, device_type: str, vocab_size: int | None = None)
         ep=int(cfg.parallel.get("ep", 1) or 1),
         cp=int(cfg.parallel.get("cp", 1) or 1),
         dp_replicate=int(cfg.parallel.get("dp_replicate", 1) or 1),
+        pp=int(cfg.parallel.get("pp", 1) or 1),
         reshard_after_forward=bool(cfg.parallel.get("reshard_after_forward", True)),
         batch_size=train.batch_size,
         seq_len=train.seq_len,
