@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     one = {m: statistics.median(_one_process(m, updates)) for m in ms}
     rows = {}
-    for (schedule, m), key in zip(cases, pipelined):
+    for (_, m), key in zip(cases, pipelined):
         t_pp = statistics.median(pipelined[key])
         rows[key] = {
             "t_pipeline_s": round(t_pp, 4),
