@@ -20,7 +20,7 @@ def error(*overrides: str) -> str | None:
         ("optim.lrr", "optim.lr"),
         ("train.max_step", "train.max_steps"),
         ("model.d_modell", "model.d_model"),
-        ("parallel.epp", "parallel.ep"),
+        ("parallel.bucket_cap", "parallel.bucket_cap_mb"),  # not epp: pp and ep are both one letter away
         ("schedule.warmup_step", "schedule.warmup_steps"),
         ("precision.dtyp", "precision.dtype"),
         ("data.document_maskin", "data.document_masking"),
