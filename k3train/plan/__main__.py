@@ -30,6 +30,7 @@ from k3train.plan.activations import cp_kda_refusal  # noqa: E402
 from k3train.plan.estimate import estimate, propose  # noqa: E402
 from k3train.plan.hardware import CHOICES, lookup  # noqa: E402
 from k3train.plan.mesh import Mesh  # noqa: E402
+from k3train.plan.pipeline import plan_pipeline  # noqa: E402
 from k3train.plan.report import as_json, render, search_json, search_lines  # noqa: E402
 from k3train.plan.search import Recipe, count_bound, overrides_for, search_recipes, smallest_count  # noqa: E402
 from k3train.plan.spec import build_spec, check_split  # noqa: E402
@@ -113,7 +114,29 @@ def notes_for(mesh: Mesh, spec) -> list[str]:
         have += f" parallel.cp={spec.cp}" if spec.cp > 1 else ""
         if want != have:
             notes.append(f"run it with {want} (the config says {have})")
+    if mesh.pp > 1 and (mesh.dp_shard > 1 or mesh.ep > 1 or mesh.cp > 1):
+        notes.append(
+            "k3train runs parallel.pp with DDP over a stage's ranks only, yet (ep 1, cp 1): this mesh is planned, "
+            "not runnable today (docs/distributed.md)"
+        )
     return notes
+
+
+def check_pipeline(spec, fewest: bool) -> None:
+    """A pipeline the run would refuse, refused in its words (one line): a schedule that does not exist, virtual
+    stages it cannot hold, more stages than layers, micro-batches that do not divide the rows or are too few;
+    tied embeddings (the first and last stages would share them); and no device count to plan at."""
+    plan_pipeline(spec)
+    if spec.model.tie_embeddings:
+        raise ValueError(
+            f"parallel.pp={spec.pp} with model.tie_embeddings=true: the embedding (first stage) and the LM head (last) "
+            "cannot share a weight; untie them or set parallel.pp=1"
+        )
+    if fewest:
+        raise ValueError(
+            f"parallel.pp={spec.pp}: give --gpus N or --mesh (the search for the fewest devices does not vary a "
+            "pipelined run)"
+        )
 
 
 def planner_flags(args: argparse.Namespace) -> list[str]:
@@ -137,20 +160,22 @@ def main(argv: list[str] | None = None) -> int:
         cfg = compose_config(args.overrides)
         device_type = "cpu" if args.gpu == "cpu" else "cuda"
         spec = build_spec(cfg, device_type, vocab_for(cfg, args.vocab_size))
-        if spec.pp > 1:  # a plan without the stages would print another run's memory and step time
-            raise ValueError(
-                f"parallel.pp={spec.pp}: the planner does not plan pipeline parallelism yet (its bubble, the stages' "
-                "memory, the activations sent between them); plan with parallel.pp=1"
-            )
         hw = lookup(args.gpu)
         cp = spec.cp if args.cp is None else args.cp
-        mesh = Mesh.parse(args.mesh, cp=cp) if args.mesh else None
+        mesh = Mesh.parse(args.mesh, cp=cp, pp=spec.pp) if args.mesh else None
         if mesh is not None and args.cp is not None and mesh.cp != args.cp:
             raise ValueError(f"--mesh {mesh} splits rows over cp={mesh.cp} ranks, --cp {args.cp}")
+        if mesh is not None and mesh.pp != spec.pp:
+            raise ValueError(f"--mesh {mesh} has pp={mesh.pp} stages, the config parallel.pp={spec.pp}")
         cp = mesh.cp if mesh is not None else cp
         check_split(spec.seq_len, cp)
-        if args.gpus is not None and args.gpus % cp:
-            raise ValueError(f"cp={cp} must divide the {args.gpus} devices: each row is split over cp ranks")
+        if args.gpus is not None and args.gpus % (cp * spec.pp):
+            raise ValueError(
+                f"cp={cp} x pp={spec.pp} must divide the {args.gpus} devices: each row is split over cp ranks, and "
+                "each pipeline stage is held by devices / pp of them"
+            )
+        if spec.pp > 1:
+            check_pipeline(spec, args.gpus is None and mesh is None)
         if cp > 1 and "kda" in spec.model.layer_pattern and spec.model.kda_implementation != "chunk":
             raise ValueError(cp_kda_refusal(spec.model.kda_implementation))
     except Exception as exc:  # a bad override, model or mesh: say what, as a refusal
@@ -169,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         tried = [estimate(spec, mesh, hw, args.mfu, args.headroom, device_type)]
         chosen = tried[0] if tried[0].fits else None
     search = None
-    if chosen is None:  # the configured recipe fits nowhere here: which recipes do
+    if chosen is None and spec.pp == 1:  # the configured recipe fits nowhere here: which recipes do
         search = search_recipes(spec, devices, hw, args.mfu, args.headroom, device_type, cp, cp_fixed, mesh)
     shown = chosen or min(tried, key=lambda e: e.memory.peak)
     notes = notes_for(shown.mesh, spec)
@@ -184,7 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             text += "\n" + "\n".join(search_lines(search, spec, args.overrides, planner_flags(args)))
         print(text)
     if chosen is None:
-        tail = "; the recipes listed fit" if search.fits else ", nor does any recipe searched"
+        if search is None:
+            tail = " (the recipe search does not vary a pipelined run: plan it with other overrides, or pp 1)"
+        else:
+            tail = "; the recipes listed fit" if search.fits else ", nor does any recipe searched"
         print(f"k3train plan: nothing fits on {devices} x {hw.name} (exit 2){tail}", file=sys.stderr)
         return 2
     return 0

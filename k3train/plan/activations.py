@@ -160,16 +160,20 @@ def layer_activations(
     return LayerActivations(saved, full, saved_copies, cached_copies)
 
 
-def root_activations(c, tokens: int, act: int) -> float:
+def root_activations(c, tokens: int, act: int, first: bool = True, last: bool = True) -> float:
     """What the model outside its layers keeps: the final mix and norm's inputs, the token ids, and the loss's
-    gradients (grad_hidden per token, the LM head's fp32 gradient per model)."""
+    gradients (grad_hidden per token, the LM head's fp32 gradient per model). A pipeline stage keeps the token ids
+    when it holds the embedding (first) and the rest when it holds the head and loss (last)."""
+    ids = tokens * I64 if first else 0
+    if not last:
+        return ids
     d = c.d_model
     if c.attn_res_block_size is None:
         per_token = d * F32
     else:
         per_token = 2 * d * F32 + 3 * output_sources(c) * F32
-    per_token += F32 + I64 + d * act
-    return tokens * per_token + c.vocab_size * d * act  # the LM head's gradient, in the matmul dtype
+    per_token += F32 + d * act
+    return ids + tokens * per_token + c.vocab_size * d * act  # the LM head's gradient, in the matmul dtype
 
 
 def _kind(c, layer: int) -> str:

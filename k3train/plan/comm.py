@@ -40,6 +40,11 @@ tokens that leave it.
   rope) in the activation dtype. With document masking the ids travel too (int64, no gradient), once a micro-batch:
   the forward's Documents gathers every rank's B x T_l ids for all the layers, a recompute reads them again
   (k3train/models/common/documents.py).
+- Pipeline parallelism (parallel.pp: each pp rank's stages planned over the stage's ranks, k3train/plan/pipeline.py):
+  the data-parallel kinds above over a stage's ranks and its parameters; under DDP the stage's gradients
+  all-reduced one at a time after the schedule (k3train/train/pipeline.Pipeline.reduce_gradients: not overlapped);
+  "PP activations send" and "PP gradients send", what the rank sends to the stages after and before it (payload
+  and wire alike, waited for).
 Not counted: scalars (the loss, the gradient norm, QK-Clip's per-head maxima, Muon's weight norms).
 """
 
@@ -106,13 +111,18 @@ def plan_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
         out.append(Collective("HSDP all-reduce", grads, ring(grads, R, 2), R, units, True))
     elif mesh.dp_replicate > 1:
         split = mesh.ep > 1  # DDP leaves the expert-parallel shards out of its all-reduce
-        grads = sum(shard_bytes(p, mesh) for p in spec.params if p.kind != "frozen" and not (split and p.routed))
-        out.append(Collective("DDP all-reduce", grads, ring(grads, mesh.dp_replicate, 2), mesh.dp_replicate, 1, True))
+        reduced = [p for p in spec.params if p.kind != "frozen" and not (split and p.routed)]
+        grads = sum(shard_bytes(p, mesh) for p in reduced)
+        R = mesh.dp_replicate
+        if spec.pp > 1:  # a pipeline's stages: a gradient at a time, after the schedule (Pipeline.reduce_gradients)
+            out.append(Collective("DDP all-reduce", grads, ring(grads, R, 2), R, len(reduced), False))
+        else:
+            out.append(Collective("DDP all-reduce", grads, ring(grads, R, 2), R, 1, True))
         experts = sum(shard_bytes(p, mesh) for p in spec.params if p.kind != "frozen" and split and p.routed)
         if experts and mesh.expert_replicas > 1:  # finish_gradients: over the ranks holding the same experts
             G = mesh.expert_replicas
             out.append(Collective("expert gradient all-reduce", experts, ring(experts, G, 2), G, 1, False))
-    moe_layers = sum(1 for i in range(c.n_layers) if c.is_moe_layer(i))
+    moe_layers = sum(1 for i in spec.layer_ids if c.is_moe_layer(i))
     if mesh.ep > 1 and moe_layers:
         slots = spec.rank_tokens(mesh.cp) * c.experts_per_token
         forwards = 2 if spec.checkpointing != "none" else 1  # the recompute exchanges again
@@ -153,8 +163,8 @@ def context_parallel_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
     c, A, G, act = spec.model, spec.accumulation, mesh.cp, spec.act_bytes
     B, T = spec.batch_size, spec.seq_len // mesh.cp
     forwards = 2 if spec.checkpointing != "none" else 1  # checkpointing recomputes the mixers, exchanges included
-    kda = sum(1 for kind in c.layer_pattern if kind == "kda")
-    mla = len(c.layer_pattern) - kda
+    kda = spec.held_kinds().count("kda")
+    mla = len(spec.layer_ids) - kda
     H, K, n = c.kda_n_heads, c.kda_head_dim, c.kda_conv_size - 1
     kinds = [  # name, layers, a rank's share per call (the backward returns as much)
         ("CP KDA state", kda, H * K * 2 * K * F32 * B),
@@ -180,11 +190,12 @@ def _router_name(router: str) -> str:
     return "Quantile Balancing" if router == "quantile_balancing" else "MoE load"
 
 
-def seconds(coll: Collective, mesh: Mesh, hw) -> float:
+def seconds(coll: Collective, mesh: Mesh, hw, world: int | None = None) -> float:
     """Wire time of a collective on `hw`: inside a node at the link's one-way bandwidth, across nodes at the
     network's; an all-to-all splits its bytes between the two. Groups are laid out with ep innermost, then the
-    rest of dp_shard, then dp_replicate, so a group of G consecutive ranks stays in a node while G fits one."""
-    node = hw.node_size(mesh.world)
+    rest of dp_shard, then dp_replicate, then pp, so a group of G consecutive ranks stays in a node while G fits
+    one. world: the run's devices, when `mesh` is one pipeline stage's (a pipeline's peers are a stage apart)."""
+    node = hw.node_size(world or mesh.world)
     link, network = hw.link_one_way, hw.network_one_way
     if coll.ranks <= 1:
         return 0.0
@@ -207,4 +218,6 @@ def _span(coll: Collective, mesh: Mesh) -> int:
         return coll.ranks * mesh.ep
     if coll.kind.startswith("HSDP"):  # across the replica groups, dp_shard ranks apart
         return coll.ranks * mesh.dp_shard
+    if coll.kind.startswith("PP "):  # to the next or the previous stage's rank: a stage's ranks apart
+        return mesh.world + 1
     return coll.ranks

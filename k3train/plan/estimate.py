@@ -28,6 +28,12 @@ tokens), Quantile Balancing's gathers (its bias decides the routing), and the op
 (after the backward, before the next forward) add in full. Elementwise work and kernel launch overheads are in the
 MFU; latency per collective is not modelled.
 
+Pipeline parallelism (parallel.pp > 1, k3train/plan/pipeline.py): each pp rank is planned as above as a run of its
+own stages over a stage's ranks (its FLOPs are its layers', the head's on the last); the step is the slowest rank's
+compute (recompute and QK-Clip included) stretched by the schedule's bubble, w / (1 - bubble), plus the most any
+rank spends on Newton-Schulz and exposed communication (its sends included); the memory is the rank with the
+largest peak. The proposal keeps the configured pp and tries its meshes over world / pp ranks a stage.
+
 The proposal: one process for one device; otherwise DDP with the smallest ep (1, 2, 4, ...) that fits, else FSDP
 over all devices with the smallest ep that fits (k3train/plan/mesh.py: candidates), saying so when a larger ep
 fits and steps faster; refused when none fits. "Fits": the peak of every phase under (1 - headroom) of the device's
@@ -36,13 +42,15 @@ memory (default 10% kept for the CUDA context, NCCL's buffers and the caching al
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 from k3train.plan.comm import Collective, plan_comm, seconds
 from k3train.plan.hardware import Hardware
 from k3train.plan.memory import Memory, plan_memory
 from k3train.plan.mesh import Mesh, candidates
 from k3train.plan.muon import muon_groups, muon_shares
+from k3train.plan.pipeline import PipelinePlan, plan_pipeline, rank_comm, rank_memory, stage_spec
 from k3train.plan.spec import RunSpec
 
 DAY = 86400.0
@@ -65,6 +73,9 @@ class Estimate:
     split_flops_per_token: float = 0.0  # training FLOPs per token the cp split adds on the last rank of a group
     qk_clip_s: float = 0.0  # QK-Clip's max-logit matmuls, fp32
     qk_clip_flops: float = 0.0  # theirs in a step on one rank
+    pipeline: PipelinePlan | None = None  # parallel.pp > 1: the stages, micro-batches and schedule
+    bubble_s: float = 0.0  # the pipeline's idle time in the step (the slowest rank's work x bubble / (1 - bubble))
+    stage_ranks: list[RankEstimate] = field(default_factory=list)  # each pp rank's own plan (pipeline)
 
     @property
     def tokens_per_s(self) -> float:
@@ -91,18 +102,18 @@ def context_flops_per_token(spec: RunSpec, cp: int) -> float:
     kda = H * (2 * state(K, K, C, T_l) / T_l - state(K, K, C, T) / T)  # both passes, at T_l
     kda += H * K * K + (cp - 1) * H * K * K * K / T_l  # Q S_in; composing cp - 1 summaries [K, K] x [K, K] a row
     mla = (cp - 1) * c.kv_lora_rank * c.mla_n_heads * (c.qk_nope_head_dim + c.v_head_dim)  # keys before the slice
-    return 2.0 * sum(kda if kind == "kda" else mla for kind in c.layer_pattern)
+    return 2.0 * sum(kda if kind == "kda" else mla for kind in spec.held_kinds())
 
 
 def qk_clip_flops(spec: RunSpec, cp: int, device_type: str) -> float:
     """FLOPs of QK-Clip's max-logit matmuls in one step on the last rank of a cp group (module docstring)."""
     c = spec.model
-    if not spec.qk_clip or "mla" not in c.layer_pattern:
+    if not spec.qk_clip or "mla" not in spec.held_kinds():
         return 0.0
     side = spec.costs.max_logit_tile(c.mla_n_heads, "cpu" if device_type == "cpu" else "cuda")
     pairs = spec.costs.max_logit_pairs(spec.seq_len // cp, spec.seq_len, side)  # a row's, on the last rank
     per_row = 2.0 * c.mla_n_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim) * pairs
-    return list(c.layer_pattern).count("mla") * per_row * spec.batch_size * spec.accumulation
+    return spec.held_kinds().count("mla") * per_row * spec.batch_size * spec.accumulation
 
 
 def recompute_flops_per_token(spec: RunSpec, cp: int = 1) -> float:
@@ -118,7 +129,8 @@ def _recompute_flops(spec: RunSpec) -> float:
         return spec.flops_per_token["forward"]
     if spec.checkpointing == "selective":
         macs = 0.0
-        for i, mixer in enumerate(c.layer_pattern):
+        for i in spec.layer_ids:
+            mixer = c.layer_pattern[i]
             mixer_macs = spec.costs.kda_macs if mixer == "kda" else spec.costs.mla_macs
             macs += mixer_macs(c, spec.seq_len)
             if c.is_moe_layer(i):
@@ -140,8 +152,24 @@ def usable_bytes(hw: Hardware, mesh: Mesh, headroom: float = 0.1) -> float:
 def estimate(
     spec: RunSpec, mesh: Mesh, hw: Hardware, mfu: float = 0.4, headroom: float = 0.1, device_type: str = "cuda"
 ) -> Estimate:
+    if mesh.pp > 1:
+        return _pipelined(spec, mesh, hw, mfu, headroom, device_type)
+    return _one_rank(spec, mesh, plan_comm(spec, mesh), hw, mfu, headroom, device_type)
+
+
+def _one_rank(
+    spec: RunSpec,
+    mesh: Mesh,
+    comm: list[Collective],
+    hw: Hardware,
+    mfu: float,
+    headroom: float,
+    device_type: str,
+    world: int | None = None,
+) -> Estimate:
+    """The plan of one rank running `spec` on `mesh` with the collectives `comm` (world: the run's devices when
+    `mesh` is a pipeline stage's)."""
     memory = plan_memory(spec, mesh, device_type)
-    comm = plan_comm(spec, mesh)
     peak = hw.peak_flops(spec.precision) * mfu
     tokens_rank = spec.rank_tokens(mesh.cp) * spec.accumulation
     split = 3 * context_flops_per_token(spec, mesh.cp)  # training: forward and backward
@@ -153,7 +181,7 @@ def estimate(
         ns = sum(s.flops_per_rank for g in muon_groups(spec) for s in muon_shares(spec, mesh, g)) / ns_peak
     max_logit_flops = qk_clip_flops(spec, mesh.cp, device_type)
     max_logit_s = max_logit_flops / (hw.peak_flops("fp32") * mfu)
-    times = {coll.kind: seconds(coll, mesh, hw) for coll in comm}
+    times = {coll.kind: seconds(coll, mesh, hw, world) for coll in comm}
     overlapped = sum(times[coll.kind] for coll in comm if coll.overlapped)
     waited = sum(times[coll.kind] for coll in comm if not coll.overlapped)
     exposed = max(0.0, overlapped - compute - recompute - max_logit_s) + waited
@@ -162,6 +190,54 @@ def estimate(
     return Estimate(
         mesh, memory, comm, times, compute, recompute, ns, exposed, step, tokens_rank * mesh.world,
         memory.peak <= budget, budget, split, max_logit_s, max_logit_flops,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RankEstimate:
+    """One pp rank of a pipeline: its stages and layers, its peak, its work and its sends."""
+
+    rank: int
+    stages: list[int]
+    layers: tuple[int, ...]
+    peak: float
+    peak_phase: str
+    work_s: float  # compute, recompute and QK-Clip of its micro-batches
+    waits_s: float  # its Newton-Schulz and exposed communication, the sends included
+    sent: float  # p2p bytes an update
+    in_flight: int  # the most micro-batches whose activations it holds at once, on one of its stages
+
+
+def _pipelined(spec: RunSpec, mesh: Mesh, hw: Hardware, mfu: float, headroom: float, device_type: str) -> Estimate:
+    """parallel.pp > 1 (k3train/plan/pipeline.py): each pp rank planned as a run of its own stages over a stage's
+    ranks; the step is the slowest rank's work stretched by the bubble, then the most any rank spends on its
+    optimizer and exposed communication; the memory is the rank with the largest peak."""
+    plan = plan_pipeline(dataclasses.replace(spec, pp=mesh.pp))
+    budget = usable_bytes(hw, mesh, headroom)
+    per_rank, ranks = [], []
+    for r in range(mesh.pp):
+        staged = stage_spec(spec, plan, r)
+        comm = rank_comm(staged, plan, mesh.stage, r)
+        e = _one_rank(staged, mesh.stage, comm, hw, mfu, headroom, device_type, mesh.world)
+        e.memory, most = rank_memory(staged, plan, mesh.stage, r, e.memory, device_type)
+        sent = sum(c.payload for c in e.comm if c.kind.startswith("PP "))
+        work = e.compute_s + e.recompute_s + e.qk_clip_s
+        waits = e.newton_schulz_s + e.exposed_s
+        per_rank.append(e)
+        ranks.append(
+            RankEstimate(r, plan.stages(r), plan.layers(r), e.memory.peak, e.memory.peak_phase, work, waits, sent, most)
+        )
+    slowest = max(ranks, key=lambda x: x.work_s)
+    bubble_s = slowest.work_s * plan.bubble / (1 - plan.bubble)
+    waiting = max(ranks, key=lambda x: x.waits_s)
+    shown = per_rank[waiting.rank]  # its communication is the table's
+    largest = per_rank[max(ranks, key=lambda x: x.peak).rank]
+    timed = per_rank[slowest.rank]
+    return Estimate(
+        mesh, largest.memory, shown.comm, shown.comm_seconds, timed.compute_s, timed.recompute_s,
+        shown.newton_schulz_s, shown.exposed_s, slowest.work_s + bubble_s + waiting.waits_s, shown.tokens_per_step,
+        largest.memory.peak <= budget, budget, timed.split_flops_per_token, timed.qk_clip_s, timed.qk_clip_flops,
+        plan, bubble_s, ranks,
     )  # fmt: skip
 
 
@@ -176,7 +252,7 @@ def propose(
 ) -> tuple[Estimate | None, list[Estimate]]:
     """(the chosen estimate or None, every candidate in the order tried: the chosen is the first that fits); every
     candidate splits rows over `cp` ranks (1 unless asked: --cp or the config's parallel.cp)."""
-    meshes = [Mesh()] if devices == 1 else candidates(devices, spec.model.n_routed_experts, cp)
+    meshes = [Mesh()] if devices == 1 else candidates(devices, spec.model.n_routed_experts, cp, spec.pp)
     tried = [estimate(spec, mesh, hw, mfu, headroom, device_type) for mesh in meshes]
     return next((e for e in tried if e.fits), None), tried
 

@@ -23,6 +23,9 @@ A step's phases, each the stored bytes plus what is alive then:
 - optimizer step: the gradients and the update's temporaries (AdamW's in MuonAdamW: 3 x the largest parameter;
   Muon's: the momentum's Nesterov copy and Newton-Schulz's iterates of the largest matrix; over several ranks, the
   all-gathered updates of a whole group (DDP) or an owner's exchange buffers (FSDP2), k3train/plan/muon.py).
+A pipeline rank (parallel.pp, k3train/plan/pipeline.py) is its stages' plan (no DDP buckets: the pipeline reduces
+its gradients itself) plus what the schedule holds: the other micro-batches in flight (forward end and backward),
+torch's receive buffers (every phase) and autocast's cached weight casts through the backward (pipeline.rank_memory).
 The optimizer state exists through every phase, except on the first step (it is made in the first update), which
 is what `first_step_added` describes: the bytes one first step adds to a process that has built the model and the
 optimizer (benchmarks/bench_plan.py measures that).
@@ -52,6 +55,8 @@ class Memory:
     transients: dict[str, float]  # the largest of each kind
     phases: dict[str, float] = field(default_factory=dict)  # phase -> bytes per device
     first_step_added: float = 0.0
+    in_flight: float = 0.0  # a pipeline rank: the activations of the micro-batches in flight beyond one a stage
+    pipeline_buffers: float = 0.0  # a pipeline rank: torch's receive buffers, one a micro-batch and tensor
 
     @property
     def peak(self) -> float:
@@ -119,18 +124,12 @@ def plan_memory(spec: RunSpec, mesh: Mesh, device_type: str) -> Memory:
     grads = sum(grad_of.values())
     # DDP's buckets: every gradient but the expert-parallel shards', which DDP leaves out (k3train/train/parallel.py)
     ddp_buckets = 0.0
-    if mesh.world > 1 and not sharded:
+    if mesh.world > 1 and not sharded and spec.pp == 1:  # a pipeline reduces its stages' gradients without DDP
         ddp_buckets = sum(grad_of[p.name] for p in trainable if not (p.routed and mesh.ep > 1))
 
-    local_experts = c.n_routed_experts // mesh.ep
-    tokens, length, context = rank_slice(spec, mesh)
-    layers = [
-        layer_activations(
-            c, i, tokens, length, spec.checkpointing, act, device_type, local_experts, context, spec.documents
-        )
-        for i in range(c.n_layers)
-    ]
-    root = root_activations(c, tokens, act)
+    layers = planned_layers(spec, mesh, device_type)
+    tokens = rank_slice(spec, mesh)[0]
+    root = root_activations(c, tokens, act, spec.first, spec.last)
     activations = sum(la.saved for la in layers) + root
     copies = sum(la.copies_saved + la.copies_cached for la in layers)
     forward = forward_transients(spec, mesh, device_type)
@@ -156,6 +155,19 @@ def plan_memory(spec: RunSpec, mesh: Mesh, device_type: str) -> Memory:
     return memory
 
 
+def planned_layers(spec: RunSpec, mesh: Mesh, device_type: str) -> list[LayerActivations]:
+    """What each layer planned (spec.layer_ids) keeps for one micro-batch on one rank."""
+    tokens, length, context = rank_slice(spec, mesh)
+    local_experts = spec.model.n_routed_experts // mesh.ep
+    return [
+        layer_activations(
+            spec.model, i, tokens, length, spec.checkpointing, spec.act_bytes, device_type, local_experts, context,
+            spec.documents,
+        )
+        for i in spec.layer_ids
+    ]  # fmt: skip
+
+
 def rank_slice(spec: RunSpec, mesh: Mesh) -> tuple[int, int, ContextSlice | None]:
     """(tokens of a micro-batch on one rank, positions of each row it holds, its slice of the rows or None): under
     cp the last rank of a group, whose MLA keys are the whole row (the most any rank keeps)."""
@@ -169,14 +181,17 @@ def forward_transients(spec: RunSpec, mesh: Mesh, device_type: str) -> dict[str,
     c, act = spec.model, spec.act_bytes
     N, length, context = rank_slice(spec, mesh)
     V, d = c.vocab_size, c.d_model
-    rows = min(default_chunk_size(V, "cpu" if device_type == "cpu" else "cuda"), N)
-    loss = rows * V * F32
-    if act < F32:  # fp32 accumulator, the weight's cast, a chunk's product; the logits chunk's cast
-        loss += V * d * (F32 + 2 * act) + rows * V * act
-    out = {"LM head logits chunk (loss)": loss}
+    out = {}
+    if spec.last:  # the loss's stage
+        rows = min(default_chunk_size(V, "cpu" if device_type == "cpu" else "cuda"), N)
+        loss = rows * V * F32
+        if act < F32:  # fp32 accumulator, the weight's cast, a chunk's product; the logits chunk's cast
+            loss += V * d * (F32 + 2 * act) + rows * V * act
+        out["LM head logits chunk (loss)"] = loss
     if mesh.dp_shard > 1:
         out["FSDP gathered root + two blocks"] = fsdp_gathered(spec, mesh)
-    if spec.qk_clip and "mla" in c.layer_pattern:  # one tile of causal_max_logit (k3train/models/k3/mla.py)
+    kinds = spec.held_kinds()
+    if spec.qk_clip and "mla" in kinds:  # one tile of causal_max_logit (k3train/models/k3/mla.py)
         h, q = c.mla_n_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
         side = spec.costs.max_logit_tile(h, "cpu" if device_type == "cpu" else "cuda")
         rows, keys = min(side, length), min(side, spec.seq_len)  # under cp the keys reach past a rank's queries
@@ -185,11 +200,11 @@ def forward_transients(spec: RunSpec, mesh: Mesh, device_type: str) -> dict[str,
         masks = rows * rows + (3 * rows * keys if spec.documents else rows * rows)
         casts = h * (rows + keys) * q * F32 if act < F32 else 0  # the tile's queries and keys in fp32
         out["QK-Clip max-logit tile [heads, tile, tile]"] = h * rows * keys * F32 + masks + casts
-    if context is not None and "mla" in c.layer_pattern:  # the gathered latent and the bool mask of a layer
+    if context is not None and "mla" in kinds:  # the gathered latent and the bool mask of a layer
         latent = spec.batch_size * spec.seq_len * (c.kv_lora_rank + c.qk_rope_head_dim) * act
         mask = (spec.batch_size if spec.documents else 1) * length * spec.seq_len  # bool
         out["CP MLA gathered latent + mask"] = latent + mask
-    moe = any(c.is_moe_layer(i) for i in range(c.n_layers))
+    moe = any(c.is_moe_layer(i) for i in spec.layer_ids)
     if moe and c.router == "quantile_balancing":
         n = c.n_routed_experts
         m = spec.costs.quantile_rank(N * mesh.world, c.experts_per_token, n)
@@ -233,23 +248,28 @@ def backward_peak(
         root_grads = [p for p in spec.params if p.unit == "root" and p.name in grad_of]
         grads_by_unit["root"] = sum(local_bytes(p, mesh) for p in root_grads)
     loss_backward = 0.0
-    if device != "cpu" or spec.accumulation > 1:  # the loss's gradients scaled by 1 / accumulation: copies
+    if spec.last and (
+        device != "cpu" or spec.accumulation > 1
+    ):  # the loss's gradients scaled by 1 / accumulation: copies
         loss_backward = c.vocab_size * c.d_model * act + rank_slice(spec, mesh)[0] * c.d_model * act
     below = sum(la.saved + la.copies_saved for la in layers)
-    done = grads_by_unit.get("root", 0.0)  # the LM head's gradient, made by the loss in the forward
+    # the LM head's gradient, made by the loss in the forward; a pipeline's first stage makes the embedding's last
+    done = grads_by_unit.get("root", 0.0) if spec.last else 0.0
     peak = 0.0
     recomputes = spec.checkpointing != "none"
     local_experts = c.n_routed_experts // mesh.ep
-    for i in reversed(range(c.n_layers)):
-        la = layers[i]
+    last = spec.layer_ids[-1]
+    for i, la in reversed(list(zip(spec.layer_ids, layers))):
         below -= la.saved + la.copies_saved
         work = la.full  # the gradients of what it saved
         if recomputes:
             work += la.full - la.saved
             work += _recompute_copies(spec, i, act, device, local_experts)
-        held = below + la.saved + la.copies_saved + work + done + fsdp + (loss_backward if i == c.n_layers - 1 else 0)
+        held = below + la.saved + la.copies_saved + work + done + fsdp + (loss_backward if i == last else 0)
         peak = max(peak, held)
         done += grads_by_unit.get(f"layers.{i}", 0.0)
+    if not spec.last:
+        peak = max(peak, done + grads_by_unit.get("root", 0.0) + fsdp)
     if getattr(c, "tie_embeddings", False):  # the embedding's own gradient before it joins the LM head's
         peak = max(peak, done + c.vocab_size * c.d_model * F32 + fsdp)
     return peak

@@ -9,6 +9,9 @@ mesh the planner accepts is one a run accepts.
     cp | world                               groups of cp consecutive ranks split the same rows (parallel.cp): each
                                              holds seq_len / cp positions of them, so world / cp ranks read different
                                              rows (global batch: batch x world / cp rows)
+    pp | world                               pp pipeline stages (parallel.pp), outermost: world / pp ranks hold
+                                             each stage and are its dp_replicate x dp_shard (--mesh R x S x E x C
+                                             x P; k3train/plan/pipeline.py plans a rank as a run of its stages)
 Everything else (attention, the router, shared experts, dense FFN, embeddings) is data-parallel over every rank:
 replicated (DDP, dp_shard = 1) or FSDP-sharded over dp_shard and replicated over dp_replicate (FSDP2, HSDP).
 The routed experts: under DDP (k3train's parallel=ddp with parallel.ep, k3train/runtime/parallel_dims.py) each
@@ -31,34 +34,54 @@ class Mesh(ParallelLayout):
     text form: --mesh parses one, a plan prints one."""
 
     @classmethod
-    def parse(cls, text: str, cp: int = 1) -> Mesh:
-        """'R x S x E x C' (or 'RxSxE', cp `cp`; 'RxS', ep 1 too), e.g. '1x1024x64' or '1x1024x64x8'."""
+    def parse(cls, text: str, cp: int = 1, pp: int = 1) -> Mesh:
+        """'R x S x E x C x P' (or 'RxSxExC', pp `pp`; 'RxSxE', cp `cp` too; 'RxS', ep 1 too), e.g. '1x1024x64',
+        '1x1024x64x8' or '1x128x64x1x8' (8 pipeline stages, each over 1 x 128 ranks)."""
         parts = text.lower().replace(" ", "").split("x")
         try:
             values = [int(p) for p in parts]
         except ValueError:
             values = []
-        if len(values) not in (2, 3, 4):
-            raise ValueError(f"--mesh {text!r}: write dp_replicate x dp_shard x ep [x cp], e.g. 1x1024x64, 1x1024x64x8")
+        if len(values) not in (2, 3, 4, 5):
+            raise ValueError(
+                f"--mesh {text!r}: write dp_replicate x dp_shard x ep [x cp [x pp]], e.g. 1x1024x64, 1x1024x64x8, "
+                "1x128x64x1x8"
+            )
         if len(values) == 2:
             values.append(1)
-        return cls(*values) if len(values) == 4 else cls(*values, cp=cp)
+        if len(values) == 3:
+            values.append(cp)
+        if len(values) == 4:
+            values.append(pp)
+        mesh = cls(*values)
+        if mesh.stage_world % mesh.ep:
+            raise ValueError(f"--mesh {text!r}: ep={mesh.ep} must divide a stage's {mesh.stage_world} ranks")
+        return mesh
+
+    @property
+    def stage(self) -> Mesh:
+        """The ranks of one pipeline stage (the whole mesh without pp)."""
+        return Mesh(self.dp_replicate, self.dp_shard, self.ep, self.cp)
 
     def describe(self) -> str:
         cp = f", cp {self.cp}" if self.cp > 1 else ""
-        return f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} (ep {self.ep}{cp})"
+        dp = f"dp_replicate {self.dp_replicate} x dp_shard {self.dp_shard} (ep {self.ep}{cp})"
+        return f"pp {self.pp} stages, each {dp}" if self.pp > 1 else dp
 
     def __str__(self) -> str:
-        cp = f"x{self.cp}" if self.cp > 1 else ""
-        return f"{self.dp_replicate}x{self.dp_shard}x{self.ep}{cp}"
+        cp = f"x{self.cp}" if self.cp > 1 or self.pp > 1 else ""
+        pp = f"x{self.pp}" if self.pp > 1 else ""
+        return f"{self.dp_replicate}x{self.dp_shard}x{self.ep}{cp}{pp}"
 
 
-def candidates(devices: int, n_experts: int, cp: int = 1) -> list[Mesh]:
+def candidates(devices: int, n_experts: int, cp: int = 1, pp: int = 1) -> list[Mesh]:
     """The meshes a proposal tries, in order, taking the first that fits: DDP (replicated, ep 1), DDP with ep = 2,
     4, ... (parallel=ddp parallel.ep), then FSDP over every device with ep = 1, 2, 4, ...: powers of
-    two dividing the devices and the experts; every one with the cp asked for (1 unless the user asks)."""
-    eps = [ep for ep in _powers_of_two(devices) if devices % ep == 0 and n_experts % ep == 0]
-    return [Mesh(devices, 1, ep, cp) for ep in eps] + [Mesh(1, devices, ep, cp) for ep in eps]
+    two dividing the devices and the experts; every one with the cp asked for (1 unless the user asks) and the pp
+    configured (the devices / pp of a stage are what DDP or FSDP spans)."""
+    n = devices // pp
+    eps = [ep for ep in _powers_of_two(n) if n % ep == 0 and n_experts % ep == 0]
+    return [Mesh(n, 1, ep, cp, pp) for ep in eps] + [Mesh(1, n, ep, cp, pp) for ep in eps]
 
 
 def _powers_of_two(limit: int) -> list[int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 
 from k3train.plan.estimate import Estimate, why
@@ -56,15 +57,20 @@ def table(e: Estimate, spec: RunSpec, mfu: float, hw: Hardware) -> list[str]:
             f"(the last rank's MLA keys: all {T:,}); {e.mesh.dp_size} ranks read different rows: a global batch of "
             f"{spec.batch_size * e.mesh.dp_size * spec.accumulation:,} rows"
         )
-    lines += ["", "memory per device (GB)"]
+    lines += pipeline_lines(e, spec)
+    lines += ["", "memory per device (GB)" + (" on the pp rank with the largest peak" if e.pipeline else "")]
     rows = [("parameters (fp32, as stored)", m.params), ("gradients (fp32)", m.grads)]
     rows += [(f"{name} (fp32)", value) for name, value in m.optimizer.items()]
     if m.ddp_buckets:
         rows.append(("DDP gradient buckets", m.ddp_buckets))
+    if m.pipeline_buffers:
+        rows.append(("pipeline receive buffers (a micro-batch each)", m.pipeline_buffers))
     rows += [
         ("activations (one micro-batch)", m.activations),
         ("weight copies held (autocast, fused)", m.weight_copies),
     ]
+    if e.pipeline:
+        rows.insert(-1, ("activations of the other micro-batches in flight", m.in_flight))
     lines += [f"  {name:<52} {_gb(value):>12}" for name, value in rows]
     lines.append("  transients (the largest of each kind):")
     lines += [f"    {name:<50} {_gb(value):>12}" for name, value in m.transients.items() if value]
@@ -73,6 +79,8 @@ def table(e: Estimate, spec: RunSpec, mfu: float, hw: Hardware) -> list[str]:
     verdict = "fits" if e.fits else "DOES NOT FIT"
     lines.append(f"  peak {_gb(m.peak)} GB ({m.peak_phase}) of {_gb(e.budget)} GB usable: {verdict}")
     lines += ["", f"{'communication per step per device':<54}payload GB    wire GB    seconds  overlaps compute"]
+    if e.pipeline:
+        lines.append("  (of the pp rank that waits longest for its optimizer and communication)")
     for coll in e.comm:
         lines.append(
             f"  {coll.kind:<50} {_gb(coll.payload):>12} {_gb(coll.wire):>10} {e.comm_seconds[coll.kind]:>10.3f}  "
@@ -88,18 +96,51 @@ def table(e: Estimate, spec: RunSpec, mfu: float, hw: Hardware) -> list[str]:
         + (f" + {e.split_flops_per_token:.3e} for the cp split" if e.split_flops_per_token else "")
         + f" x {e.tokens_per_step // e.mesh.world:,} tokens)",
     ]
+    if e.pipeline:
+        lines[-1] = f"  compute      {e.compute_s:10.3f} s  (the slowest pp rank's stages, every micro-batch)"
     if e.recompute_s:
         lines.append(f"  recompute    {e.recompute_s:10.3f} s  (checkpointing {spec.checkpointing})")
     if e.newton_schulz_s:
         lines.append(f"  Newton-Schulz{e.newton_schulz_s:10.3f} s  (this rank's share)")
     if e.qk_clip_s:
         lines.append(f"  QK-Clip      {e.qk_clip_s:10.3f} s  (max logit: {e.qk_clip_flops:.3e} FLOPs in fp32)")
+    if e.pipeline:
+        p = e.pipeline
+        lines.append(
+            f"  bubble       {e.bubble_s:10.3f} s  ({p.bubble:.3f} of the pipelined work idle: {p.settings.schedule}, "
+            f"pp {p.pp}, {p.microbatches} micro-batches)"
+        )
     lines += [
         f"  exposed comm {e.exposed_s:10.3f} s",
         f"  step         {e.step_s:10.3f} s",
         f"throughput: {e.tokens_per_s:,.0f} tokens/s ({e.tokens_per_s / e.mesh.world:,.1f} per device), "
         f"{e.tokens_per_day:.3e} tokens/day; model {e.model_flops_per_s(spec) / 1e12:,.1f} TFLOP/s per device",
     ]
+    return lines
+
+
+def pipeline_lines(e: Estimate, spec: RunSpec) -> list[str]:
+    """The stages, the micro-batches and the bubble, and each pp rank's plan (k3train/plan/pipeline.py)."""
+    p = e.pipeline
+    if p is None:
+        return []
+    s = p.settings
+    cuts = ", ".join(f"{a}-{b - 1}" for a, b in p.bounds)
+    lines = [
+        f"  pipeline: {s.n_stages} stages of layers {cuts} (the embedding with the first, the head and loss with the "
+        f"last), {s.schedule}" + (f", {s.virtual_stages} stages a rank" if s.virtual_stages > 1 else ""),
+        f"  each update: {p.microbatches} micro-batches of {p.rows} row(s) a data-parallel rank; bubble "
+        f"{p.bubble:.3f} (the schedule's idle share of an update)",
+        f"  {'pp rank':<8} {'stages':<8} {'layers':<9} {'peak GB (phase)':<24} {'work s':>8} {'waits s':>8} "
+        f"{'p2p sent GB':>12} {'in flight':>10}",
+    ]
+    for x in e.stage_ranks:
+        layers = f"{x.layers[0]}-{x.layers[-1]}"
+        stages = ",".join(map(str, x.stages))
+        lines.append(
+            f"  {x.rank:<8} {stages:<8} {layers:<9} {f'{_gb(x.peak)} ({x.peak_phase})':<24} {x.work_s:8.3f} "
+            f"{x.waits_s:8.3f} {_gb(x.sent):>12} {x.in_flight:>10}"
+        )
     return lines
 
 
@@ -128,10 +169,12 @@ def as_json(spec: RunSpec, hw: Hardware, chosen: Estimate | None, tried: list[Es
     def one(e: Estimate) -> dict:
         m = e.memory
         return {
-            "mesh": {name: getattr(e.mesh, name) for name in ("dp_replicate", "dp_shard", "ep", "cp")},
+            "mesh": {name: getattr(e.mesh, name) for name in ("dp_replicate", "dp_shard", "ep", "cp", "pp")},
             "fits": e.fits,
             "usable_bytes": e.budget,
             "memory_bytes": {
+                "pipeline_buffers": m.pipeline_buffers,
+                "in_flight": m.in_flight,
                 "parameters": m.params,
                 "gradients": m.grads,
                 "optimizer": m.optimizer,
@@ -164,6 +207,18 @@ def as_json(spec: RunSpec, hw: Hardware, chosen: Estimate | None, tried: list[Es
                 "step": e.step_s,
             },  # fmt: skip
             "split_flops_per_token": e.split_flops_per_token,
+            "pipeline": None
+            if e.pipeline is None
+            else {
+                "schedule": e.pipeline.settings.schedule,
+                "virtual_stages": e.pipeline.settings.virtual_stages,
+                "microbatches": e.pipeline.microbatches,
+                "microbatch_rows": e.pipeline.rows,
+                "stage_layers": [list(b) for b in e.pipeline.bounds],
+                "bubble": e.pipeline.bubble,
+                "bubble_s": e.bubble_s,
+                "ranks": [dataclasses.asdict(x) for x in e.stage_ranks],
+            },
             "tokens_per_step": e.tokens_per_step,
             "tokens_per_s": e.tokens_per_s,
             "tokens_per_day": e.tokens_per_day,

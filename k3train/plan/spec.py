@@ -58,6 +58,14 @@ class RunSpec:
     flops_per_token: dict  # the model's flops_per_token at seq_len
     costs: ModelCosts  # the model's plan_costs(): what the shapes alone do not give
     documents: bool = False  # data.document_masking: packed documents masked from each other
+    pp_schedule: str = "1f1b"  # parallel.pp_schedule, pp_virtual_stages, pp_microbatches (k3train/plan/pipeline.py)
+    pp_virtual_stages: int = 1
+    pp_microbatches: int | None = None  # None: the accumulation
+    # A pipeline rank's part of the model (k3train/plan/pipeline.stage_spec): the layers it holds, the embedding
+    # (first) and the final norm, head and loss (last); the whole model by default
+    layers: tuple[int, ...] | None = None
+    first: bool = True
+    last: bool = True
 
     @property
     def act_bytes(self) -> int:
@@ -74,8 +82,17 @@ class RunSpec:
         return self.batch_size * self.seq_len // cp
 
     @property
+    def layer_ids(self) -> tuple[int, ...]:
+        """The layers planned: every one, or a pipeline rank's."""
+        return tuple(range(self.model.n_layers)) if self.layers is None else self.layers
+
+    def held_kinds(self) -> list[str]:
+        """The mixer kind ("kda" or "mla") of each layer planned."""
+        return [self.model.layer_pattern[i] for i in self.layer_ids]
+
+    @property
     def units(self) -> list[str]:
-        return ["root", *(f"layers.{i}" for i in range(self.model.n_layers))]
+        return ["root", *(f"layers.{i}" for i in self.layer_ids)]
 
 
 def check_split(seq_len: int, cp: int) -> None:
@@ -118,6 +135,9 @@ def build_spec(cfg: DictConfig, device_type: str, vocab_size: int | None = None)
         cp=int(cfg.parallel.get("cp", 1) or 1),
         dp_replicate=int(cfg.parallel.get("dp_replicate", 1) or 1),
         pp=int(cfg.parallel.get("pp", 1) or 1),
+        pp_schedule=str(cfg.parallel.get("pp_schedule", "1f1b")),
+        pp_virtual_stages=int(cfg.parallel.get("pp_virtual_stages", 1) or 1),
+        pp_microbatches=cfg.parallel.get("pp_microbatches"),
         reshard_after_forward=bool(cfg.parallel.get("reshard_after_forward", True)),
         batch_size=train.batch_size,
         seq_len=train.seq_len,

@@ -1,0 +1,307 @@
+"""`python -m k3train.plan` with parallel.pp (k3train/plan/pipeline.py): the bubble by schedule, each rank's stages,
+and the bytes a pipelined update hands to torch.distributed, against real gloo ranks.
+
+- the bubble: the closed forms for gpipe, 1f1b and interleaved_1f1b equal what the schedules' own orders leave
+  idle; the zero-bubble schedules leave less; micro-batches in flight by stage;
+- 2 gloo ranks with pp = 2 (each stage alone: gpipe, 1f1b with block checkpointing, interleaved_1f1b,
+  zbv_zero_bubble) and 4 with pp = 2 x DDP 2 (1f1b in bf16): every p2p send and receive, DDP's all-reduce of the
+  stage's gradients, Muon's gathers over the stage's ranks and Quantile Balancing's exchanges are the plan's to the
+  byte on every rank, and so are torch's receive buffers, the stage's parameters and its optimizer state;
+- the CLI: a pipelined plan, and the pipelines a run refuses refused in one line, exit 2.
+"""
+
+from __future__ import annotations
+
+import collections
+from contextlib import nullcontext
+
+import pytest
+import torch
+import torch.distributed as dist
+from hydra.utils import instantiate
+from test_plan import SMALL, TINY, count_collectives, planned, spec_of
+
+from k3train.plan.__main__ import main
+from k3train.plan.estimate import estimate
+from k3train.plan.hardware import lookup
+from k3train.plan.memory import plan_memory
+from k3train.plan.mesh import Mesh
+from k3train.plan.pipeline import (
+    blocks_before,
+    head_forward_flops,
+    layer_forward_flops,
+    p2p,
+    plan_pipeline,
+    rank_comm,
+    receive_buffers,
+    simulate,
+    stage_spec,
+)
+from k3train.train.pipeline import PipelineSettings
+
+from helpers.config import composed
+from helpers.spawn import spawn_ranks
+
+# k3_tiny shrunk (test_plan's SMALL: d 64, 32 positions), 4 rows an update a data-parallel rank, 1 a micro-batch
+PP_SMALL = [*SMALL, "train.gradient_accumulation_steps=4"]
+TWO_RANKS = {  # name -> overrides: each stage alone on its rank
+    "gpipe": ["parallel.pp=2", "parallel.pp_schedule=gpipe"],
+    "1f1b, block": ["parallel.pp=2", "train.activation_checkpointing=block"],
+    "interleaved_1f1b": ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"],
+    "zbv_zero_bubble": ["parallel.pp=2", "parallel.pp_schedule=zbv_zero_bubble", "parallel.pp_virtual_stages=2"],
+}
+FOUR_RANKS = {"1f1b, bf16, DDP 2": ["parallel.pp=2", "precision=bf16"]}
+
+
+# ---- the schedule -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("pp, m", [(2, 2), (2, 8), (4, 4), (4, 12), (8, 16)])
+def test_the_bubble_is_the_schedules_idle_share(pp: int, m: int) -> None:
+    """What each schedule's order leaves idle with equal stages (F 1, B 2): the textbook fractions for gpipe, 1f1b
+    and interleaved_1f1b (v stages a rank: (p - 1) / (v m + p - 1) when p divides m); the zero-bubble schedules,
+    their backward split into I and W, less than interleaved_1f1b's."""
+    one = (pp - 1) / (m + pp - 1)
+    assert simulate(PipelineSettings(pp, "gpipe"), m).bubble == pytest.approx(one)
+    assert simulate(PipelineSettings(pp, "1f1b"), m).bubble == pytest.approx(one)
+    for v in (2, 3):
+        interleaved = simulate(PipelineSettings(pp, "interleaved_1f1b", v), m).bubble
+        if m % pp == 0:
+            assert interleaved == pytest.approx((pp - 1) / (v * m + pp - 1))
+    zero = [simulate(PipelineSettings(pp, s, 2), m).bubble for s in ("interleaved_zero_bubble", "zbv_zero_bubble")]
+    assert all(0 < z < (pp - 1) / (2 * m + pp - 1) for z in zero)
+
+
+def test_micro_batches_in_flight_by_schedule() -> None:
+    """gpipe holds every micro-batch's activations; 1f1b at most min(m, p - i) on stage i; recompute (block
+    checkpointing) makes the backward longer, not the bubble's share smaller."""
+    m = 8
+    gpipe, one_f = simulate(PipelineSettings(4, "gpipe"), m), simulate(PipelineSettings(4, "1f1b"), m)
+    assert [gpipe.most_in_flight(r, r) for r in range(4)] == [m] * 4
+    assert [one_f.most_in_flight(r, r) for r in range(4)] == [4, 3, 2, 1]
+    assert simulate(PipelineSettings(4, "1f1b"), m, recompute=1.0).bubble == pytest.approx(3 / 11)
+
+
+def test_the_stages_layer_flops_sum_to_the_models() -> None:
+    spec = spec_of(*TINY)
+    total = sum(layer_forward_flops(spec, i) for i in range(spec.model.n_layers)) + head_forward_flops(spec)
+    assert total == pytest.approx(spec.flops_per_token["forward"], rel=1e-12)
+
+
+def test_what_crosses_a_cut_by_hand() -> None:
+    """k3_tiny (attention residuals in blocks of 2) at pp 2: the cut before layer 2 carries h and 1 block sum
+    (the embedding's), fp32 whatever the precision, each [rows, seq_len, d]; m micro-batches forward, as many
+    gradients back; torch keeps a receive buffer for each."""
+    spec = spec_of(*TINY, "precision=bf16", "parallel.pp=2", "train.seq_len=64", "train.batch_size=2",
+                   "train.gradient_accumulation_steps=4")  # fmt: skip
+    plan = plan_pipeline(spec)
+    assert (plan.microbatches, plan.rows, plan.bounds) == (4, 2, ((0, 2), (2, 4)))
+    assert blocks_before(spec, 2) == 1 and blocks_before(spec, 3) == 2
+    cut = 4 * 2 * 2 * 64 * spec.model.d_model * 4  # m x (h + 1 block) x rows x T x d x fp32
+    first, last = p2p(spec, plan, 0), p2p(spec, plan, 1)
+    assert (first.sent_forward, first.sent_backward, first.received_backward) == (cut, 0, cut)
+    assert (last.sent_forward, last.sent_backward, last.received_forward) == (0, cut, cut)
+    assert receive_buffers(spec, plan, 0) == receive_buffers(spec, plan, 1) == cut
+
+
+def test_a_stage_holds_its_layers_and_the_ends_their_root() -> None:
+    spec = spec_of(*TINY, "parallel.pp=2", "train.gradient_accumulation_steps=2")
+    plan = plan_pipeline(spec)
+    first, last = stage_spec(spec, plan, 0), stage_spec(spec, plan, 1)
+    names = {p.name for p in first.params} | {p.name for p in last.params}
+    assert names == {p.name for p in spec.params} and not {p.name for p in first.params} & {p.name for p in last.params}
+    assert any(p.name.startswith("embed_tokens") for p in first.params)
+    assert any(p.name.startswith("lm_head") for p in last.params)
+    assert (first.layer_ids, last.layer_ids, first.last, last.first) == ((0, 1), (2, 3), False, False)
+    whole = plan_memory(spec, Mesh(), "cpu").params
+    assert plan_memory(first, Mesh(), "cpu").params + plan_memory(last, Mesh(), "cpu").params == whole
+
+
+def test_k3_with_pp_on_1024_h200s_fits() -> None:
+    """K3 (93 layers) at pp 8 x FSDP 128 with ep 128, 8 micro-batches of one row (the global batch of the
+    no-pp plan on 1,024 H200s): every layer on one rank, 12 or 11 a stage, the step the slowest stage's work stretched
+    by 1f1b's bubble, 7 / 15; it fits (docs/plan.md's pipeline example)."""
+    recipe = ["precision=bf16", "train.batch_size=1", "train.seq_len=4096", "train.activation_checkpointing=block"]
+    spec = spec_of("model=k3", *recipe, "parallel=fsdp", "parallel.pp=8", "train.gradient_accumulation_steps=8",
+                   device="cuda")  # fmt: skip
+    e = estimate(spec, Mesh(1, 128, 128, 1, 8), lookup("h200"))
+    assert e.pipeline.bubble == pytest.approx(7 / 15) and len(e.stage_ranks) == 8
+    assert e.bubble_s == pytest.approx(max(r.work_s for r in e.stage_ranks) * 7 / 8)
+    assert [len(r.layers) for r in e.stage_ranks] == [12] * 5 + [11] * 3
+    assert e.tokens_per_step == 1024 * 4096 and e.fits
+
+
+# ---- the gloo runs -------------------------------------------------------------------------------------------------
+def _rank_main(rank: int, world: int, cases: dict) -> dict:
+    """Each case built as k3train/run/build.py builds a pipelined run (ParallelDims, the strategy's shard, the
+    Pipeline, the optimizer over the stages with the stage's data-parallel group) and stepped as Trainer's
+    _pipelined_loss and _update step it, twice; the second update's bytes per kind."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from k3train.runtime.parallel_dims import ParallelDims
+    from k3train.train import pipeline as pipeline_module
+    from k3train.train.pipeline import Pipeline
+
+    targets: dict = {}
+    counts, _ = count_collectives(targets)
+    isend, irecv = dist.isend, dist.irecv
+
+    def counting_isend(tensor, *args, **kwargs):
+        counts["PP send"] += tensor.nbytes
+        return isend(tensor, *args, **kwargs)
+
+    def counting_irecv(tensor, *args, **kwargs):
+        counts["PP receive"] += tensor.nbytes
+        return irecv(tensor, *args, **kwargs)
+
+    class CountingDist:  # the pipeline's module-level `dist`: its all-reduce of the stages' gradients counted
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        @staticmethod
+        def all_reduce(tensor, group=None, **kwargs):
+            counts["DDP all-reduce"] += tensor.nbytes
+            return dist.all_reduce(tensor, group=group, **kwargs)
+
+    for owner in (dist, c10d):  # P2POp checks its op against c10d's own isend and irecv
+        targets[(owner, "isend")], targets[(owner, "irecv")] = counting_isend, counting_irecv
+    targets[(pipeline_module, "dist")] = CountingDist()
+    originals = {key: getattr(*key) for key in targets}
+    for (owner, name), wrapper in targets.items():
+        setattr(owner, name, wrapper)
+    out = {}
+    try:
+        for name, overrides in cases.items():
+            cfg = composed(*PP_SMALL, *overrides)
+            parallel = instantiate(cfg.parallel)
+            dims = ParallelDims.for_strategy(parallel.name, world, rank, "cpu", pp=parallel.pipeline.pp)
+            torch.manual_seed(0)
+            model = instantiate(cfg.model).train()
+            model.set_activation_checkpointing(cfg.train.activation_checkpointing)
+            model = parallel.shard(model, torch.device("cpu"), dims)
+            rows, T = cfg.train.batch_size * cfg.train.gradient_accumulation_steps, cfg.train.seq_len
+            n = parallel.pipeline.n_microbatches(rows, cfg.train.gradient_accumulation_steps)
+            pipe = Pipeline(
+                model, parallel.pipeline, dims.pp_rank, dims.pp_group, torch.device("cpu"), n, (rows // n, T)
+            )
+            optimizer = instantiate(cfg.optim)(torch.nn.ModuleList(pipe.modules), process_group=dims.dp_group)
+            autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.precision.dtype == "bf16" else nullcontext()
+            g = torch.Generator().manual_seed(dims.dp_rank)
+            for _ in range(2):  # the first update also votes on the stages' metadata (a few int32): not counted
+                counts.clear()
+                tokens = torch.randint(0, 257, (rows, T + 1), generator=g)
+                with autocast:
+                    pipe.step(tokens[:, :-1], tokens[:, 1:])
+                pipe.reduce_gradients(dims.dp_group)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            buffers = sum(
+                info.buffer.nbytes
+                for stage in pipe.stages
+                for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+                for info in infos
+                if info.buffer is not None
+            )
+            state = sum(v.nbytes for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim)
+            params = sum(p.nbytes for p in pipe.parameters())
+            out[name] = {"comm": dict(counts), "buffers": buffers, "params": params, "state": state}
+    finally:
+        for (owner, name), original in originals.items():
+            setattr(owner, name, original)
+    return out
+
+
+def _two_ranks(rank: int, world: int) -> dict:
+    return _rank_main(rank, world, TWO_RANKS)
+
+
+def _four_ranks(rank: int, world: int) -> dict:
+    return _rank_main(rank, world, FOUR_RANKS)
+
+
+@pytest.fixture(scope="module")
+def two_rank_counts(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return spawn_ranks(_two_ranks, tmp_path_factory.mktemp("plan-pp-2-ranks"))
+
+
+@pytest.fixture(scope="module")
+def four_rank_counts(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return spawn_ranks(_four_ranks, tmp_path_factory.mktemp("plan-pp-4-ranks"), nprocs=4)
+
+
+def _want(overrides: list[str], mesh: Mesh, rank: int) -> dict:
+    """The plan of pp rank `rank` (the rank's place in its pipeline) in the measured kinds: its collectives, its
+    sends and receives, torch's buffers, its parameters and optimizer state."""
+    spec = spec_of(*PP_SMALL, *overrides)
+    plan = plan_pipeline(spec)
+    staged = stage_spec(spec, plan, rank)
+    comm = collections.defaultdict(float, planned(staged, mesh.stage, rank_comm(staged, plan, mesh.stage, rank)))
+    x = p2p(staged, plan, rank)
+    assert comm.pop("PP activations send", 0.0) + comm.pop("PP gradients send", 0.0) == x.sent_forward + x.sent_backward
+    comm["PP send"] = x.sent_forward + x.sent_backward
+    comm["PP receive"] = x.received_forward + x.received_backward
+    memory = plan_memory(staged, mesh.stage, "cpu")
+    return {
+        "comm": {k: v for k, v in comm.items() if v},
+        "buffers": receive_buffers(staged, plan, rank),
+        "params": memory.params,
+        "state": sum(memory.optimizer.values()),
+    }
+
+
+def _compare(got: dict, want: dict, where: str) -> None:
+    assert got["comm"] == pytest.approx(want["comm"], rel=1e-12), where
+    assert (got["buffers"], got["params"], got["state"]) == (want["buffers"], want["params"], want["state"]), where
+
+
+@pytest.mark.slow  # spawned gloo ranks, as every multi-rank test: ~13 s on 2 cores for the four cases
+@pytest.mark.parametrize("case", list(TWO_RANKS))
+def test_pipeline_bytes_equal_two_gloo_ranks(two_rank_counts: list[dict], case: str) -> None:
+    """pp = 2, each stage alone on its rank (no data-parallel traffic): every send and receive of the schedule's
+    second update (h and the block sums forward, their gradients back, fp32), torch's receive buffers, the stage's
+    parameters and its Muon and AdamW state are the plan's on both ranks, byte for byte."""
+    for rank, counts in enumerate(two_rank_counts):
+        want = _want(TWO_RANKS[case], Mesh(1, 1, 1, 1, 2), rank)
+        assert set(want["comm"]) == {"PP send", "PP receive"}
+        _compare(counts[case], want, f"rank {rank}")
+
+
+@pytest.mark.slow  # 4 spawned gloo ranks: ~13 s on 2 cores
+@pytest.mark.parametrize("case", list(FOUR_RANKS))
+def test_pipeline_bytes_equal_four_gloo_ranks(four_rank_counts: list[dict], case: str) -> None:
+    """pp = 2 x DDP 2 (ranks 0, 1 hold stage 0; 2, 3 stage 1), bf16 autocast: besides the sends, the all-reduce of
+    the stage's gradients over its 2 ranks, Muon's gathers of the stage's orthogonalised updates and Quantile
+    Balancing's exchanges over the stage's ranks, for the stage's MoE layers: byte for byte on every rank."""
+    mesh = Mesh(2, 1, 1, 1, 2)
+    for rank, counts in enumerate(four_rank_counts):
+        want = _want(FOUR_RANKS[case], mesh, rank // mesh.stage_world)
+        assert {"DDP all-reduce", "Newton-Schulz update", "balancing", "PP send"} <= set(want["comm"])
+        _compare(counts[case], want, f"rank {rank}")
+
+
+# ---- the CLI ------------------------------------------------------------------------------------------------------
+def test_the_cli_plans_a_pipeline(capsys: pytest.CaptureFixture) -> None:
+    recipe = [*TINY, "parallel.pp=2", "train.gradient_accumulation_steps=4", "--gpus", "4", "--gpu", "h100"]
+    assert main(recipe) == 0
+    out = capsys.readouterr().out
+    assert "mesh 2x1x1x1x2 = pp 2 stages, each dp_replicate 2 x dp_shard 1 (ep 1), 4 device(s)" in out
+    assert "pipeline: 2 stages of layers 0-1, 2-3" in out and "bubble 0.200" in out
+    assert "PP gradients send" in out and "pipeline receive buffers" in out and "run it with" not in out
+    assert main([*recipe[:-4], "--gpus", "8", "--mesh", "1x4x2x1x2", "--gpu", "h100"]) == 0
+    assert "planned, not runnable today" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["parallel.pp=8", "--gpus", "8"], "8 pipeline stages (parallel.pp x pp_virtual_stages) for 4 layers"),
+        (["parallel.pp=2", "parallel.pp_schedule=2f2b", "--gpus", "2"], "is not a schedule"),
+        (["parallel.pp=2", "parallel.pp_microbatches=3", "--gpus", "2"], "must divide the update's 32 rows"),
+        (["parallel.pp=2", "--gpus", "3"], "must divide the 3 devices"),
+        (["parallel.pp=2", "--gpus", "4", "--mesh", "4x1x1x1x1"], "has pp=1 stages, the config parallel.pp=2"),
+        (["parallel.pp=2"], "give --gpus N or --mesh"),
+        (["parallel.pp=2", "model.tie_embeddings=true", "--gpus", "2"], "model.tie_embeddings=true"),
+    ],
+)
+def test_a_pipeline_the_run_refuses_exits_2_in_one_line(capsys, args: list[str], message: str) -> None:
+    assert main([*TINY, "train.gradient_accumulation_steps=4", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1 and err.startswith("k3train plan: error: ")
