@@ -6,10 +6,14 @@ process (one thread) accumulating the same micro-batches, for gpipe and 1f1b at 
 
 An update's time t_pp on the pipeline and t_1 in one process (the median of the timed updates, after one warm-up,
 forward, backward and no optimizer step). With the work split evenly and nothing idle, t_pp would be t_1 / pp; the
-measured bubble is 1 - t_1 / (pp x t_pp), beside the schedule's idle fraction (pp - 1) / (m + pp - 1), which is what
-a plan of the bubble would say (the planner does not plan pipelines yet). The measured figure also holds what the
-ideal leaves out: the stages are uneven (the embedding on the first, the head and loss on the last), the
-activations travel between processes (gloo over loopback) and both ranks share the machine with whatever else runs.
+measured bubble is 1 - t_1 / (pp x t_pp). Beside it, the planner's (k3train/plan/pipeline.py, asked with the same
+config: `python -m k3train.plan model=k3_tiny model.vocab_size=257 parallel.pp=2 parallel.pp_schedule=S
+train.batch_size=2 train.seq_len=128 train.gradient_accumulation_steps=m`): the schedule's idle share (its bubble,
+(pp - 1) / (m + pp - 1) for both schedules), and the idle share the plan's step implies once its stages are uneven
+as the plan counts them (each stage's layers' FLOPs, the head's on the last: 1 - (1 - bubble) x the mean stage's
+work / the slowest stage's). The measured figure also holds what the plan leaves out: what its FLOPs do not count
+(norms, the mixes, the loss's elementwise work, the embedding), the activations travelling between processes
+(gloo over loopback), and both ranks sharing the machine with whatever else runs.
 Writes benchmarks/results/pp.json (or --out) with the CPU, torch's SIMD level and the load average.
 """
 
@@ -44,6 +48,33 @@ def _model():
     cfg = model_option("k3_tiny")
     cfg.vocab_size = 257
     return instantiate(cfg).train()
+
+
+def planned(schedule: str, m: int) -> dict:
+    """The planner's figures for this benchmark's run: the schedule's bubble, and the idle share with the plan's
+    uneven stages."""
+    from hydra import compose, initialize_config_module
+
+    from k3train.config import register_configs
+    from k3train.plan.pipeline import plan_pipeline, stage_spec
+    from k3train.plan.spec import build_spec
+
+    overrides = [
+        "model=k3_tiny",
+        "model.vocab_size=257",
+        "parallel.pp=2",
+        f"parallel.pp_schedule={schedule}",
+        f"train.batch_size={ROWS}",
+        f"train.seq_len={SEQ}",
+        f"train.gradient_accumulation_steps={m}",
+    ]
+    register_configs()
+    with initialize_config_module(config_module="k3train.conf", version_base="1.3"):
+        spec = build_spec(compose(config_name="config", overrides=overrides), "cpu")
+    plan = plan_pipeline(spec)
+    work = [stage_spec(spec, plan, r).flops_per_token["forward"] for r in range(plan.pp)]
+    mean = spec.flops_per_token["forward"] / plan.pp
+    return {"bubble": plan.bubble, "uneven": 1 - (1 - plan.bubble) * mean / max(work), "stage_flops": work}
 
 
 def _batch(m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,6 +121,12 @@ def _rank(rank: int, world: int, init: str, out: str, cases: list, updates: int)
     dist.destroy_process_group()
 
 
+def _cpu_model() -> str:
+    from k3train.runtime.cpu import cpu_description
+
+    return cpu_description()["cpu_model"]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
@@ -104,21 +141,26 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     one = {m: statistics.median(_one_process(m, updates)) for m in ms}
     rows = {}
-    for (_, m), key in zip(cases, pipelined):
+    for (schedule, m), key in zip(cases, pipelined):
         t_pp = statistics.median(pipelined[key])
+        plan = planned(schedule, m)
         rows[key] = {
             "t_pipeline_s": round(t_pp, 4),
             "t_one_process_s": round(one[m], 4),
             "measured_bubble": round(1 - one[m] / (2 * t_pp), 3),
-            "schedule_idle_fraction": round(1 / (m + 1), 3),  # (pp - 1) / (m + pp - 1), pp = 2
+            "plan_bubble": round(plan["bubble"], 3),  # the schedule's idle share, k3train/plan/pipeline.py
+            "plan_idle_with_uneven_stages": round(plan["uneven"], 3),
+            "plan_stage_forward_flops_per_token": plan["stage_flops"],
         }
         print(f"{key:12s}  pipeline {t_pp:.3f} s  one process {one[m]:.3f} s  bubble measured "
-              f"{rows[key]['measured_bubble']:.3f}, schedule {rows[key]['schedule_idle_fraction']:.3f}")  # fmt: skip
+              f"{rows[key]['measured_bubble']:.3f}, plan {rows[key]['plan_bubble']:.3f} (with the plan's uneven "
+              f"stages {rows[key]['plan_idle_with_uneven_stages']:.3f})")  # fmt: skip
     result = {
         "cpu": platform.processor() or platform.machine(),
         "simd": torch.backends.cpu.get_cpu_capability(),
         "cores": os.cpu_count(),
         "load_avg": [load_before, os.getloadavg()],
+        "cpu_model": _cpu_model(),
         "model": "k3_tiny (vocab 257), fp32, 2 stages of 2 layers, micro-batch 2 x 128 tokens",
         "updates_timed": updates,
         "cases": rows,
