@@ -9,7 +9,9 @@ import pytest
 import torch
 from hydra.utils import instantiate
 
+from k3train.models.common.parallelize import FullyShard
 from k3train.optim.build import muon_adamw
+from k3train.runtime.parallel_dims import ParallelDims
 from k3train.train.pipeline import Pipeline, PipelineSettings, stage_bounds, stages_of
 
 from helpers.config import composed
@@ -51,17 +53,17 @@ def _batch(update: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens[:, :-1], tokens[:, 1:], starts.cumsum(1)
 
 
-def _one_process(checkpointing: str) -> dict:
+def _one_process(checkpointing: str, microbatches: int = MICROBATCHES) -> dict:
     model = _model(checkpointing)
     optimizer = muon_adamw(model, **OPTIM)
     losses = []
     for update in range(UPDATES):
         x, y, docs = _batch(update)
         total = 0.0
-        for xs, ys, ds in zip(x.chunk(MICROBATCHES), y.chunk(MICROBATCHES), docs.chunk(MICROBATCHES)):
+        for xs, ys, ds in zip(x.chunk(microbatches), y.chunk(microbatches), docs.chunk(microbatches)):
             _, loss = model(xs, targets=ys, document_ids=ds)
-            (loss / MICROBATCHES).backward()
-            total += loss.item() / MICROBATCHES
+            (loss / microbatches).backward()
+            total += loss.item() / microbatches
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
@@ -109,6 +111,62 @@ def test_each_schedule_equals_one_process(two_ranks: list[dict], case: str) -> N
     assert not set(ranks[0]["weights"]) & set(ranks[1]["weights"])
     for name, value in want["weights"].items():
         torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, msg=name)
+
+
+FSDP_CASES = {"1f1b": ("1f1b", 1), "interleaved_1f1b": ("interleaved_1f1b", 2)}  # name -> (schedule, stages a rank)
+FSDP_MICROBATCHES = 2  # of 2 rows: one a rank of the stage
+
+
+def _pipelined_fsdp(rank: int, world_size: int) -> dict:
+    """2 stages, each FSDP2 over 2 ranks: the stage's ranks take their half of every micro-batch's rows, so each
+    micro-batch's forward over the stage's ranks (Quantile Balancing reduces over them) sees one process's rows."""
+    dims = ParallelDims(dp_shard=2, pp=2, rank=rank)
+    out = {}
+    for name, (schedule, virtual) in FSDP_CASES.items():
+        model = _model("none")
+        settings = PipelineSettings(dims.pp, schedule, virtual)
+        rows = ROWS // dims.dp_size
+
+        def shard(stage, dims=dims):
+            stage.parallelize(dims, FullyShard())
+
+        pipe = Pipeline(
+            model, settings, dims.pp_rank, dims.pp_group, torch.device("cpu"), FSDP_MICROBATCHES,
+            (rows // FSDP_MICROBATCHES, T), parallelize=shard,
+        )  # fmt: skip
+        optimizer = muon_adamw(torch.nn.ModuleList(pipe.modules), **OPTIM, process_group=dims.dp_group)
+        losses = []
+        for update in range(UPDATES):
+            mine = [
+                t.view(FSDP_MICROBATCHES, dims.dp_size, -1, T)[:, dims.dp_rank].flatten(0, 1) for t in _batch(update)
+            ]
+            losses.append(pipe.step(*mine))
+            pipe.reduce_gradients(dims.dp_group)
+            optimizer.step()
+            optimizer.zero_grad()
+        weights = {}
+        for module in pipe.modules:
+            weights |= {n: p.detach().full_tensor().clone() for n, p in module.named_parameters()}
+        out[name] = {"losses": losses, "weights": weights}
+    return out
+
+
+@pytest.mark.slow
+def test_2_stages_x_fsdp2_over_2_ranks_equal_one_process(tmp_path) -> None:
+    """pp 2 x FSDP2 2 on 4 gloo ranks (each stage its own FSDP2 root over its 2 ranks; Muon's owners, Quantile
+    Balancing and the gradient average within a stage): one process's losses and weights within 1e-5."""
+    want = _one_process("none", FSDP_MICROBATCHES)
+    ranks = spawn_ranks(_pipelined_fsdp, tmp_path, nprocs=4)
+    for case in FSDP_CASES:
+        last = [r[case]["losses"] for r in ranks if r[case]["losses"][0] is not None]
+        assert len(last) == 2  # the last stage's 2 ranks: each its half of the rows
+        mean = [sum(losses) / 2 for losses in zip(*last)]
+        assert mean == pytest.approx(want["losses"], rel=1e-5), case
+        got = ranks[0][case]["weights"] | ranks[2][case]["weights"]
+        assert ranks[0][case]["weights"].keys() == ranks[1][case]["weights"].keys()  # a stage's ranks: one stage
+        assert sorted(got) == sorted(want["weights"])
+        for name, value in want["weights"].items():
+            torch.testing.assert_close(got[name], value, rtol=0, atol=1e-5, msg=f"{case}: {name}")
 
 
 def test_stages_split_the_layers_evenly_and_ranks_hold_them_loop_or_v_style() -> None:

@@ -21,10 +21,12 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import torch
+import torch.distributed as dist
 import torch.distributed.tensor as distributed_tensor
 
 from k3train.checkpoint.dcp import (
@@ -58,14 +60,15 @@ def save_checkpoint(path: Path, payload: dict) -> int:
     return write_atomic(path, lambda f: torch.save(payload, f))
 
 
-def load_checkpoint(path: Path, make_shard: MakeShard | None = None) -> dict:
+def load_checkpoint(path: Path, make_shard: MakeShard | None = None, keep: Callable[[str], bool] | None = None) -> dict:
     """A checkpoint file, or a sharded checkpoint directory (dcp.py) whose sharded tensors
-    `make_shard(shape, dtype, mesh)` allocates (whole plain tensors by default: any number of processes can read it)."""
+    `make_shard(shape, dtype, mesh)` allocates (whole plain tensors by default: any number of processes can read it),
+    those whose key `keep` refuses left out (None)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist: check the resume= path")
     try:
-        payload = read_sharded(path, make_shard or whole_tensor) if path.is_dir() else safe_load(path)
+        payload = read_sharded(path, make_shard or whole_tensor, keep) if path.is_dir() else safe_load(path)
     except CodeRefused as exc:  # not "cannot be read": it can, and must not be
         raise CheckpointError(f"checkpoint {exc}") from None
     except Exception as exc:  # torch raises several types for truncated or foreign files
@@ -163,6 +166,7 @@ class Checkpointer:
     went on from the new one, and `set_aside_diverged()` puts it back if the run diverges first."""
 
     suffix = ".pt"  # of every checkpoint name: last, previous, step_N, diverged_step_N
+    sharded = False  # whether every rank writes its own tensors (ShardedCheckpointer) or rank 0 writes them all
 
     def __init__(self, run_dir: Path, meta: dict, keep_last_k: int = 0, writer: bool = True):
         self.run_dir = Path(run_dir)
@@ -301,15 +305,25 @@ class ShardedCheckpointer(Checkpointer):
     without expert parallelism."""
 
     suffix = ".dcp"
+    sharded = True
 
-    def __init__(self, run_dir: Path, meta: dict, keep_last_k: int, layouts: dict, writer: bool):
+    def __init__(
+        self,
+        run_dir: Path,
+        meta: dict,
+        keep_last_k: int,
+        layouts: dict,
+        writer: bool,
+        merge_group: dist.ProcessGroup | None = None,
+    ):
         super().__init__(run_dir, meta, keep_last_k, writer=writer)
         self.layouts = layouts
         self.store = self.run_dir / SHARDED_STORE
+        self.merge_group = merge_group  # a pipeline's: its stages' parts are merged into one tree (write_sharded)
 
     def _write(self, step: int) -> int:
         directory = self.store / f"step_{step:07d}-{secrets.token_hex(4)}"  # rank 0's name is the one used
-        size = write_sharded(directory, self.payload(step), self.writer)  # every rank: a collective
+        size = write_sharded(directory, self.payload(step), self.writer, self.merge_group)  # a collective
         if self.writer:
             point_to(self.path, directory.relative_to(self.run_dir))
         return size
@@ -320,7 +334,14 @@ class ShardedCheckpointer(Checkpointer):
                 f"{path} is a single-file checkpoint and parallel=fsdp resumes from a sharded one "
                 "(a .dcp directory): resume it with parallel=ddp, or in one process"
             )
-        return load_checkpoint(path, self._make_shard)
+        return load_checkpoint(path, self._make_shard, self._held)
+
+    def _held(self, key: str) -> bool:
+        """Whether this rank reads the sharded tensor at `key` ('<part>/<path in it>'): all of them, but a part
+        that holds some only (a pipeline's stages: `holds(path)`) says which."""
+        name, _, rest = key.partition("/")
+        holds = getattr(self.parts.get(name), "holds", None)
+        return holds is None or holds(rest)
 
     def _make_shard(self, shape: torch.Size, dtype: torch.dtype, mesh: tuple[str, ...]) -> torch.Tensor:
         layout = self.layouts.get(mesh, self.layouts.get(("dp_shard",)))

@@ -187,13 +187,32 @@ def _fill(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return tree
 
 
-def write_sharded(directory: Path, tree: Any, writer: bool) -> int:
+def merge_trees(trees: list) -> Any:
+    """The union of state trees whose dicts hold different keys (a pipeline's stages: each rank its own layers and
+    their optimizer state, under the whole model's names and numbers); where several hold a key, the first's."""
+    first = trees[0]
+    if not isinstance(first, dict) or PLACEHOLDER in first:
+        return first
+    out = dict(first)
+    for tree in trees[1:]:
+        for k, v in tree.items():
+            out[k] = merge_trees([out[k], v]) if k in out else v
+    return out
+
+
+def write_sharded(directory: Path, tree: Any, writer: bool, merge_group: dist.ProcessGroup | None = None) -> int:
     """Save `tree` as a sharded checkpoint at `directory` (a new name), atomically: a collective, every rank calls
     it; `writer` (rank 0) writes extra.pt and renames the complete directory into place. Returns the bytes on disk
-    (0 on other ranks). A write that fails (a full disk, a read-only directory) leaves no temporary directory and
+    (0 on other ranks). With `merge_group` (the writer's pipeline, one rank a stage) the ranks of that group hold
+    different parts of the tree, and the writer's extra.pt is the union of theirs (merge_trees); every rank writes
+    its own shards. A write that fails (a full disk, a read-only directory) leaves no temporary directory and
     raises, on every rank, an OSError naming rank 0's `directory`, as a single-file checkpoint's does
     (files.write_atomic)."""
     skeleton, shards = split_shards(tree)
+    if merge_group is not None:  # tensors stay where they are: only the skeletons (placeholders, small state) move
+        parts: list | None = [None] * dist.get_world_size(merge_group) if writer else None
+        dist.gather_object(skeleton, parts, group=merge_group, group_dst=0)
+        skeleton = merge_trees(parts) if parts is not None else skeleton
     named = directory  # in errors: rank 0's name, the one used, on every rank
     try:
         if not writer:
@@ -245,12 +264,17 @@ def _broadcast(objects: list) -> list:
     return objects
 
 
-def read_sharded(directory: Path, make_shard: MakeShard) -> Any:
+def read_sharded(directory: Path, make_shard: MakeShard, keep: Callable[[str], bool] | None = None) -> Any:
     """The tree saved by write_sharded, its sharded tensors allocated by make_shard and filled by dcp.load (a
-    collective when a process group is up: every rank calls it; in one process it needs none)."""
+    collective when a process group is up: every rank calls it; in one process it needs none). Those whose key
+    `keep` refuses (a pipeline's other stages') are neither allocated nor read: None in the tree."""
     skeleton = safe_load(Path(directory) / EXTRA)
-    wanted = {}
+    wanted: dict = {}
+    skipped: dict = {}
     for p in _placeholders(skeleton):
+        if keep is not None and not keep(p[PLACEHOLDER]):
+            skipped[p[PLACEHOLDER]] = None
+            continue
         dtype = getattr(torch, str(p["dtype"]), None)
         mesh = p.get("mesh", ["dp_shard"])  # written before there was more than FSDP2's
         if (
@@ -269,7 +293,7 @@ def read_sharded(directory: Path, make_shard: MakeShard) -> Any:
                 dcp.load(wanted, storage_reader=reader, no_dist=not dist.is_initialized())
             except CheckpointException as exc:
                 raise ValueError(str(rank_error(exc))) from exc
-    return _fill(skeleton, wanted)
+    return _fill(skeleton, wanted | skipped)
 
 
 # What DCP's .metadata may hold: its own dataclasses, torch.Size, dtypes, layouts (by name, through

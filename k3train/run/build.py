@@ -169,14 +169,14 @@ def build_parts(
         if not set_context_parallel(model, ContextParallel(dims.cp_group)):
             raise ValueError(f"parallel.cp={dims.cp}: {type(model).__name__} has no layer that splits its sequence")
     model.to(device)
-    model = parallel.shard(model, device, dims)  # before the optimizer: FSDP2 replaces the parameters
     pipeline = whole_optimizer = None
-    if dims.pp > 1:
-        pipeline = _pipeline(model, parallel.pipeline, dims, device, train_cfg)
+    if dims.pp > 1:  # cut first: each rank spreads only its stages over their ranks
+        pipeline = _pipeline(model, parallel, dims, device, train_cfg)
         # the stages' optimizer, and the whole model's (no state: its layout is the checkpoint's format)
         optimizer = _build_optimizer(instantiate(cfg.optim), nn.ModuleList(pipeline.modules), dims)
         whole_optimizer = _build_optimizer(instantiate(cfg.optim), model, ParallelDims(device_type=device.type))
     else:
+        model = parallel.shard(model, device, dims)  # before the optimizer: FSDP2 replaces the parameters
         optimizer = _build_optimizer(instantiate(cfg.optim), model, dims)
     callbacks = _build_named(cfg.callbacks, Callback, "callbacks")
     if device.type == "cpu" and str(train_cfg.cpu_threads) == "adaptive" and threads.threads > 1:
@@ -190,7 +190,13 @@ def build_parts(
     meta = build_meta(model, whole_optimizer or optimizer, train_cfg, precision, data, world, dims)
     if dims.dp_shard > 1 or dims.ep > 1:  # sharded parameters or experts: every rank writes its own
         layouts = parallel.shard_layouts(dims)
-        checkpointer = ShardedCheckpointer(run_dir, meta, train_cfg.keep_last_k, layouts, writer=world.is_main)
+        # a pipeline's stages hold different tensors: rank 0's pipeline (ranks 0, stage_world, ...) merges what
+        # they hold into one tree
+        writers_pipeline = dims.pp > 1 and dims.rank % dims.layout.stage_world == 0
+        merge = dims.pp_group if writers_pipeline else None
+        checkpointer = ShardedCheckpointer(
+            run_dir, meta, train_cfg.keep_last_k, layouts, writer=world.is_main, merge_group=merge
+        )
     elif dims.pp > 1:  # the stages' state gathered: the whole model's file
         checkpointer = GatheredCheckpointer(run_dir, meta, train_cfg.keep_last_k, writer=world.is_main)
     else:
@@ -229,9 +235,10 @@ def _check_pipelined(train_cfg: TrainConfig, precision) -> None:
         )
 
 
-def _pipeline(model, settings, dims: ParallelDims, device: torch.device, train_cfg: TrainConfig) -> Pipeline:
-    """This rank's stages of `model` and their schedule (k3train/train/pipeline.py), for updates of
-    batch_size x gradient_accumulation_steps rows."""
+def _pipeline(model, parallel, dims: ParallelDims, device: torch.device, train_cfg: TrainConfig) -> Pipeline:
+    """This rank's stages of `model`, each spread over its ranks by the parallel strategy, and their schedule
+    (k3train/train/pipeline.py), for updates of batch_size x gradient_accumulation_steps rows."""
+    settings = parallel.pipeline
     if not isinstance(model, Pipelines):
         raise ValueError(
             f"parallel.pp={dims.pp}: {type(model).__name__} cannot be cut into pipeline stages (it has no "
@@ -239,7 +246,16 @@ def _pipeline(model, settings, dims: ParallelDims, device: torch.device, train_c
         )
     rows = train_cfg.batch_size * train_cfg.gradient_accumulation_steps
     n = settings.n_microbatches(rows, train_cfg.gradient_accumulation_steps)
-    return Pipeline(model, settings, dims.pp_rank, dims.pp_group, device, n, (rows // n, train_cfg.seq_len))
+    return Pipeline(
+        model,
+        settings,
+        dims.pp_rank,
+        dims.pp_group,
+        device,
+        n,
+        (rows // n, train_cfg.seq_len // dims.cp),  # a micro-batch's rows, and this rank's slice of their sequence
+        parallelize=lambda stage: parallel.shard(stage, device, dims),
+    )
 
 
 def _build_optimizer(factory, model, dims: ParallelDims) -> torch.optim.Optimizer:

@@ -50,11 +50,10 @@ class ParallelDims:
         pp: int = 1,
     ) -> None:
         self.layout = ParallelLayout(dp_replicate, dp_shard, ep, cp, pp)
-        if pp > 1 and (dp_shard > 1 or ep > 1 or cp > 1):
-            other = "parallel=fsdp" if dp_shard > 1 else f"parallel.ep={ep}" if ep > 1 else f"parallel.cp={cp}"
+        if pp > 1 and ep > 1:
             raise ValueError(
-                f"parallel.pp={pp} with {other}: pipeline parallelism composes with DDP only, yet; use "
-                "parallel=ddp with parallel.ep=1 and parallel.cp=1, or parallel.pp=1"
+                f"parallel.pp={pp} with parallel.ep={ep}: pipeline parallelism composes with DDP, FSDP2, HSDP and "
+                "context parallelism, not yet with expert parallelism; use parallel.ep=1, or parallel.pp=1"
             )
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
@@ -198,15 +197,16 @@ class ParallelDims:
     @property
     def shard_mesh(self) -> DeviceMesh:
         """The mesh FSDP2 shards over: 1-D (dp_shard), or under HSDP 2-D (dp_replicate, dp_shard), whose replica
-        groups are consecutive ranks; built on first use, a collective on every rank."""
+        groups are consecutive ranks; under pipeline parallelism the same within this rank's stage (a view of the
+        (pp, dp_replicate, dp_shard) mesh). Built on first use, a collective on every rank."""
         if self.dp_shard == 1:
             raise ValueError("no dp_shard dimension to shard over (dp_shard == 1)")
         if self._mesh is None:
-            if self.dp_replicate == 1:
-                self._mesh = init_device_mesh(self.device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
-            else:
-                shape, names = (self.dp_replicate, self.dp_shard), ("dp_replicate", "dp_shard")
-                self._mesh = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+            dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard)]
+            dims = [(name, size) for name, size in dims if size > 1 or name == "dp_shard"]
+            names = tuple(name for name, _ in dims)
+            mesh = init_device_mesh(self.device_type, tuple(size for _, size in dims), mesh_dim_names=names)
+            self._mesh = mesh[names[1:]] if self.pp > 1 else mesh
         return self._mesh
 
     @property
@@ -281,12 +281,13 @@ class ParallelDims:
     def describe(self) -> str:
         if not self.several_ranks:
             return "one process"
-        if self.pp > 1:
-            return f"{self.pp} pipeline stages, each DDP over {self.dp_replicate} process(es)"
+        stages = f"{self.pp} pipeline stages, each " if self.pp > 1 else ""
+        if self.dp_shard > 1 and self.dp_replicate > 1:
+            data = f"HSDP: {self.dp_replicate} replica groups, each FSDP2 over {self.dp_shard} process(es)"
+        elif self.dp_shard > 1:
+            data = f"FSDP2 over {self.dp_shard} process(es)"
+        else:
+            data = f"DDP over {self.dp_replicate} process(es)"
         experts = f", routed experts split over {self.ep} ranks (expert parallel)" if self.ep > 1 else ""
         experts += f", each sequence split over {self.cp} ranks (context parallel)" if self.cp > 1 else ""
-        if self.dp_shard > 1 and self.dp_replicate > 1:
-            return f"HSDP: {self.dp_replicate} replica groups, each FSDP2 over {self.dp_shard} process(es){experts}"
-        if self.dp_shard > 1:
-            return f"FSDP2 over {self.dp_shard} process(es){experts}"
-        return f"DDP over {self.dp_replicate} process(es){experts}"
+        return stages + data + experts

@@ -5,7 +5,7 @@ what k3train.plan plans and what a run builds cannot disagree.
     world = dp_replicate x dp_shard       every rank holds its own tokens of the global batch
     ep | world, and ep | dp_shard         groups of ep consecutive ranks split the routed experts (parallel.ep)
       under FSDP2 or HSDP
-    cp | world                            groups of cp consecutive ranks split each row's sequence (parallel.cp)
+    cp | world / pp                       groups of cp consecutive ranks split each row's sequence (parallel.cp)
 
 dp_replicate ranks hold whole copies (DDP, parallel=ddp); dp_shard ranks each hold a slice of every parameter
 (FSDP2, parallel=fsdp); both at once is HSDP (parallel=hsdp; the planner: --mesh RxSxE).
@@ -57,10 +57,10 @@ class ParallelLayout:
                 f"parallel.ep={self.ep} must divide dp_shard={self.dp_shard}: under FSDP the expert-parallel ranks "
                 "are taken from the sharded ones; choose an ep that divides dp_shard"
             )
-        if self.world % self.cp:
+        if self.stage_world % self.cp:
             raise ValueError(
-                f"parallel.cp={self.cp} must divide the {self.world} process(es): each row's sequence is split "
-                "over cp ranks; choose a cp that divides them"
+                f"parallel.cp={self.cp} must divide the {self.stage_world} process(es) of a pipeline stage: each "
+                "row's sequence is split over cp ranks; choose a cp that divides them"
             )
 
     @property

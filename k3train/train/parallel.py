@@ -190,16 +190,19 @@ class FSDP:
     name = "fsdp"
 
     def __init__(
-        self, reshard_after_forward: bool = True, ep: int = 1, cp: int = 1, dp_replicate: int = 1, pp: int = 1
+        self,
+        reshard_after_forward: bool = True,
+        ep: int = 1,
+        cp: int = 1,
+        dp_replicate: int = 1,
+        pp: int = 1,
+        pp_schedule: str = "1f1b",
+        pp_virtual_stages: int = 1,
+        pp_microbatches: int | None = None,
     ):
-        if pp != 1:
-            raise ValueError(
-                f"parallel.pp={pp} under parallel=fsdp: pipeline parallelism composes with DDP only, yet; use "
-                "parallel=ddp parallel.pp=N"
-            )
         self.reshard_after_forward = reshard_after_forward
         self.ep, self.cp, self.dp_replicate = ep, cp, dp_replicate
-        self.pipeline = PipelineSettings()
+        self.pipeline = PipelineSettings(pp, pp_schedule, pp_virtual_stages, pp_microbatches)
         self.model_layouts: dict = {}  # the model's own sharded-checkpoint layouts: set by shard()
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:

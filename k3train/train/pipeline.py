@@ -16,6 +16,7 @@ pipelined update sums what an accumulating one does. The schedules: https://docs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
+from torch.distributed.tensor import DTensor
 
 # parallel.pp_schedule -> torch's schedule name, and whether a rank holds several stages (the virtual ones)
 SCHEDULES = {
@@ -145,12 +147,16 @@ class Pipeline:
         device: torch.device,
         n_microbatches: int,
         micro_shape: tuple[int, int],
+        parallelize: Callable[[nn.Module], object] | None = None,
     ) -> None:
         self.settings, self.n_microbatches, self.group = settings, n_microbatches, group
         bounds = stage_bounds(len(model.layers), settings.n_stages)
         self.stage_ids = stages_of(pp_rank, settings)
         self.modules = [model.pipeline_stage(*bounds[s]) for s in self.stage_ids]
         release_other_stages(model, self.modules)
+        for module in self.modules:  # spread over the stage's ranks (FSDP2: each stage its own root), then staged
+            if parallelize is not None:
+                parallelize(module)
         rows, seq = micro_shape
         width = self.width = model.config.d_model
         self.stages = [
@@ -227,13 +233,14 @@ class Pipeline:
         return loss
 
     def reduce_gradients(self, group: dist.ProcessGroup | None) -> None:
-        """The stages' gradients averaged over the ranks holding the same stages (DDP's all-reduce, once an update:
-        no backward runs through a DDP module here)."""
+        """The stages' replicated gradients averaged over the ranks holding the same stages (DDP's all-reduce, once
+        an update: no backward runs through a DDP module here). FSDP2's shards (DTensors) were reduce-scattered by
+        the stage's last backward (PipelineStage ends FSDP2's gradient sync itself)."""
         if group is None:
             return
         size = dist.get_world_size(group)
         for p in self.parameters():
-            if p.grad is not None:
+            if p.grad is not None and not isinstance(p.grad, DTensor):
                 dist.all_reduce(p.grad, group=group)
                 p.grad.div_(size)
 

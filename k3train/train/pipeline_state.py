@@ -1,11 +1,14 @@
 """A pipelined run's model and optimizer as checkpoint parts: each rank holds its stages' tensors, and the checkpoint
-is the whole model's, as one process would write it (gathered to rank 0, which writes the single file), so it
-resumes on any pp, without pipeline parallelism, in one process, and is read by generate, evaluate and export as any
-other. Names are the model's (the stages keep them: k3train/models/k3/pipeline.py); the optimizer's state is matched
-to its parameters by name, then numbered as the whole model's optimizer numbers them.
+is the whole model's, as one process would write it, so it resumes on any pp, without pipeline parallelism, in one
+process, and is read by generate, evaluate and export as any other. Names are the model's (the stages keep them:
+k3train/models/k3/pipeline.py); the optimizer's state is matched to its parameters by name, then numbered as the
+whole model's optimizer numbers them. Two ways to write it:
 
-Gathering the whole model on one rank is what a DDP run's checkpoint holds anyway; a stage-sharded checkpoint
-(DCP, each stage writing its own) is what a model too large for one rank's memory will need.
+- gathered (`gather=True`, stages under DDP): every stage's tensors gathered to rank 0, which writes the single file;
+  the whole model must fit rank 0's memory once;
+- sharded by stage (`gather=False`, stages under FSDP2 or HSDP): each rank keeps its stages' tensors (FSDP2's shards)
+  in the whole model's format, every rank writes its own shards (k3train/checkpoint/dcp.py's write_sharded, which
+  merges the stages' skeletons over the pipeline), and `python -m k3train.consolidate` makes one file of it.
 """
 
 from __future__ import annotations
@@ -25,21 +28,29 @@ def _gathered(local: dict, group: dist.ProcessGroup | None) -> list[dict]:
 
 
 class PipelineModel:
-    """The model part: state_dict is the whole model's on the writing rank; load_state_dict takes the whole model's
-    (any checkpoint of this model) and keeps what this rank's stages hold."""
+    """The model part: state_dict is the whole model's on the writing rank (gathered), or this rank's stages' under
+    the model's names (sharded by stage); load_state_dict takes the whole model's (any checkpoint of this model) and
+    keeps what this rank's stages hold."""
 
-    def __init__(self, model: nn.Module, stages: list[nn.Module], group: dist.ProcessGroup | None):
-        self.model, self.stages, self.group = model, stages, group
+    def __init__(self, model: nn.Module, stages: list[nn.Module], group: dist.ProcessGroup | None, gather: bool = True):
+        self.model, self.stages, self.group, self.gather = model, stages, group, gather
+        self.held = {k for stage in stages for k in stage.state_dict()}
 
     def state_dict(self) -> dict:
         local: dict = {}
         for stage in self.stages:
-            local |= {k: v.detach().clone() for k, v in stage.state_dict().items()}
+            local |= {k: v.detach().clone() if self.gather else v for k, v in stage.state_dict().items()}
+        if not self.gather:
+            return local
         merged: dict = {}
         for part in _gathered(local, self.group):
             merged |= part
         order = list(self.model.state_dict())
         return {k: merged[k] for k in order if k in merged}
+
+    def holds(self, key: str) -> bool:
+        """Whether this rank's stages hold the model's tensor `key` (a sharded checkpoint reads those alone)."""
+        return key in self.held
 
     def load_state_dict(self, state: dict) -> None:
         for stage in self.stages:
@@ -54,27 +65,30 @@ class PipelineOptimizer:
     """The optimizer part over this rank's stages (`part`: its ConfiguredOptimizer), written and read in the format
     of `whole`, the same optimizer built over the whole model (its parameter order and groups; it holds no state)."""
 
-    def __init__(self, part, optimizer, whole: torch.optim.Optimizer, model: nn.Module, stages, group):
-        self.part, self.group = part, group
+    def __init__(self, part, optimizer, whole: torch.optim.Optimizer, model: nn.Module, group, gather: bool = True):
+        self.part, self.group, self.gather = part, group, gather
         names = {id(p): n for n, p in model.named_parameters()}
         self.local_names = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
         self.whole_names = [names[id(p)] for g in whole.param_groups for p in g["params"]]
         self.whole_groups = [{k: v for k, v in g.items() if k != "params"} for g in whole.param_groups]
         self.whole_sizes = [len(g["params"]) for g in whole.param_groups]
-        self.local_groups = [g["name"] for g in optimizer.param_groups]
+        self.local_set = set(self.local_names)
 
     @property
     def changed(self) -> dict:
         return self.part.changed
 
     def state_dict(self) -> dict:
+        """The whole model's optimizer state: its groups (each from a rank that holds it) and figures gathered; the
+        per-parameter state gathered too, or sharded by stage this rank's alone, under the whole model's numbers."""
         local = self.part.state_dict()
+        mine = {self.local_names[i]: s for i, s in local["state"].items()}
         entry = {
-            "state": {self.local_names[i]: s for i, s in local["state"].items()},
+            "state": mine if self.gather else {},
             "extra": {k: v for k, v in local.items() if k not in ("state", "param_groups")},
             "groups": local["param_groups"],
         }
-        state: dict = {}
+        state: dict = {} if self.gather else mine
         extra: dict = {}
         saved_settings: dict = {}
         for part in _gathered(entry, self.group):
@@ -92,6 +106,15 @@ class PipelineOptimizer:
             start += size
         return {"state": {index[n]: s for n, s in sorted(state.items(), key=lambda e: index[e[0]])},
                 "param_groups": groups, **extra}  # fmt: skip
+
+    def holds(self, key: str) -> bool:
+        """Whether this rank holds the optimizer state at `key` ('state/<the whole model's number>/...'), so a
+        sharded checkpoint reads it."""
+        kind, _, number = key.partition("/")
+        if kind != "state":
+            return True
+        number = number.partition("/")[0]
+        return not number.isdigit() or self.whole_names[int(number)] in self.local_set
 
     def load_state_dict(self, saved: dict) -> None:
         names = self._saved_names(saved)

@@ -127,10 +127,11 @@ class Trainer:
             "trainer": self.state,
             "plan": self.plan,
         }  # restored in this order: the plan re-derives from the counters and cursor
-        if pipeline is not None:  # the whole model's checkpoint, gathered from the stages
-            parts["model"] = PipelineModel(model, pipeline.modules, self.dims.pp_group)
+        if pipeline is not None:  # the whole model's checkpoint: gathered from the stages, or sharded by stage
+            gather = not checkpointer.sharded
+            parts["model"] = PipelineModel(model, pipeline.modules, self.dims.pp_group, gather)
             parts["optimizer"] = PipelineOptimizer(
-                self._optimizer_part, optimizer, whole_optimizer, model, pipeline.modules, self.dims.pp_group
+                self._optimizer_part, optimizer, whole_optimizer, model, self.dims.pp_group, gather
             )
         for name, part in with_expert_shards(parts, model, optimizer, self.dims).items():
             checkpointer.add(name, part)

@@ -1,10 +1,11 @@
 """FSDP2 over a model's blocks: what every model family's parallelize ends with, and all a model without its own
 parallelize gets (k3train/models/protocol.py's Parallelizes).
 
-Every module of an nn.ModuleList (the transformer blocks) is one FSDP2 unit and the root holds the rest
-(embeddings, head, final norm): a block's parameters are all-gathered just before its forward and backward and
-freed after; gradients are reduce-scattered (averaged) at the end of backward. fully_shard replaces each parameter
-by a new DTensor parameter under the same name, so the layout table (k3train/models/layout.py) still describes it.
+Every module of an nn.ModuleList (the transformer blocks; a pipeline stage's nn.ModuleDict of them) is one FSDP2 unit
+and the root holds the rest (embeddings, head, final norm): a block's parameters are all-gathered just before its
+forward and backward and freed after; gradients are reduce-scattered (averaged) at the end of backward. fully_shard
+replaces each parameter by a new DTensor parameter under the same name, so the layout table
+(k3train/models/layout.py) still describes it.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ class FullyShard:
 
 
 def fully_shard_blocks(model: nn.Module, mesh, options: FullyShard, ignored_params: set | None = None) -> None:
-    """Each block of every nn.ModuleList of `model` one FSDP2 unit over `mesh`, then the root; `ignored_params`
-    stay as they are on every rank (FSDP2 neither shards nor reduces them)."""
+    """Each block of every nn.ModuleList (a pipeline stage's nn.ModuleDict) of `model` one FSDP2 unit over `mesh`,
+    then the root; `ignored_params` stay as they are on every rank (FSDP2 neither shards nor reduces them)."""
     blocks = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
+    blocks += [block for module in model.modules() if isinstance(module, nn.ModuleDict) for block in module.values()]
     for unit in (*blocks, model):
         fully_shard(unit, mesh=mesh, reshard_after_forward=options.reshard_after_forward, ignored_params=ignored_params)
 

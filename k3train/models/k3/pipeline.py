@@ -22,6 +22,7 @@ from torch import nn
 
 from k3train.models.common.documents import Documents
 from k3train.models.common.loss import linear_cross_entropy
+from k3train.models.k3.parallelize import parallelize as parallelize_k3
 
 
 def blocks_before(model: nn.Module, layer: int) -> int:
@@ -58,6 +59,11 @@ class KimiK3Stage(nn.Module):
         self.blocks_in = blocks_before(model, first)
         self.blocks_out = blocks_before(model, last)
 
+    def parallelize(self, dims, fully_shard) -> dict:
+        """This stage spread over the ranks that hold it, as the whole model would be (the Parallelizes protocol):
+        under FSDP2 its blocks and itself the units, the stage the root."""
+        return parallelize_k3(self, dims, fully_shard)
+
     def forward(
         self,
         *inputs: torch.Tensor,
@@ -72,7 +78,8 @@ class KimiK3Stage(nn.Module):
             h, blocks = self.embed_tokens(x), ()
         else:
             h, blocks = inputs[0], tuple(inputs[1:])
-        documents = None if document_ids is None else Documents(document_ids, None)
+        context_parallel = next((layer.mixer.context_parallel for layer in self.layers.values()), None)
+        documents = None if document_ids is None else Documents(document_ids, context_parallel)
         for layer in self.layers.values():
             h, blocks = layer(h, blocks, documents), blocks + (h,) if layer.starts_block else blocks
         if not self.is_last:
@@ -80,4 +87,5 @@ class KimiK3Stage(nn.Module):
         if targets is None:
             raise ValueError("the last pipeline stage computes the loss: it needs targets")
         h = self.norm(self._output_mix(self, h, blocks))
-        return linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten()).reshape(1)
+        # a new tensor, not a view of the scalar: FSDP2 hooks a root's outputs for backward, and warns at a view
+        return torch.stack([linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())])
