@@ -20,12 +20,15 @@ import torch
 import torch.distributed as dist
 from hydra.utils import instantiate
 from test_plan import SMALL, TINY, count_collectives, planned, spec_of
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 
 from k3train.plan.__main__ import main
 from k3train.plan.estimate import estimate
 from k3train.plan.hardware import lookup
 from k3train.plan.memory import plan_memory
 from k3train.plan.mesh import Mesh
+from k3train.plan.muon import muon_groups, muon_shares
 from k3train.plan.pipeline import (
     blocks_before,
     head_forward_flops,
@@ -33,6 +36,7 @@ from k3train.plan.pipeline import (
     p2p,
     plan_pipeline,
     rank_comm,
+    rank_memory,
     receive_buffers,
     simulate,
     stage_spec,
@@ -42,6 +46,7 @@ from k3train.train.pipeline import PipelineSettings
 from helpers.config import composed
 from helpers.spawn import spawn_ranks
 
+CPU = torch.device("cpu")
 # k3_tiny shrunk (test_plan's SMALL: d 64, 32 positions), 4 rows an update a data-parallel rank, 1 a micro-batch
 PP_SMALL = [*SMALL, "train.gradient_accumulation_steps=4"]
 TWO_RANKS = {  # name -> overrides: each stage alone on its rank
@@ -50,7 +55,11 @@ TWO_RANKS = {  # name -> overrides: each stage alone on its rank
     "interleaved_1f1b": ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b", "parallel.pp_virtual_stages=2"],
     "zbv_zero_bubble": ["parallel.pp=2", "parallel.pp_schedule=zbv_zero_bubble", "parallel.pp_virtual_stages=2"],
 }
-FOUR_RANKS = {"1f1b, bf16, DDP 2": ["parallel.pp=2", "precision=bf16"]}
+FOUR_RANKS = {  # name -> overrides, the mesh
+    "1f1b, bf16, DDP 2": (["parallel.pp=2", "precision=bf16"], Mesh(2, 1, 1, 1, 2)),
+    "1f1b, FSDP2 2": (["parallel=fsdp", "parallel.pp=2"], Mesh(1, 2, 1, 1, 2)),
+}
+EIGHT_RANKS = {"1f1b, HSDP 2x2": (["parallel=hsdp", "parallel.pp=2"], Mesh(2, 2, 1, 1, 2))}
 
 
 # ---- the schedule -------------------------------------------------------------------------------------------------
@@ -115,10 +124,12 @@ def test_a_stage_holds_its_layers_and_the_ends_their_root() -> None:
     assert plan_memory(first, Mesh(), "cpu").params + plan_memory(last, Mesh(), "cpu").params == whole
 
 
-def test_k3_with_pp_on_1024_h200s_fits() -> None:
-    """K3 (93 layers) at pp 8 x FSDP 128 with ep 128, 8 micro-batches of one row (the global batch of the
-    no-pp plan on 1,024 H200s): every layer on one rank, 12 or 11 a stage, the step the slowest stage's work stretched
-    by 1f1b's bubble, 7 / 15; it fits (docs/plan.md's pipeline example)."""
+def test_k3_with_pp_on_1024_h200s_holds_each_stage_gathered() -> None:
+    """K3 (93 layers) at pp 8 x FSDP 128 with ep 128, 8 micro-batches of one row (the global batch of the no-pp plan
+    on 1,024 H200s): every layer on one rank, 12 or 11 a stage, the step the slowest stage's work stretched by 1f1b's
+    bubble, 7 / 15; PipelineStage keeps the stage's weights gathered from its first backward to the update's end,
+    beside its whole gradients (about as many bytes: the frozen ones have none), so it does not fit; pp 16 over 64 x
+    ep 64 does (docs/plan.md's pipeline example)."""
     recipe = ["precision=bf16", "train.batch_size=1", "train.seq_len=4096", "train.activation_checkpointing=block"]
     spec = spec_of("model=k3", *recipe, "parallel=fsdp", "parallel.pp=8", "train.gradient_accumulation_steps=8",
                    device="cuda")  # fmt: skip
@@ -126,7 +137,11 @@ def test_k3_with_pp_on_1024_h200s_fits() -> None:
     assert e.pipeline.bubble == pytest.approx(7 / 15) and len(e.stage_ranks) == 8
     assert e.bubble_s == pytest.approx(max(r.work_s for r in e.stage_ranks) * 7 / 8)
     assert [len(r.layers) for r in e.stage_ranks] == [12] * 5 + [11] * 3
-    assert e.tokens_per_step == 1024 * 4096 and e.fits
+    assert e.memory.pipeline_gathered == pytest.approx(e.memory.grads, rel=1e-5) and e.memory.peak_phase == "backward"
+    assert e.tokens_per_step == 1024 * 4096 and not e.fits
+    spec = spec_of("model=k3", *recipe, "parallel=fsdp", "parallel.pp=16", "train.gradient_accumulation_steps=16",
+                   device="cuda")  # fmt: skip
+    assert estimate(spec, Mesh(1, 64, 64, 1, 16), lookup("h200")).fits
 
 
 # ---- the gloo runs -------------------------------------------------------------------------------------------------
@@ -161,9 +176,25 @@ def _rank_main(rank: int, world: int, cases: dict) -> dict:
             counts["DDP all-reduce"] += tensor.nbytes
             return dist.all_reduce(tensor, group=group, **kwargs)
 
+    from torch.distributed.fsdp._fully_shard._fsdp_param import ShardedState
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    reduce_grad = _PipelineStageBase.perform_reduce_grad
+    gathered = collections.Counter()
+
+    def measuring_reduce_grad(self, *args, **kwargs):  # FSDP2's units still gathered when the schedule ends
+        states = fully_shard.state(self.submod)._state_ctx.all_states if isinstance(self.submod, FSDPModule) else []
+        for state in states:
+            for group in state._fsdp_param_groups:
+                gathered["bytes"] += sum(
+                    p.unsharded_param.nbytes for p in group.fsdp_params if p.sharded_state == ShardedState.UNSHARDED
+                )
+        return reduce_grad(self, *args, **kwargs)
+
     for owner in (dist, c10d):  # P2POp checks its op against c10d's own isend and irecv
         targets[(owner, "isend")], targets[(owner, "irecv")] = counting_isend, counting_irecv
     targets[(pipeline_module, "dist")] = CountingDist()
+    targets[(_PipelineStageBase, "perform_reduce_grad")] = measuring_reduce_grad
     originals = {key: getattr(*key) for key in targets}
     for (owner, name), wrapper in targets.items():
         setattr(owner, name, wrapper)
@@ -172,21 +203,24 @@ def _rank_main(rank: int, world: int, cases: dict) -> dict:
         for name, overrides in cases.items():
             cfg = composed(*PP_SMALL, *overrides)
             parallel = instantiate(cfg.parallel)
-            dims = ParallelDims.for_strategy(parallel.name, world, rank, "cpu", pp=parallel.pipeline.pp)
+            dims = ParallelDims.for_strategy(
+                parallel.name, world, rank, "cpu", parallel.ep, parallel.cp, parallel.dp_replicate, parallel.pipeline.pp
+            )
             torch.manual_seed(0)
             model = instantiate(cfg.model).train()
             model.set_activation_checkpointing(cfg.train.activation_checkpointing)
-            model = parallel.shard(model, torch.device("cpu"), dims)
             rows, T = cfg.train.batch_size * cfg.train.gradient_accumulation_steps, cfg.train.seq_len
             n = parallel.pipeline.n_microbatches(rows, cfg.train.gradient_accumulation_steps)
-            pipe = Pipeline(
-                model, parallel.pipeline, dims.pp_rank, dims.pp_group, torch.device("cpu"), n, (rows // n, T)
-            )
+            pipe = Pipeline(  # cut first, each stage spread by the strategy (k3train/run/build.py's _pipeline)
+                model, parallel.pipeline, dims.pp_rank, dims.pp_group, torch.device("cpu"), n, (rows // n, T),
+                parallelize=lambda stage, parallel=parallel, dims=dims: parallel.shard(stage, CPU, dims),
+            )  # fmt: skip
             optimizer = instantiate(cfg.optim)(torch.nn.ModuleList(pipe.modules), process_group=dims.dp_group)
             autocast = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.precision.dtype == "bf16" else nullcontext()
             g = torch.Generator().manual_seed(dims.dp_rank)
             for _ in range(2):  # the first update also votes on the stages' metadata (a few int32): not counted
                 counts.clear()
+                gathered.clear()
                 tokens = torch.randint(0, 257, (rows, T + 1), generator=g)
                 with autocast:
                     pipe.step(tokens[:, :-1], tokens[:, 1:])
@@ -200,13 +234,22 @@ def _rank_main(rank: int, world: int, cases: dict) -> dict:
                 for info in infos
                 if info.buffer is not None
             )
-            state = sum(v.nbytes for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim)
-            params = sum(p.nbytes for p in pipe.parameters())
-            out[name] = {"comm": dict(counts), "buffers": buffers, "params": params, "state": state}
+            state = sum(
+                _local(v).nbytes for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.ndim
+            )
+            params = sum(_local(p).untyped_storage().nbytes() for p in pipe.parameters())  # FSDP2's padded shards
+            out[name] = {
+                "comm": dict(counts), "buffers": buffers, "params": params, "state": state,
+                "gathered": gathered["bytes"],
+            }  # fmt: skip
     finally:
         for (owner, name), original in originals.items():
             setattr(owner, name, original)
     return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _two_ranks(rank: int, world: int) -> dict:
@@ -214,7 +257,11 @@ def _two_ranks(rank: int, world: int) -> dict:
 
 
 def _four_ranks(rank: int, world: int) -> dict:
-    return _rank_main(rank, world, FOUR_RANKS)
+    return _rank_main(rank, world, {name: overrides for name, (overrides, _) in FOUR_RANKS.items()})
+
+
+def _eight_ranks(rank: int, world: int) -> dict:
+    return _rank_main(rank, world, {name: overrides for name, (overrides, _) in EIGHT_RANKS.items()})
 
 
 @pytest.fixture(scope="module")
@@ -227,9 +274,11 @@ def four_rank_counts(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return spawn_ranks(_four_ranks, tmp_path_factory.mktemp("plan-pp-4-ranks"), nprocs=4)
 
 
-def _want(overrides: list[str], mesh: Mesh, rank: int) -> dict:
-    """The plan of pp rank `rank` (the rank's place in its pipeline) in the measured kinds: its collectives, its
-    sends and receives, torch's buffers, its parameters and optimizer state."""
+def _want(overrides: list[str], mesh: Mesh, rank: int, stage_rank: int = 0) -> dict:
+    """The plan of pp rank `rank` (the rank's place in its pipeline; `stage_rank` its place among the stage's ranks)
+    in the measured kinds: its collectives (Muon's owners' all-to-alls: what this rank sends, muon_shares' sent_by),
+    its sends and receives, torch's buffers, its parameters and optimizer state, and FSDP2's units still gathered
+    when the schedule ends."""
     spec = spec_of(*PP_SMALL, *overrides)
     plan = plan_pipeline(spec)
     staged = stage_spec(spec, plan, rank)
@@ -238,8 +287,12 @@ def _want(overrides: list[str], mesh: Mesh, rank: int) -> dict:
     assert comm.pop("PP activations send", 0.0) + comm.pop("PP gradients send", 0.0) == x.sent_forward + x.sent_backward
     comm["PP send"] = x.sent_forward + x.sent_backward
     comm["PP receive"] = x.received_forward + x.received_backward
+    shares = [s for group in muon_groups(staged) for s in muon_shares(staged, mesh.stage, group) if s.how == "owners"]
+    assert comm.pop("Newton-Schulz all-to-all", 0.0) == sum(s.payload for s in shares)
+    comm["Newton-Schulz all-to-all"] = sum(s.sent_by(stage_rank) for s in shares)
     memory = plan_memory(staged, mesh.stage, "cpu")
     return {
+        "gathered": rank_memory(staged, plan, mesh.stage, rank, memory, "cpu")[0].pipeline_gathered,
         "comm": {k: v for k, v in comm.items() if v},
         "buffers": receive_buffers(staged, plan, rank),
         "params": memory.params,
@@ -247,9 +300,13 @@ def _want(overrides: list[str], mesh: Mesh, rank: int) -> dict:
     }
 
 
-def _compare(got: dict, want: dict, where: str) -> None:
+def _compare(got: dict, want: dict, where: str, first: bool = True) -> None:
+    """`first`: the first of a stage's ranks, whose FSDP2 shards are whole rows; the others' optimizer state is
+    their unpadded shards', which the plan (every rank as padded as the first) bounds."""
     assert got["comm"] == pytest.approx(want["comm"], rel=1e-12), where
-    assert (got["buffers"], got["params"], got["state"]) == (want["buffers"], want["params"], want["state"]), where
+    assert (got["buffers"], got["params"]) == (want["buffers"], want["params"]), where
+    assert got["state"] == want["state"] if first else got["state"] <= want["state"], where
+    assert got["gathered"] == want["gathered"], where
 
 
 @pytest.mark.slow  # spawned gloo ranks, as every multi-rank test: ~13 s on 2 cores for the four cases
@@ -264,17 +321,36 @@ def test_pipeline_bytes_equal_two_gloo_ranks(two_rank_counts: list[dict], case: 
         _compare(counts[case], want, f"rank {rank}")
 
 
-@pytest.mark.slow  # 4 spawned gloo ranks: ~13 s on 2 cores
+@pytest.mark.slow  # 4 spawned gloo ranks: ~25 s on 2 cores for the two cases
 @pytest.mark.parametrize("case", list(FOUR_RANKS))
 def test_pipeline_bytes_equal_four_gloo_ranks(four_rank_counts: list[dict], case: str) -> None:
-    """pp = 2 x DDP 2 (ranks 0, 1 hold stage 0; 2, 3 stage 1), bf16 autocast: besides the sends, the all-reduce of
-    the stage's gradients over its 2 ranks, Muon's gathers of the stage's orthogonalised updates and Quantile
-    Balancing's exchanges over the stage's ranks, for the stage's MoE layers: byte for byte on every rank."""
-    mesh = Mesh(2, 1, 1, 1, 2)
-    for rank, counts in enumerate(four_rank_counts):
-        want = _want(FOUR_RANKS[case], mesh, rank // mesh.stage_world)
-        assert {"DDP all-reduce", "Newton-Schulz update", "balancing", "PP send"} <= set(want["comm"])
-        _compare(counts[case], want, f"rank {rank}")
+    """pp = 2 (ranks 0, 1 hold stage 0; 2, 3 stage 1) x DDP 2 in bf16 autocast, and x FSDP2 2 (each stage its own
+    FSDP2 root over its 2 ranks, as the run builds it): besides the sends, DDP's all-reduce of the stage's gradients,
+    or FSDP2's all-gathers as PipelineStage leaves them (a unit gathered when sharded: every forward before the
+    first backward, every backward that follows a forward; resharded after a forward, kept gathered after a
+    backward: 5 passes for 4 micro-batches, not 8) and its one reduce-scatter an update; Muon's exchanges of the
+    stage's updates and Quantile Balancing's over the stage's ranks, for the stage's MoE layers: byte for byte on
+    every rank; and the stage's parameters still gathered when the schedule ends (the whole stage, fp32)."""
+    _check_ranks(four_rank_counts, *FOUR_RANKS[case], case)
+
+
+@pytest.mark.slow  # 8 spawned gloo ranks: ~63 s on 2 cores (load average 11)
+@pytest.mark.parametrize("case", list(EIGHT_RANKS))
+def test_pipeline_bytes_equal_eight_gloo_ranks(tmp_path, case: str) -> None:
+    """pp = 2 x HSDP 2 x 2 (ranks 0-3 hold stage 0, as 2 replica groups of 2 shards; 4-7 stage 1): FSDP2's
+    all-gathers within a replica group as PipelineStage leaves them, its reduce-scatter and HSDP's all-reduce across
+    the groups once an update, after the schedule; Muon's owners and Quantile Balancing over the stage's 4 ranks."""
+    _check_ranks(spawn_ranks(_eight_ranks, tmp_path, nprocs=8), *EIGHT_RANKS[case], case)
+
+
+def _check_ranks(ranks: list[dict], overrides: list[str], mesh: Mesh, case: str) -> None:
+    """Every rank's measured bytes against the plan of its pp rank (pp outermost: a stage's ranks consecutive)."""
+    kind = "DDP all-reduce" if mesh.dp_shard == 1 else "FSDP reduce-scatter"
+    for rank, counts in enumerate(ranks):
+        want = _want(overrides, mesh, rank // mesh.stage_world, rank % mesh.dp_shard)
+        assert {kind, "balancing", "PP send"} <= set(want["comm"])
+        _compare(counts[case], want, f"rank {rank}", rank % mesh.dp_shard == 0)
+        assert (want["gathered"] > 0) == (mesh.dp_shard > 1)  # the stage's whole parameters, fp32
 
 
 # ---- the CLI ------------------------------------------------------------------------------------------------------
@@ -286,7 +362,10 @@ def test_the_cli_plans_a_pipeline(capsys: pytest.CaptureFixture) -> None:
     assert "pipeline: 2 stages of layers 0-1, 2-3" in out and "bubble 0.200" in out
     assert "PP gradients send" in out and "pipeline receive buffers" in out and "run it with" not in out
     assert main([*recipe[:-4], "--gpus", "8", "--mesh", "1x4x2x1x2", "--gpu", "h100"]) == 0
-    assert "planned, not runnable today" in capsys.readouterr().out
+    assert "not yet with expert parallelism: this mesh (ep > 1) is planned, not runnable" in capsys.readouterr().out
+    assert main([*recipe[:-4], "--gpus", "8", "--mesh", "2x2x1x1x2", "--gpu", "h100"]) == 0  # pp x HSDP: runnable
+    out = capsys.readouterr().out
+    assert "not runnable" not in out and "FSDP all-gather" in out and "HSDP all-reduce" in out
 
 
 @pytest.mark.parametrize(

@@ -114,10 +114,10 @@ def notes_for(mesh: Mesh, spec) -> list[str]:
         have += f" parallel.cp={spec.cp}" if spec.cp > 1 else ""
         if want != have:
             notes.append(f"run it with {want} (the config says {have})")
-    if mesh.pp > 1 and (mesh.dp_shard > 1 or mesh.ep > 1 or mesh.cp > 1):
+    if mesh.pp > 1 and mesh.ep > 1:  # the run refuses it (ParallelDims)
         notes.append(
-            "k3train runs parallel.pp with DDP over a stage's ranks only, yet (ep 1, cp 1): this mesh is planned, "
-            "not runnable today (docs/distributed.md)"
+            "k3train runs parallel.pp with DDP, FSDP2, HSDP and cp over a stage's ranks, not yet with expert "
+            "parallelism: this mesh (ep > 1) is planned, not runnable today (docs/distributed.md)"
         )
     return notes
 

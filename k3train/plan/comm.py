@@ -41,7 +41,9 @@ tokens that leave it.
   the forward's Documents gathers every rank's B x T_l ids for all the layers, a recompute reads them again
   (k3train/models/common/documents.py).
 - Pipeline parallelism (parallel.pp: each pp rank's stages planned over the stage's ranks, k3train/plan/pipeline.py):
-  the data-parallel kinds above over a stage's ranks and its parameters; under DDP the stage's gradients
+  the data-parallel kinds above over a stage's ranks and its parameters, but FSDP2's all-gathers as torch's
+  PipelineStage leaves them (a unit gathered only when sharded at a forward or backward: pipeline.fsdp_gathers) and
+  its reduce-scatter (and HSDP's all-reduce) once an update, after the schedule; under DDP the stage's gradients
   all-reduced one at a time after the schedule (k3train/train/pipeline.Pipeline.reduce_gradients: not overlapped);
   "PP activations send" and "PP gradients send", what the rank sends to the stages after and before it (payload
   and wire alike, waited for).

@@ -57,6 +57,7 @@ class Memory:
     first_step_added: float = 0.0
     in_flight: float = 0.0  # a pipeline rank: the activations of the micro-batches in flight beyond one a stage
     pipeline_buffers: float = 0.0  # a pipeline rank: torch's receive buffers, one a micro-batch and tensor
+    pipeline_gathered: float = 0.0  # a pipeline rank under FSDP2: its stages' parameters gathered, fp32
 
     @property
     def peak(self) -> float:

@@ -25,6 +25,15 @@ accumulation), run m times an update. What pipelining adds to that plan:
 - Activations of the micro-batches in flight: a micro-batch's are held from its forward until its backward ends (the
   W pass under the zero-bubble schedules); the simulation's most at once on each rank, by stage (gpipe: all m;
   1f1b: min(m, p - i) on stage i, p on the first).
+- FSDP2 and HSDP over a stage's ranks (the run cuts the model first and spreads each stage over its ranks: each
+  stage its own FSDP2 root, its blocks the units) as torch's PipelineStage drives them: every backward but the
+  schedule's last leaves the units gathered and their gradients whole (set_reshard_after_backward(False),
+  set_requires_gradient_sync(False)); after the schedule perform_reduce_grad runs their post-backward once (reshard,
+  the reduce-scatter, HSDP's all-reduce). So a unit is gathered only when it is sharded at one of its stage's
+  forwards or backwards (fsdp_gathers: every forward before the first backward, a backward after a forward; with
+  reshard_after_forward, a forward reshards it again), and from a backward to the update's end the stage's whole
+  parameters are gathered (fp32) beside its whole gradients: the backward phase holds them (pipeline_gathered).
+  Measured on 4 gloo ranks, pp 2 x FSDP2 2, 1f1b (tests/test_plan_pp.py).
 - The p2p bytes (p2p): what crosses each cut between ranks, every micro-batch: the residual stream h and, with
   attention residuals, the block sums finished before the cut (k3train/models/k3/pipeline.py's blocks_before:
   the layers 0, S, 2S, ... below it), each [rows, seq_len, d] in fp32 (the stream's dtype, autocast or not), forward;
@@ -42,8 +51,8 @@ from types import SimpleNamespace
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from k3train.plan.activations import F32, root_activations
-from k3train.plan.comm import Collective, plan_comm
-from k3train.plan.memory import Memory, planned_layers, rank_slice
+from k3train.plan.comm import Collective, fsdp_gather_payload, plan_comm, ring
+from k3train.plan.memory import Memory, fsdp_gathered, planned_layers, rank_slice, unit_bytes
 from k3train.plan.mesh import Mesh
 from k3train.plan.spec import RunSpec
 from k3train.train.pipeline import SCHEDULES, PipelineSettings, owner_of, stage_bounds, stages_of
@@ -291,16 +300,62 @@ def p2p(spec: RunSpec, plan: PipelinePlan, rank: int) -> P2P:
     return P2P(sent_f, sent_b, got_f, got_b, calls_f, calls_b)
 
 
+def fsdp_gathers(plan: PipelinePlan, rank: int, stage: int, reshard_after_forward: bool = True) -> int:
+    """How many times an update FSDP2 all-gathers each unit of `stage` (on pp rank `rank`) under torch's
+    PipelineStage, which keeps every backward but its last from resharding (set_reshard_after_backward(False)) or
+    reducing (set_requires_gradient_sync(False)) and runs the units' post-backward (reshard and reduce-scatter) once,
+    after the schedule (perform_reduce_grad): walking the stage's actions in the schedule's order, a unit is gathered
+    when it is sharded at a forward or a backward (whole, or the zero-bubble schedules' inputs' part; the weights'
+    part, W, gathers nothing); a forward leaves it sharded again with reshard_after_forward, a backward leaves it
+    gathered. Measured on 4 gloo ranks (tests/test_plan_pp.py): 1f1b, pp 2, 4 micro-batches: 5 passes on either
+    stage, against 8 (2m) for FSDP's own accumulation."""
+    sharded, n = True, 0
+    for s, kind, _ in orders(plan.settings, plan.microbatches)[rank]:
+        if s != stage or kind == "W":
+            continue
+        n += sharded
+        sharded = kind == "F" and reshard_after_forward
+    return n
+
+
+def stage_params(spec: RunSpec, plan: PipelinePlan, stage: int) -> RunSpec:
+    """`spec` (a rank's stage_spec) with the parameters of `stage` alone: its layers', and the root's part it holds
+    (each stage is its own FSDP2 root)."""
+    held = {f"layers.{i}" for i in range(*plan.bounds[stage])}
+    first, last = stage == 0, stage == plan.settings.n_stages - 1
+    params = tuple(p for p in spec.params if p.unit in held or (p.unit == "root" and _root_part(p.name, first, last)))
+    return dataclasses.replace(spec, params=params)
+
+
 def rank_comm(spec: RunSpec, plan: PipelinePlan, mesh: Mesh, rank: int) -> list[Collective]:
     """Pipeline rank `rank`'s collectives an update: its stages' over the stage's ranks (`spec` its stage_spec,
-    `mesh` a stage's), and its sends to the stages before and after (p2p: payload and wire alike, waited for)."""
+    `mesh` a stage's), FSDP2's all-gathers as PipelineStage leaves them (fsdp_gathers), and its sends to the stages
+    before and after (p2p: payload and wire alike, waited for)."""
     out = plan_comm(spec, mesh)
+    if mesh.dp_shard > 1:
+        out = [c for c in out if not c.kind.startswith("FSDP all-gather")] + _pipeline_gathers(spec, plan, mesh, rank)
     x = p2p(spec, plan, rank)
     for kind, sent, calls in (("activations", x.sent_forward, x.sends_forward), ("gradients", x.sent_backward,
                                                                                 x.sends_backward)):  # fmt: skip
         if sent:
             out.append(Collective(f"PP {kind} send", sent, sent, 2, calls, False))
     return out
+
+
+def _pipeline_gathers(spec: RunSpec, plan: PipelinePlan, mesh: Mesh, rank: int) -> list[Collective]:
+    totals = {"": [0.0, 0, mesh.dp_shard], " (routed experts)": [0.0, 0, mesh.expert_shard]}
+    for s in plan.stages(rank):
+        held = stage_params(spec, plan, s)
+        passes = fsdp_gathers(plan, rank, s, spec.reshard_after_forward)
+        units = len({p.unit for p in held.params})
+        for name, payload in zip(totals, fsdp_gather_payload(held, mesh)):
+            totals[name][0] += passes * payload
+            totals[name][1] += passes * units
+    return [
+        Collective(f"FSDP all-gather{name}", total, ring(total, ranks), ranks, calls, True)
+        for name, (total, calls, ranks) in totals.items()
+        if total and ranks > 1
+    ]
 
 
 def rank_memory(
@@ -322,13 +377,17 @@ def rank_memory(
     extra = max(0.0, plan.schedule.in_flight(rank, one) - sum(one.values()))
     buffers = receive_buffers(spec, plan, rank)
     cached = sum(la.copies_cached for la in layers.values())
+    gathered = more = 0.0
+    if mesh.dp_shard > 1:  # PipelineStage keeps the stages' units gathered from a backward to the update's end
+        gathered = sum(unit_bytes(spec, mesh).values())
+        more = max(0.0, gathered - fsdp_gathered(spec, mesh))  # beyond FSDP's own root and two blocks
     phases = dict(memory.phases)
-    phases["forward end"] += extra + buffers
-    phases["backward"] += extra + buffers + cached
+    phases["forward end"] += extra + buffers + (0.0 if spec.reshard_after_forward else more)
+    phases["backward"] += extra + buffers + cached + more
     phases["optimizer step"] += buffers
     out = dataclasses.replace(
-        memory, phases=phases, in_flight=extra, pipeline_buffers=buffers,
-        first_step_added=memory.first_step_added + extra + buffers,
+        memory, phases=phases, in_flight=extra, pipeline_buffers=buffers, pipeline_gathered=gathered,
+        first_step_added=memory.first_step_added + extra + buffers + more,
     )  # fmt: skip
     return out, max(plan.schedule.most_in_flight(rank, s) for s in plan.stages(rank))
 

@@ -65,6 +65,8 @@ def table(e: Estimate, spec: RunSpec, mfu: float, hw: Hardware) -> list[str]:
         rows.append(("DDP gradient buckets", m.ddp_buckets))
     if m.pipeline_buffers:
         rows.append(("pipeline receive buffers (a micro-batch each)", m.pipeline_buffers))
+    if m.pipeline_gathered:
+        rows.append(("FSDP2 weights gathered, backward to update's end", m.pipeline_gathered))
     rows += [
         ("activations (one micro-batch)", m.activations),
         ("weight copies held (autocast, fused)", m.weight_copies),
@@ -174,6 +176,7 @@ def as_json(spec: RunSpec, hw: Hardware, chosen: Estimate | None, tried: list[Es
             "usable_bytes": e.budget,
             "memory_bytes": {
                 "pipeline_buffers": m.pipeline_buffers,
+                "pipeline_gathered": m.pipeline_gathered,
                 "in_flight": m.in_flight,
                 "parameters": m.params,
                 "gradients": m.grads,
