@@ -300,4 +300,6 @@ def why(chosen: Estimate | None, tried: list[Estimate], spec: RunSpec) -> list[s
 def _largest_items(memory: Memory, count: int = 4) -> list[tuple[str, float]]:
     items = {"parameters": memory.params, "gradients": memory.grads, "activations": memory.activations,
              "weight copies": memory.weight_copies, **memory.optimizer, **memory.transients}  # fmt: skip
+    if memory.pipeline_gathered:  # PipelineStage's FSDP2 units, gathered from a backward to the update's end
+        items["FSDP2 weights gathered (pipeline)"] = memory.pipeline_gathered
     return sorted(items.items(), key=lambda kv: -kv[1])[:count]
