@@ -124,10 +124,19 @@ class ExpertShardedOptimizer:
 
 def with_expert_shards(parts: dict, model: nn.Module, optimizer: torch.optim.Optimizer, dims: ParallelDims) -> dict:
     """The Checkpointer's parts, the model and optimizer wrapped when `model` holds expert-parallel weights."""
-    if not expert_shards(model):
-        return parts
     return {
         **parts,
-        "model": ExpertShardedModel(model, dims),
-        "optimizer": ExpertShardedOptimizer(parts["optimizer"], optimizer, model, dims),
+        "model": expert_sharded_model(model, dims),
+        "optimizer": expert_sharded_optimizer(parts["optimizer"], optimizer, model, dims),
     }
+
+
+def expert_sharded_model(model: nn.Module, dims: ParallelDims):
+    """`model` as a checkpoint part: ExpertShardedModel when it holds expert-parallel weights, else itself (a
+    pipeline's stages are wrapped one by one)."""
+    return ExpertShardedModel(model, dims) if expert_shards(model) else model
+
+
+def expert_sharded_optimizer(part, optimizer: torch.optim.Optimizer, model: nn.Module, dims: ParallelDims):
+    """The optimizer part over `model`'s parameters: ExpertShardedOptimizer when it holds expert-parallel weights."""
+    return ExpertShardedOptimizer(part, optimizer, model, dims) if expert_shards(model) else part

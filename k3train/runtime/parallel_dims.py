@@ -50,11 +50,6 @@ class ParallelDims:
         pp: int = 1,
     ) -> None:
         self.layout = ParallelLayout(dp_replicate, dp_shard, ep, cp, pp)
-        if pp > 1 and ep > 1:
-            raise ValueError(
-                f"parallel.pp={pp} with parallel.ep={ep}: pipeline parallelism composes with DDP, FSDP2, HSDP and "
-                "context parallelism, not yet with expert parallelism; use parallel.ep=1, or parallel.pp=1"
-            )
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside a world of {self.world_size}")
         self.rank = rank
@@ -222,12 +217,17 @@ class ParallelDims:
     @property
     def expert_dp_group(self) -> dist.ProcessGroup | None:
         """The ranks that hold the same experts and average their gradients (None: one such rank)."""
-        return None if self.ep == self.world_size else self.expert_mesh["expert_dp"].get_group()
+        return None if self.expert_dp == 1 else self.expert_mesh["expert_dp"].get_group()
 
     @property
     def expert_dp(self) -> int:
-        """Ranks holding the same routed experts."""
+        """Ranks holding the same routed experts (a stage's, under pipeline parallelism)."""
         return self.layout.expert_dp
+
+    @property
+    def stage_world(self) -> int:
+        """The ranks holding this rank's pipeline stage, over which its gradients average: all without a pipeline."""
+        return self.layout.stage_world
 
     @property
     def expert_mesh(self) -> DeviceMesh:
@@ -238,9 +238,16 @@ class ParallelDims:
         if self.ep == 1:
             raise ValueError("no expert mesh: parallel.ep is 1")
         if self._expert_mesh is None:
-            ranks = torch.arange(self.world_size).view(self.expert_dp, self.ep).t()  # [ep, expert_dp]
-            self._expert_mesh = DeviceMesh(self.device_type, ranks, mesh_dim_names=("ep", "expert_dp"))
+            ranks = torch.arange(self.world_size).view(self.pp, self.expert_dp, self.ep).transpose(1, 2)
+            self._expert_mesh = self._within_stage(ranks, ("ep", "expert_dp"))  # [ep, expert_dp]
         return self._expert_mesh
+
+    def _within_stage(self, ranks: torch.Tensor, names: tuple[str, ...]) -> DeviceMesh:
+        """The mesh of `ranks` [pp, *dims], named `names`, that holds this rank's stage: under pipeline parallelism
+        a view of the whole (pp, *names) mesh (every rank builds every stage's groups, a collective)."""
+        if self.pp == 1:
+            return DeviceMesh(self.device_type, ranks[0], mesh_dim_names=names)
+        return DeviceMesh(self.device_type, ranks, mesh_dim_names=("pp", *names))[names]
 
     @property
     def expert_shard(self) -> int:
@@ -256,10 +263,10 @@ class ParallelDims:
         if self.ep == 1 or self.layout.strategy != "hsdp":
             raise ValueError("no expert HSDP mesh: it needs parallel.ep > 1 under HSDP")
         if self._expert_hsdp_mesh is None:
-            shape = (self.dp_replicate, self.expert_shard, self.ep)
-            ranks = torch.arange(self.world_size).view(shape).permute(2, 0, 1)  # [ep, replicas, expert_shard]
+            shape = (self.pp, self.dp_replicate, self.expert_shard, self.ep)
+            ranks = torch.arange(self.world_size).view(shape).permute(0, 3, 1, 2)  # [pp, ep, replicas, expert_shard]
             names = ("ep", "expert_replicate", "expert_shard")
-            self._expert_hsdp_mesh = DeviceMesh(self.device_type, ranks, mesh_dim_names=names)
+            self._expert_hsdp_mesh = self._within_stage(ranks, names)
         return self._expert_hsdp_mesh
 
     @property

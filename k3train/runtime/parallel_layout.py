@@ -2,19 +2,20 @@
 ParallelDims (k3train/runtime/parallel_dims.py) holds one and the planner's Mesh (k3train/plan/mesh.py) is one, so
 what k3train.plan plans and what a run builds cannot disagree.
 
-    world = dp_replicate x dp_shard       every rank holds its own tokens of the global batch
-    ep | world, and ep | dp_shard         groups of ep consecutive ranks split the routed experts (parallel.ep)
+    world = pp x dp_replicate x dp_shard  pp pipeline stages (outermost), each over world / pp ranks (stage_world)
+    ep | world / pp, and ep | dp_shard    groups of ep consecutive ranks split the routed experts (parallel.ep)
       under FSDP2 or HSDP
     cp | world / pp                       groups of cp consecutive ranks split each row's sequence (parallel.cp)
 
 dp_replicate ranks hold whole copies (DDP, parallel=ddp); dp_shard ranks each hold a slice of every parameter
 (FSDP2, parallel=fsdp); both at once is HSDP (parallel=hsdp; the planner: --mesh RxSxE).
 
-The ep rule is the runtime's expert mesh: ParallelDims.expert_mesh takes the ranks in order, ep consecutive ones
-splitting the experts and the world / ep ranks at the same place in their groups (expert_dp) holding the same ones,
-so ep must divide the world. Ranks number replicas first (rank = replica x dp_shard + shard), so under HSDP ep
-consecutive ranks lie within one replica's dp_shard ranks only when ep divides dp_shard: the experts are carved out
-of the sharded ranks, as torchtitan does, and each rank's experts FSDP-sharded over the dp_shard / ep ranks holding
+The ep rule is the runtime's expert mesh: ParallelDims.expert_mesh takes a stage's ranks in order, ep consecutive ones
+splitting the experts and the stage_world / ep ranks at the same place in their groups (expert_dp) holding the same
+ones, so ep must divide a stage's ranks (the world without pipeline parallelism; each stage holds other layers, so other
+stages' ranks never hold the same experts). Ranks number replicas first (rank = replica x dp_shard + shard), so under
+HSDP ep consecutive ranks lie within one replica's dp_shard ranks only when ep divides dp_shard: the experts are carved
+out of the sharded ranks, as torchtitan does, and each rank's experts FSDP-sharded over the dp_shard / ep ranks holding
 them (expert_shard) and replicated over dp_replicate. Under FSDP2 dp_shard is the world, so the two rules are one.
 cp changes no parameter's placement: gradients still average over every rank, each rank's tokens being different.
 """
@@ -47,10 +48,10 @@ class ParallelLayout:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{key}={value!r} must be a positive integer")
-        if self.world % self.ep:
+        if self.stage_world % self.ep:
             raise ValueError(
-                f"parallel.ep={self.ep} must divide the {self.world} process(es): experts split over ep ranks; "
-                "choose an ep that divides them"
+                f"parallel.ep={self.ep} must divide the {self.stage_world} process(es) of a pipeline stage: experts "
+                "split over ep ranks; choose an ep that divides them"
             )
         if self.dp_shard > 1 and self.dp_shard % self.ep:
             raise ValueError(
@@ -80,8 +81,8 @@ class ParallelLayout:
 
     @property
     def expert_dp(self) -> int:
-        """Ranks holding the same routed experts: expert_shard x expert_replicas."""
-        return self.world // self.ep
+        """Ranks holding the same routed experts (within a pipeline stage): expert_shard x expert_replicas."""
+        return self.stage_world // self.ep
 
     @property
     def expert_shard(self) -> int:
@@ -92,7 +93,7 @@ class ParallelLayout:
     @property
     def expert_replicas(self) -> int:
         """Ranks holding the same experts' shard: they average its gradients."""
-        return self.world // (self.ep * self.expert_shard)
+        return self.stage_world // (self.ep * self.expert_shard)
 
     @property
     def strategy(self) -> str:

@@ -99,10 +99,10 @@ def average_expert_gradients(model: nn.Module, dims: ParallelDims) -> None:
     """After the last backward of an update: the routed-expert weights that neither DDP nor FSDP2 reduces (each
     rank's own) averaged as the rest are. An expert's gradient on its rank already sums every token of the ep group
     that chose it (the all-to-all's backward brought them), so it is divided by the world size, as the others'
-    average divides, and summed over the ranks holding the same experts (expert_dp)."""
+    average divides (a pipeline stage's ranks), and summed over the ranks holding the same experts (expert_dp)."""
     for p in expert_shards(model):
         if p.grad is not None and not isinstance(p, DTensor):  # FSDP2's reduce-scatter does its own
-            p.grad.div_(dims.world_size)
+            p.grad.div_(dims.stage_world)
             if dims.expert_dp_group is not None:
                 dist.all_reduce(p.grad, group=dims.expert_dp_group)
 

@@ -26,6 +26,8 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
 
+from k3train.models.layout import expert_shards
+
 # parallel.pp_schedule -> torch's schedule name, and whether a rank holds several stages (the virtual ones)
 SCHEDULES = {
     "gpipe": ("GPipe", False),
@@ -235,12 +237,14 @@ class Pipeline:
     def reduce_gradients(self, group: dist.ProcessGroup | None) -> None:
         """The stages' replicated gradients averaged over the ranks holding the same stages (DDP's all-reduce, once
         an update: no backward runs through a DDP module here). FSDP2's shards (DTensors) were reduce-scattered by
-        the stage's last backward (PipelineStage ends FSDP2's gradient sync itself)."""
+        the stage's last backward (PipelineStage ends FSDP2's gradient sync itself); the routed experts of expert
+        parallelism are the strategy's finish_gradients'."""
         if group is None:
             return
         size = dist.get_world_size(group)
+        experts = {id(p) for module in self.modules for p in expert_shards(module)}  # each rank's own: apart
         for p in self.parameters():
-            if p.grad is not None and not isinstance(p.grad, DTensor):
+            if p.grad is not None and not isinstance(p.grad, DTensor) and id(p) not in experts:
                 dist.all_reduce(p.grad, group=group)
                 p.grad.div_(size)
 

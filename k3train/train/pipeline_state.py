@@ -32,14 +32,22 @@ class PipelineModel:
     the model's names (sharded by stage); load_state_dict takes the whole model's (any checkpoint of this model) and
     keeps what this rank's stages hold."""
 
-    def __init__(self, model: nn.Module, stages: list[nn.Module], group: dist.ProcessGroup | None, gather: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        stages: list[nn.Module],
+        group: dist.ProcessGroup | None,
+        gather: bool = True,
+        parts: list | None = None,
+    ):
         self.model, self.stages, self.group, self.gather = model, stages, group, gather
+        self.parts = parts or stages  # each stage as a checkpoint part (its routed experts whole under ep > 1)
         self.held = {k for stage in stages for k in stage.state_dict()}
 
     def state_dict(self) -> dict:
         local: dict = {}
-        for stage in self.stages:
-            local |= {k: v.detach().clone() if self.gather else v for k, v in stage.state_dict().items()}
+        for part in self.parts:
+            local |= {k: v.detach().clone() if self.gather else v for k, v in part.state_dict().items()}
         if not self.gather:
             return local
         merged: dict = {}
@@ -53,12 +61,12 @@ class PipelineModel:
         return key in self.held
 
     def load_state_dict(self, state: dict) -> None:
-        for stage in self.stages:
+        for stage, part in zip(self.stages, self.parts):
             wanted = stage.state_dict()
             missing = sorted(set(wanted) - set(state))
             if missing:
                 raise KeyError(f"the checkpoint's model lacks {', '.join(missing[:3])}: it is of another model")
-            stage.load_state_dict({k: state[k] for k in wanted})
+            part.load_state_dict({k: state[k] for k in wanted})
 
 
 class PipelineOptimizer:
@@ -66,7 +74,7 @@ class PipelineOptimizer:
     of `whole`, the same optimizer built over the whole model (its parameter order and groups; it holds no state)."""
 
     def __init__(self, part, optimizer, whole: torch.optim.Optimizer, model: nn.Module, group, gather: bool = True):
-        self.part, self.group, self.gather = part, group, gather
+        self.part, self.optimizer, self.group, self.gather = part, optimizer, group, gather
         names = {id(p): n for n, p in model.named_parameters()}
         self.local_names = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
         self.whole_names = [names[id(p)] for g in whole.param_groups for p in g["params"]]
@@ -121,7 +129,7 @@ class PipelineOptimizer:
         state = {names[i]: s for i, s in saved.get("state", {}).items()}
         settings = {g["name"]: g for g in saved["param_groups"]}
         local_groups, start = [], 0
-        for group in self.part.optimizer.param_groups:
+        for group in self.optimizer.param_groups:
             size = len(group["params"])
             kept = {k: v for k, v in settings.get(group["name"], group).items() if k != "params"}
             kept |= {k: v for k, v in group.items() if isinstance(v, list) and k != "params"}  # this rank's own

@@ -22,9 +22,10 @@ from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
+from torch.nn import ModuleList
 
 from k3train.checkpoint.checkpointer import Checkpointer
-from k3train.checkpoint.expert_shards import with_expert_shards
+from k3train.checkpoint.expert_shards import expert_sharded_model, expert_sharded_optimizer, with_expert_shards
 from k3train.config import ProfileConfig, TrainConfig
 from k3train.data import EndOfData
 from k3train.models.layout import expert_shards
@@ -129,11 +130,13 @@ class Trainer:
         }  # restored in this order: the plan re-derives from the counters and cursor
         if pipeline is not None:  # the whole model's checkpoint: gathered from the stages, or sharded by stage
             gather = not checkpointer.sharded
-            parts["model"] = PipelineModel(model, pipeline.modules, self.dims.pp_group, gather)
-            parts["optimizer"] = PipelineOptimizer(
-                self._optimizer_part, optimizer, whole_optimizer, model, self.dims.pp_group, gather
-            )
-        for name, part in with_expert_shards(parts, model, optimizer, self.dims).items():
+            stages = [expert_sharded_model(m, self.dims) for m in pipeline.modules]
+            held = expert_sharded_optimizer(self._optimizer_part, optimizer, ModuleList(pipeline.modules), self.dims)
+            parts["model"] = PipelineModel(model, pipeline.modules, self.dims.pp_group, gather, parts=stages)
+            parts["optimizer"] = PipelineOptimizer(held, optimizer, whole_optimizer, model, self.dims.pp_group, gather)
+        else:
+            parts = with_expert_shards(parts, model, optimizer, self.dims)
+        for name, part in parts.items():
             checkpointer.add(name, part)
         for callback in self.callbacks.values():
             callback.setup(model, optimizer, self.dims)
@@ -195,6 +198,8 @@ class Trainer:
         with self.precision.autocast(self.device):
             loss = self.pipeline.step(x, y, documents)
         self.pipeline.reduce_gradients(self.dims.dp_group)
+        for stage in self.pipeline.modules:  # e.g. expert-parallel weights, which the pipeline's average leaves out
+            self.parallel.finish_gradients(stage, self.dims)
         loss = self._from_last_stage(loss)
         return mean_across_ranks(loss, self.device, self.dims.dp_group)
 

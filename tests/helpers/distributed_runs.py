@@ -64,18 +64,18 @@ K3 = [
 ]
 
 
-def kill_a_rank_then_resume(k3_cache, args, straight, killed, last):
+def kill_a_rank_then_resume(k3_cache, args, straight, killed, last, ranks=2):
     """In `killed`, SIGKILL rank 1 after step 5: the job ends, leaving a complete checkpoint `last`; resume=auto
     then takes the steps of the uninterrupted run in `straight` and ends with its weights, bit for bit."""
     fault = {"K3TRAIN_FAULT": "die_step:5", "K3TRAIN_FAULT_RANK": "1"}
     proc = launch(
-        k3_cache, *args, f"hydra.run.dir={killed}", entry=("tests/fault_entry.py",), env=fault, timeout=180
+        k3_cache, *args, f"hydra.run.dir={killed}", entry=("tests/fault_entry.py",), env=fault, timeout=180, ranks=ranks
     )  # a hang would fail here, not block CI
     assert proc.returncode != 0
     # CI once found no checkpoint at all here (the job ended before its first one): say what the job printed
     assert (killed / last).exists(), f"no {last} after the killed run; its stderr ends:\n{proc.stderr[-3000:]}"
     assert load_checkpoint(killed / last)["trainer"]["step"] in (2, 4)  # a complete checkpoint, never torn
-    proc = launch(k3_cache, *args, f"hydra.run.dir={killed}", "resume=auto")
+    proc = launch(k3_cache, *args, f"hydra.run.dir={killed}", "resume=auto", ranks=ranks)
     assert proc.returncode == 0, proc.stderr
     assert steps(killed) == steps(straight) and steps(killed, "eval") == steps(straight, "eval")
     a, b = load_checkpoint(straight / last), load_checkpoint(killed / last)

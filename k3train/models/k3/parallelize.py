@@ -5,13 +5,12 @@ Every MoE balances over the data-parallel group (Quantile Balancing reduces over
 one process too (None: its own tokens). With ep > 1 each MoE keeps this rank's 1/ep of its routed experts
 (MoE.shard_experts; their layout says `expert_parallel`, k3train/models/layout.py). Under FSDP2 those are not sharded
 over all ranks but over the expert_dp ranks that hold the same experts, as their own unit (torchtitan's llama4
-parallelize does the same), whose reduce-scatter divides by the world size, not by expert_dp (the strategy's
-average_expert_gradients says why): on dim 0 (whole experts per rank) when each rank gets at least one, else on dim 1,
-whose Newton-Schulz then gathers them (k3train/optim/muon.py), as torchtitan's shard_placement_fn does
-(k3train/runtime/parallel_layout.expert_shard_dim, which the planner asks too).
-With expert_dp 1 there is nothing to shard them over: FSDP2 ignores them and the strategy's
-average_expert_gradients divides them. The blocks and the root are then FSDP2 units as any model's
-(k3train/models/common/parallelize.py).
+parallelize does the same), whose reduce-scatter divides by the world size (a pipeline stage's ranks), not by expert_dp
+(the strategy's average_expert_gradients says why): on dim 0 (whole experts per rank) when each rank gets at least one,
+else on dim 1, whose Newton-Schulz then gathers them (k3train/optim/muon.py), as torchtitan's shard_placement_fn does
+(k3train/runtime/parallel_layout.expert_shard_dim, which the planner asks too). With expert_dp 1 there is nothing to
+shard them over: FSDP2 ignores them and the strategy's average_expert_gradients divides them. The blocks and the root
+are then FSDP2 units as any model's (k3train/models/common/parallelize.py).
 
 The sharded-checkpoint layout of the routed experts is K3's too: the whole [E, ...] weight over the expert mesh,
 ep then expert_dp (k3train/checkpoint/expert_shards.py assembles it).
@@ -65,7 +64,7 @@ def _fully_shard(model, moes: list[MoE], dims, options: FullyShard):
                 reshard_after_forward=options.reshard_after_forward,
                 shard_placement_fn=lambda p, placement=placement: placement,
             )
-            moe.experts.set_gradient_divide_factor(float(dims.world_size))
+            moe.experts.set_gradient_divide_factor(float(dims.stage_world))
             if dims.device_type == "cpu":  # gloo has no PREMUL_SUM: a sum, divided after
                 moe.experts.set_force_sum_reduction_for_comms(True)
     elif experts:  # each rank's own, whole (HSDP: on each replica): average_expert_gradients averages them
