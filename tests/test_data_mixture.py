@@ -127,6 +127,11 @@ def test_a_resume_at_a_random_step_takes_bitwise_the_same_rows(two, tmp_path, on
     assert torch.equal(rows, all_rows[at * B :]) and torch.equal(sources, all_sources[at * B :]), at
     if on_exhausted == "reweight":
         assert list(straight.state_dict()["dropped"]) == ["web"]  # web's 3,963 tokens run out first
+    # any batch's sources again, before and after the resume (and the drop)
+    for loader in (straight, resumed):
+        assert torch.equal(torch.cat([loader.sources_of(b) for b in range(total)]), all_sources)
+    with pytest.raises(ValueError, match=rf"batch {total} has not been taken"):
+        resumed.sources_of(total)
 
 
 @pytest.mark.parametrize("on_exhausted", ["stop", "reweight"])
@@ -163,8 +168,9 @@ def test_stop_ends_at_the_first_source_used_up_and_names_it(two):
     state = train.state_dict()
     assert state["cursors"]["web"] + B * T >= 3963 - 1 >= state["cursors"]["web"]  # web ran short, not code
     assert train.batches_remaining() == 0
-    with pytest.raises(EndOfData, match=r"source 'web' \(.*web\) of the train mixture is used up at batch"):
+    with pytest.raises(EndOfData, match=r"source 'web' \(.*web\) of the train mixture is used up at batch") as e:
         train.next_batch()
+    assert train.end_message() == str(e.value)  # known ahead, for a run's end to name the source
 
 
 def test_reweight_drops_a_used_up_source_and_ends_when_all_are(two):
@@ -185,6 +191,7 @@ def test_reweight_drops_a_used_up_source_and_ends_when_all_are(two):
     assert len(code) - 1 - state["cursors"]["code"] < B * T  # code used up to within one batch
     with pytest.raises(EndOfData, match="every source of the train mixture is used up"):
         train.next_batch()
+    assert train.end_message().startswith(f"every source of the train mixture is used up at batch {n}")
 
 
 def test_a_state_of_another_mixture_is_refused_in_one_line(two, tmp_path):
@@ -248,7 +255,7 @@ def test_bad_inputs_are_refused_in_one_line_before_anything_is_written(two, tmp_
 
 def test_data_mixture_composes_and_gives_per_source_val_loaders(two, k3_cache):
     sources = ",".join(f"{{name:{n},path:'{p}'}}" for n, p in two.items())
-    cfg = composed("data=mixture", f"data.sources=[{sources}]", "data.weights=[1,3]", "train.seed=5")
+    cfg = composed("data=mixture", f"data.sources=[{sources}]", "data.weights=[1,3]", "data.seed=5")
     cfg.data.cache_dir = str(k3_cache)
     data = instantiate(cfg.data)
     assert isinstance(data, MixtureData) and data.weights == [1.0, 3.0] and data.seed == 5
@@ -311,6 +318,9 @@ def test_python_m_k3train_trains_on_a_mixture_and_resumes_it_on_another_number_o
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
     assert steps(straight, "eval") == pytest.approx(steps(split, "eval"), rel=1e-5)
+    # the run's data node rebuilt alone (no train.seed in reach): evaluate reads the val mixture
+    proc = launch(k3_cache, str(straight), entry=("-m", "k3train.evaluate"), ranks=None)
+    assert proc.returncode == 0 and "val: loss" in proc.stdout, proc.stderr
 
 
 @pytest.mark.parametrize("on_exhausted", ["stop", "reweight"])

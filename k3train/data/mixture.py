@@ -72,7 +72,7 @@ class MixtureLoader:
     """Global batches whose rows come from several splits in proportion to `weights` (module docstring).
 
     Its batches are Batch(x, y, document_ids) as TokenDataLoader's; `last_sources` (int64 [B]) says which source
-    (an index into `names`) each row of the last batch came from."""
+    (an index into `names`) each row of the last batch came from, `sources_of(batch)` that of any batch taken."""
 
     def __init__(
         self,
@@ -167,22 +167,37 @@ class MixtureLoader:
             rows = np.flatnonzero(sources == s)
             k[rows] = np.arange(len(rows))
         mine = slice(self.rank * B, (self.rank + 1) * B)
-        buf = torch.empty(B, T + 1, dtype=torch.int64)
+        buf = np.empty((B, T + 1), dtype=np.int64)
         for s in np.unique(sources[mine]):
             rows = np.flatnonzero(sources[mine] == s)  # this rank's rows of source s: consecutive rows of its stream
             first, n = int(k[mine][rows[0]]), len(rows)
             start = int(self.cursors[s]) + first * T
-            tokens = self.datasets[s].read(start, n * T + 1).astype(np.int64)
-            windows = np.lib.stride_tricks.sliding_window_view(tokens, T + 1)[::T]
-            buf[torch.from_numpy(rows)] = torch.from_numpy(np.array(windows))
+            tokens = self.datasets[s].read(start, n * T + 1)
+            buf[rows] = np.lib.stride_tricks.sliding_window_view(tokens, T + 1)[::T]  # row i: tokens iT..iT+T
         self.cursors = self.cursors + np.bincount(sources, minlength=len(self.datasets)) * T
         for s in dropped:
             self.dropped[self.names[s]] = self.batches
         self.active = active
         self.batches += 1
         self.last_sources = torch.from_numpy(sources[mine].astype(np.int64))
-        x, y = buf[:, :-1], buf[:, 1:]
+        rows_of_tokens = torch.from_numpy(buf)
+        x, y = (
+            rows_of_tokens[:, :-1].contiguous(),
+            rows_of_tokens[:, 1:].contiguous(),
+        )  # contiguous as the plain loader's
         return Batch(x, y, None if self.eod_id is None else document_ids(x, self.eod_id))
+
+    def sources_of(self, batch: int) -> torch.Tensor:
+        """Which source (an index into `names`) each of this rank's rows of global batch `batch` came from, int64
+        [B], for any batch already taken (also before a resume: the draw is a function of the seed, the batch and
+        the sources dropped by then). With gradient accumulation the micro-batches of one update are batches
+        `batches - accum` .. `batches - 1`; `last_sources` is only the last one's."""
+        if not isinstance(batch, int) or not 0 <= batch < self.batches:
+            raise ValueError(f"batch {batch!r} has not been taken: this loader has taken batches 0..{self.batches - 1}")
+        active = np.array([self.dropped.get(n, batch + 1) > batch for n in self.names], dtype=bool)
+        u = row_uniforms(self.seed, batch * self.global_rows, self.global_rows)
+        sources = np.searchsorted(_bounds(self._weights, active), u, side="right")
+        return torch.from_numpy(sources[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
 
     def batches_remaining(self) -> int:
         """How many more next_batch calls succeed before EndOfData: the draws ahead simulated once from this state
@@ -191,11 +206,18 @@ class MixtureLoader:
             self._end = self._simulate_end()
         return max(0, self._end - self.batches)
 
+    def end_message(self) -> str:
+        """Why the batches end where batches_remaining says: the EndOfData message of the first batch that cannot be
+        filled (which source is used up, at which batch), for a run's end to name it."""
+        self.batches_remaining()
+        return self._end_message
+
     def _simulate_end(self) -> int:
         batch, cursors, active = self.batches, self.cursors.copy(), self.active.copy()
         n_sources, rows = len(self.datasets), self.global_rows
         while True:
             if not (self._weights[active] > 0).any():
+                self._end_message = f"every source of the {self.split} mixture is used up at batch {batch:,}"
                 return batch
             # no more batches than the unread tokens of the active sources could fill
             left = int((self._sizes - cursors)[active].clip(min=0).sum()) // (rows * self.seq_len) + 1
@@ -214,7 +236,8 @@ class MixtureLoader:
             batch, cursors = batch + i, before[i].copy()
             try:
                 sources_i, active, _ = self._draw(batch, cursors, active)
-            except EndOfData:
+            except EndOfData as end:
+                self._end_message = str(end)
                 return batch
             cursors = cursors + np.bincount(sources_i, minlength=n_sources) * self.seq_len
             batch += 1
@@ -225,6 +248,7 @@ class MixtureLoader:
         self.dropped: dict[str, int] = {}  # source name -> the batch at which it was dropped (reweight)
         self.batches = 0
         self._end: int | None = None
+        self._end_message = ""
 
     # ---- state ----------------------------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
@@ -291,7 +315,7 @@ class MixtureLoader:
         self.dropped = {n: int(b) for n, b in state["dropped"].items()}
         self.active = np.array([n not in self.dropped for n in self.names], dtype=bool)
         self.batches = int(state["batches"])
-        self._end = None
+        self._end, self._end_message = None, ""
 
     def _describe_sizes(self, cursors: np.ndarray | None = None) -> str:
         cursors = np.zeros_like(self._sizes) if cursors is None else cursors
@@ -311,7 +335,7 @@ class MixtureData:
 
     sources: [{name, path}, ...]; path a prepared dataset, or null for the built-in corpus (byte tokenizer, prepared
     into cache_dir). weights: one per source, >= 0, summing to a positive number (only their ratios matter).
-    on_exhausted: stop | reweight (module docstring). seed: the draw's (conf/data/mixture.yaml: train.seed).
+    on_exhausted: stop | reweight (module docstring). seed: the draw's (its own, not train.seed: mixture.yaml).
     Every refusal is a ValueError in one line, raised before any source is opened or prepared."""
 
     def __init__(
