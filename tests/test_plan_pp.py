@@ -7,6 +7,10 @@ and the bytes a pipelined update hands to torch.distributed, against real gloo r
   zbv_zero_bubble) and 4 with pp = 2 x DDP 2 (1f1b in bf16): every p2p send and receive, DDP's all-reduce of the
   stage's gradients, Muon's gathers over the stage's ranks and Quantile Balancing's exchanges are the plan's to the
   byte on every rank, and so are torch's receive buffers, the stage's parameters and its optimizer state;
+- 4 gloo ranks with pp = 2 x ep 2 under DDP (the expert mesh carved out of each stage's 2 ranks): each stage's EP
+  all-to-alls (summed over its ep group), no expert-gradient all-reduce (nobody else holds a rank's experts: the
+  other stage holds other layers), DDP's all-reduce without the experts, Muon's experts orthogonalised where they
+  are;
 - the CLI: a pipelined plan, and the pipelines a run refuses refused in one line, exit 2.
 """
 
@@ -22,6 +26,7 @@ from hydra.utils import instantiate
 from test_plan import SMALL, TINY, count_collectives, planned, spec_of
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3train.plan.__main__ import main
 from k3train.plan.estimate import estimate
@@ -58,6 +63,7 @@ TWO_RANKS = {  # name -> overrides: each stage alone on its rank
 FOUR_RANKS = {  # name -> overrides, the mesh
     "1f1b, bf16, DDP 2": (["parallel.pp=2", "precision=bf16"], Mesh(2, 1, 1, 1, 2)),
     "1f1b, FSDP2 2": (["parallel=fsdp", "parallel.pp=2"], Mesh(1, 2, 1, 1, 2)),
+    "1f1b, DDP 2, ep 2": (["parallel.pp=2", "parallel.ep=2"], Mesh(2, 1, 2, 1, 2)),
 }
 EIGHT_RANKS = {"1f1b, HSDP 2x2": (["parallel=hsdp", "parallel.pp=2"], Mesh(2, 2, 1, 1, 2))}
 
@@ -152,6 +158,7 @@ def _rank_main(rank: int, world: int, cases: dict) -> dict:
     import torch.distributed.distributed_c10d as c10d
 
     from k3train.runtime.parallel_dims import ParallelDims
+    from k3train.train import parallel as train_parallel
     from k3train.train import pipeline as pipeline_module
     from k3train.train.pipeline import Pipeline
 
@@ -194,6 +201,14 @@ def _rank_main(rank: int, world: int, cases: dict) -> dict:
     for owner in (dist, c10d):  # P2POp checks its op against c10d's own isend and irecv
         targets[(owner, "isend")], targets[(owner, "irecv")] = counting_isend, counting_irecv
     targets[(pipeline_module, "dist")] = CountingDist()
+
+    class CountingExpertDist(CountingDist):  # average_expert_gradients' `dist`: the experts' all-reduce counted
+        @staticmethod
+        def all_reduce(tensor, group=None, **kwargs):
+            counts["expert gradient all-reduce"] += tensor.nbytes
+            return dist.all_reduce(tensor, group=group, **kwargs)
+
+    targets[(train_parallel, "dist")] = CountingExpertDist()
     targets[(_PipelineStageBase, "perform_reduce_grad")] = measuring_reduce_grad
     originals = {key: getattr(*key) for key in targets}
     for (owner, name), wrapper in targets.items():
@@ -222,9 +237,14 @@ def _rank_main(rank: int, world: int, cases: dict) -> dict:
                 counts.clear()
                 gathered.clear()
                 tokens = torch.randint(0, 257, (rows, T + 1), generator=g)
-                with autocast:
+                exchanges = AllToAllBytes() if dims.ep > 1 else nullcontext()
+                with autocast, exchanges:
                     pipe.step(tokens[:, :-1], tokens[:, 1:])
+                if dims.ep > 1:  # every all-to-all of the step but Quantile Balancing's: the EP exchanges
+                    counts["EP all-to-all"] += exchanges.bytes - counts["balancing all-to-all"]
                 pipe.reduce_gradients(dims.dp_group)
+                for stage in pipe.modules:  # as Trainer does: the experts, which the pipeline's average leaves out
+                    parallel.finish_gradients(stage, dims)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             buffers = sum(
@@ -246,6 +266,20 @@ def _rank_main(rank: int, world: int, cases: dict) -> dict:
         for (owner, name), original in originals.items():
             setattr(owner, name, original)
     return out
+
+
+class AllToAllBytes(TorchDispatchMode):
+    """Each all-to-all's input bytes (what this rank sends), the backward's too (as test_plan's EP run counts)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "all_to_all" in func.name() or "alltoall" in func.name():
+            tensors = args[1] if "alltoall" in func.name() else args[0]  # c10d: (outputs, inputs, ...)
+            self.bytes += tensors.nbytes
+        return func(*args, **(kwargs or {}))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -330,7 +364,11 @@ def test_pipeline_bytes_equal_four_gloo_ranks(four_rank_counts: list[dict], case
     first backward, every backward that follows a forward; resharded after a forward, kept gathered after a
     backward: 5 passes for 4 micro-batches, not 8) and its one reduce-scatter an update; Muon's exchanges of the
     stage's updates and Quantile Balancing's over the stage's ranks, for the stage's MoE layers: byte for byte on
-    every rank; and the stage's parameters still gathered when the schedule ends (the whole stage, fp32)."""
+    every rank; and the stage's parameters still gathered when the schedule ends (the whole stage, fp32). And pp = 2 x
+    ep 2 under DDP (each stage's 2 ranks its ep group): the EP all-to-alls of the stage's MoE layers every
+    micro-batch, summed over the ep group, DDP's all-reduce without the routed experts, no expert-gradient all-reduce
+    (the strategy's finish_gradients after the schedule only divides: no other rank holds a rank's experts), Muon's
+    experts orthogonalised where they are (no exchange), the stage's halved experts' bytes and state."""
     _check_ranks(four_rank_counts, *FOUR_RANKS[case], case)
 
 
@@ -346,11 +384,21 @@ def test_pipeline_bytes_equal_eight_gloo_ranks(tmp_path, case: str) -> None:
 def _check_ranks(ranks: list[dict], overrides: list[str], mesh: Mesh, case: str) -> None:
     """Every rank's measured bytes against the plan of its pp rank (pp outermost: a stage's ranks consecutive)."""
     kind = "DDP all-reduce" if mesh.dp_shard == 1 else "FSDP reduce-scatter"
+    exchanged = collections.defaultdict(float)  # EP all-to-all by ep group: (got, planned)
     for rank, counts in enumerate(ranks):
         want = _want(overrides, mesh, rank // mesh.stage_world, rank % mesh.dp_shard)
         assert {kind, "balancing", "PP send"} <= set(want["comm"])
-        _compare(counts[case], want, f"rank {rank}", rank % mesh.dp_shard == 0)
+        got = {**counts[case], "comm": dict(counts[case]["comm"])}
+        if mesh.ep > 1:  # one rank's share depends on the routing; an ep group's sum is the plan's
+            group = rank // mesh.ep
+            exchanged[group, "got"] += got["comm"].pop("EP all-to-all")
+            exchanged[group, "want"] += want["comm"].pop("EP all-to-all")
+            assert "expert gradient all-reduce" not in want["comm"]  # a stage's 2 ranks / ep 2: nobody shares
+        _compare(got, want, f"rank {rank}", rank % mesh.dp_shard == 0)
         assert (want["gathered"] > 0) == (mesh.dp_shard > 1)  # the stage's whole parameters, fp32
+    for group in range(len(ranks) // mesh.ep if mesh.ep > 1 else 0):
+        assert exchanged[group, "want"] > 0
+        assert exchanged[group, "got"] == pytest.approx(exchanged[group, "want"], rel=1e-12), f"ep group {group}"
 
 
 # ---- the CLI ------------------------------------------------------------------------------------------------------
@@ -362,7 +410,8 @@ def test_the_cli_plans_a_pipeline(capsys: pytest.CaptureFixture) -> None:
     assert "pipeline: 2 stages of layers 0-1, 2-3" in out and "bubble 0.200" in out
     assert "PP gradients send" in out and "pipeline receive buffers" in out and "run it with" not in out
     assert main([*recipe[:-4], "--gpus", "8", "--mesh", "1x4x2x1x2", "--gpu", "h100"]) == 0
-    assert "not yet with expert parallelism: this mesh (ep > 1) is planned, not runnable" in capsys.readouterr().out
+    out = capsys.readouterr().out  # pp with ep: runnable (the expert mesh carved out of each stage's ranks)
+    assert "not runnable" not in out and "EP all-to-all" in out and "run it with parallel=fsdp parallel.ep=2" in out
     assert main([*recipe[:-4], "--gpus", "8", "--mesh", "2x2x1x1x2", "--gpu", "h100"]) == 0  # pp x HSDP: runnable
     out = capsys.readouterr().out
     assert "not runnable" not in out and "FSDP all-gather" in out and "HSDP all-reduce" in out

@@ -101,7 +101,7 @@ def vocab_for(cfg, given: int | None) -> int | None:
 
 
 def notes_for(mesh: Mesh, spec) -> list[str]:
-    """What running `mesh` takes in k3train's config, and what k3train cannot run yet."""
+    """What running `mesh` takes in k3train's config."""
     notes = []
     if mesh.world > 1:
         want = f"parallel={'ddp' if mesh.dp_shard == 1 else 'fsdp'}"
@@ -114,11 +114,6 @@ def notes_for(mesh: Mesh, spec) -> list[str]:
         have += f" parallel.cp={spec.cp}" if spec.cp > 1 else ""
         if want != have:
             notes.append(f"run it with {want} (the config says {have})")
-    if mesh.pp > 1 and mesh.ep > 1:  # the run refuses it (ParallelDims)
-        notes.append(
-            "k3train runs parallel.pp with DDP, FSDP2, HSDP and cp over a stage's ranks, not yet with expert "
-            "parallelism: this mesh (ep > 1) is planned, not runnable today (docs/distributed.md)"
-        )
     return notes
 
 

@@ -21,7 +21,9 @@ tokens that leave it.
   x top-k x the routed width (the latent width for a latent MoE: k3train projects before dispatch) x the activation
   bytes; beside them the gate weights (fp32, forward and backward) and the per-expert slot counts (int64). Summed
   over an ep group's ranks these are exact; one rank's share of the returns depends on the routing.
-- Expert gradient all-reduce (DDP with ep): each rank's experts over the world / ep ranks that hold the same ones.
+- Expert gradient all-reduce (DDP with ep): each rank's experts over the ranks that hold the same ones (expert_replicas:
+  a stage's ranks / ep under pipeline parallelism, the other stages holding other layers), one all-reduce a weight,
+  after the backward (k3train/train/parallel.average_expert_gradients; under pp after the schedule, per stage).
 - Newton-Schulz (MuonAdamW over several ranks, k3train/plan/muon.py): under DDP per Muon group one all-gather of the
   orthogonalised updates (ranks x the largest owner's share, in the Newton-Schulz dtype); under FSDP2 two
   all-to-alls a round, the busiest rank's inputs: its shard of every matrix to the owners, then the whole updates
@@ -120,10 +122,11 @@ def plan_comm(spec: RunSpec, mesh: Mesh) -> list[Collective]:
             out.append(Collective("DDP all-reduce", grads, ring(grads, R, 2), R, len(reduced), False))
         else:
             out.append(Collective("DDP all-reduce", grads, ring(grads, R, 2), R, 1, True))
-        experts = sum(shard_bytes(p, mesh) for p in spec.params if p.kind != "frozen" and split and p.routed)
+        held = [p for p in spec.params if p.kind != "frozen" and split and p.routed]
+        experts = sum(shard_bytes(p, mesh) for p in held)
         if experts and mesh.expert_replicas > 1:  # finish_gradients: over the ranks holding the same experts
             G = mesh.expert_replicas
-            out.append(Collective("expert gradient all-reduce", experts, ring(experts, G, 2), G, 1, False))
+            out.append(Collective("expert gradient all-reduce", experts, ring(experts, G, 2), G, len(held), False))
     moe_layers = sum(1 for i in spec.layer_ids if c.is_moe_layer(i))
     if mesh.ep > 1 and moe_layers:
         slots = spec.rank_tokens(mesh.cp) * c.experts_per_token

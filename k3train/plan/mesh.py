@@ -4,8 +4,8 @@ experts and cp ranks splitting each row's sequence. A Mesh is the run's Parallel
 mesh the planner accepts is one a run accepts.
 
     world = dp_replicate x dp_shard          every rank holds its own tokens of the global batch
-    ep | world (ep | dp_shard under FSDP)    groups of ep consecutive ranks split the routed experts: E / ep whole
-                                             experts per rank, token slots exchanged by all-to-all
+    ep | world / pp (ep | dp_shard under     groups of ep consecutive ranks of a stage split the routed experts:
+      FSDP)                                  E / ep whole experts per rank, token slots exchanged by all-to-all
     cp | world                               groups of cp consecutive ranks split the same rows (parallel.cp): each
                                              holds seq_len / cp positions of them, so world / cp ranks read different
                                              rows (global batch: batch x world / cp rows)
@@ -15,7 +15,8 @@ mesh the planner accepts is one a run accepts.
 Everything else (attention, the router, shared experts, dense FFN, embeddings) is data-parallel over every rank:
 replicated (DDP, dp_shard = 1) or FSDP-sharded over dp_shard and replicated over dp_replicate (FSDP2, HSDP).
 The routed experts: under DDP (k3train's parallel=ddp with parallel.ep, k3train/runtime/parallel_dims.py) each
-rank keeps its E / ep whole and the world / ep ranks holding the same experts average their gradients; under FSDP
+rank keeps its E / ep whole and the world / ep ranks holding the same experts (a stage's ranks / ep under pp: the
+other stages hold other layers) average their gradients; under FSDP
 (parallel=fsdp with parallel.ep, as torchtitan does it) ep is carved out of dp_shard (ep | dp_shard) and each
 rank's experts are FSDP-sharded over the dp_shard / ep ranks that hold the same ones, so ep changes where the
 experts' bytes live and what moves rather than the bytes each rank stores: a layer's experts are gathered over

@@ -34,6 +34,15 @@ accumulation), run m times an update. What pipelining adds to that plan:
   reshard_after_forward, a forward reshards it again), and from a backward to the update's end the stage's whole
   parameters are gathered (fp32) beside its whole gradients: the backward phase holds them (pipeline_gathered).
   Measured on 4 gloo ranks, pp 2 x FSDP2 2, 1f1b (tests/test_plan_pp.py).
+- Expert parallelism within a stage (the run carves the expert mesh out of each stage's ranks: ep consecutive ranks
+  of a stage split its MoE layers' routed experts, and the stage's ranks / ep at the same place in their groups hold
+  the same ones; other stages hold other layers). So the stage's plan is the plain ep plan over its ranks: the EP
+  all-to-alls of its MoE layers every micro-batch (and again in a recompute), the experts left out of DDP's
+  all-reduce of the stage's gradients and averaged after the schedule over the stage's ranks holding the same
+  experts (the strategy's finish_gradients, per stage: an all-reduce only when more than ep ranks hold the stage),
+  Muon orthogonalising a rank's whole experts where they are (own) or over the ranks of the stage sharing their
+  slices, Quantile Balancing over the stage's ranks. Measured on 4 gloo ranks, pp 2 x ep 2 under DDP, 1f1b
+  (tests/test_plan_pp.py).
 - The p2p bytes (p2p): what crosses each cut between ranks, every micro-batch: the residual stream h and, with
   attention residuals, the block sums finished before the cut (k3train/models/k3/pipeline.py's blocks_before:
   the layers 0, S, 2S, ... below it), each [rows, seq_len, d] in fp32 (the stream's dtype, autocast or not), forward;
