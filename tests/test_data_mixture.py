@@ -248,6 +248,8 @@ def test_bad_inputs_are_refused_in_one_line_before_anything_is_written(two, tmp_
         with pytest.raises(ValueError, match=match) as e:
             MixtureData(sources, weights, cache_dir=str(cache))
         assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"data.val_weights has 3 entries but data.sources has 2"):
+        MixtureData([web, code], [1, 1], val_weights=[1, 1, 1])
     with pytest.raises(ValueError, match="data.on_exhausted='wrap': choose one of stop, reweight"):
         MixtureData([web], [1], on_exhausted="wrap")
     assert list(cache.iterdir()) == []  # the built-in source was never prepared
@@ -339,3 +341,17 @@ def test_batches_remaining_looked_ahead_in_small_chunks_is_what_next_batch_gives
         train.next_batch()
     with pytest.raises(EndOfData):
         train.next_batch()
+
+
+def test_val_weights_give_jobs_of_other_weights_one_val_set(two):
+    """A sweep of data.weights with data.val_weights set: every job validates on the same rows, those of the
+    mixture at val_weights."""
+    B, T = 2, 16
+    a = mixture(two, [0.1, 0.9], val_weights=[0.5, 0.5]).loaders(B, T)
+    b = mixture(two, [0.9, 0.1], val_weights=[0.5, 0.5]).loaders(B, T)
+    even = mixture(two, [0.5, 0.5]).loaders(B, T)
+    assert not torch.equal(take(a[0], 10)[0], take(b[0], 10)[0])  # the train rows differ
+    n = even[1].batches_remaining()
+    assert a[1].batches_remaining() == b[1].batches_remaining() == n > 0
+    rows = take(even[1], n)[0]
+    assert torch.equal(take(a[1], n)[0], rows) and torch.equal(take(b[1], n)[0], rows)

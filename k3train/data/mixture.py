@@ -335,6 +335,8 @@ class MixtureData:
 
     sources: [{name, path}, ...]; path a prepared dataset, or null for the built-in corpus (byte tokenizer, prepared
     into cache_dir). weights: one per source, >= 0, summing to a positive number (only their ratios matter).
+    val_weights: the val mixture's, in the same form; None: the weights (set it to compare runs of other weights on
+    one val set).
     on_exhausted: stop | reweight (module docstring). seed: the draw's (its own, not train.seed: mixture.yaml).
     Every refusal is a ValueError in one line, raised before any source is opened or prepared."""
 
@@ -347,9 +349,13 @@ class MixtureData:
         document_masking: bool = True,
         cache_dir: str | None = None,
         verify: bool = False,
+        val_weights: Sequence[float] | None = None,
     ):
         self.names, paths = _check_sources(sources)
         self.weights = _check_weights(weights, self.names)
+        self.val_weights = (
+            self.weights if val_weights is None else _check_weights(val_weights, self.names, "val_weights")
+        )
         if on_exhausted not in ON_EXHAUSTED:
             raise ValueError(f"data.on_exhausted={on_exhausted!r}: choose one of {', '.join(ON_EXHAUSTED)}")
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -395,6 +401,7 @@ class MixtureData:
                     for name, ident in parts
                 ],
                 "weights": self.weights,
+                "val_weights": self.val_weights,
                 "seed": self.seed,
                 "on_exhausted": self.on_exhausted,
             },
@@ -404,7 +411,7 @@ class MixtureData:
         return MixtureLoader(
             [getattr(part, split) for part in self.parts.values()],
             self.names,
-            self.weights,
+            self.weights if split == "train" else self.val_weights,
             self.seed,
             self.on_exhausted,
             batch_size,
@@ -417,8 +424,8 @@ class MixtureData:
     def loaders(
         self, batch_size: int, seq_len: int, rank: int = 0, world_size: int = 1
     ) -> tuple[MixtureLoader, MixtureLoader]:
-        """(train, val): both mixtures in the same proportions, with the same seed and on_exhausted, each over its
-        split of every source; each with its own cursors."""
+        """(train, val): mixtures in the weights' proportions (val: val_weights', the same unless set), with the same
+        seed and on_exhausted, each over its split of every source; each with its own cursors."""
         return (
             self._mixture("train", batch_size, seq_len, rank, world_size),
             self._mixture("val", batch_size, seq_len, rank, world_size),
@@ -469,23 +476,23 @@ def _check_sources(sources: Any) -> tuple[list[str], list[Path | None]]:
     return names, paths
 
 
-def _check_weights(weights: Any, names: list[str]) -> list[float]:
+def _check_weights(weights: Any, names: list[str], key: str = "weights") -> list[float]:
     if isinstance(weights, (str, bytes, Mapping)) or not isinstance(weights, Sequence):
-        raise ValueError(f"data.weights={weights!r} is not a list of numbers; give one weight per source")
+        raise ValueError(f"data.{key}={weights!r} is not a list of numbers; give one weight per source")
     if len(weights) != len(names):
         raise ValueError(
-            f"data.weights has {len(weights)} entries but data.sources has {len(names)} ({', '.join(names)}); "
+            f"data.{key} has {len(weights)} entries but data.sources has {len(names)} ({', '.join(names)}); "
             "give one weight per source, in the sources' order"
         )
     values = []
     for i, w in enumerate(weights):
         if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise ValueError(f"data.weights[{i}]={w!r} ({names[i]}) is not a finite number")
+            raise ValueError(f"data.{key}[{i}]={w!r} ({names[i]}) is not a finite number")
         if w < 0:
-            raise ValueError(f"data.weights[{i}]={w!r} ({names[i]}) is negative; weights are shares, 0 or more")
+            raise ValueError(f"data.{key}[{i}]={w!r} ({names[i]}) is negative; weights are shares, 0 or more")
         values.append(float(w))
     if sum(values) <= 0:
-        raise ValueError(f"data.weights={values} sum to {sum(values):g}; give at least one source a positive weight")
+        raise ValueError(f"data.{key}={values} sum to {sum(values):g}; give at least one source a positive weight")
     return values
 
 
