@@ -355,7 +355,7 @@ def test_pipeline_bytes_equal_two_gloo_ranks(two_rank_counts: list[dict], case: 
         _compare(counts[case], want, f"rank {rank}")
 
 
-@pytest.mark.slow  # 4 spawned gloo ranks: ~25 s on 2 cores for the two cases
+@pytest.mark.slow  # 4 spawned gloo ranks: 95 s on 2 cores for the three cases (load average 6 to 9)
 @pytest.mark.parametrize("case", list(FOUR_RANKS))
 def test_pipeline_bytes_equal_four_gloo_ranks(four_rank_counts: list[dict], case: str) -> None:
     """pp = 2 (ranks 0, 1 hold stage 0; 2, 3 stage 1) x DDP 2 in bf16 autocast, and x FSDP2 2 (each stage its own
