@@ -5,6 +5,7 @@ input refused in one line before anything is written."""
 from __future__ import annotations
 
 import math
+import re
 
 import numpy as np
 import pytest
@@ -13,6 +14,9 @@ from hydra.utils import instantiate
 
 from k3train.data import EndOfData, HFTokenizer, MixtureData, TokenData, TokenDataLoader, prepare_dataset
 from k3train.data.mixture import row_uniforms
+from k3train.observe.metrics import read_metrics
+from k3train.observe.sweep_table import read_job
+from k3train.observe.sweep_table import sources as validated_sources
 
 from helpers.config import composed
 from helpers.data import DOCS, VAL_DOCS, byte_stream, train_tiny_bpe, write_jsonl
@@ -21,10 +25,11 @@ from helpers.distributed_runs import launch, steps
 CODE_DOCS = [f"def f{i}(x):\n    return x * {i} + {i % 5}  # ✓\n" * (1 + i % 4) for i in range(60)]
 
 
-def make_source(tmp_path, name, docs, **kwargs):
-    """docs as train, VAL_DOCS and the first 10 of docs as val."""
+def make_source(tmp_path, name, docs, own_val_first=False, **kwargs):
+    """docs as train, VAL_DOCS and the first 10 of docs as val (those 10 first: `own_val_first`)."""
     train = write_jsonl(tmp_path / f"{name}-train.jsonl", docs)
-    val = write_jsonl(tmp_path / f"{name}-val.jsonl", VAL_DOCS + docs[:10])
+    val_docs = docs[:10] + VAL_DOCS if own_val_first else VAL_DOCS + docs[:10]
+    val = write_jsonl(tmp_path / f"{name}-val.jsonl", val_docs)
     prepare_dataset([train], tmp_path / name, val_inputs=[val], shard_tokens=251, workers=1, **kwargs)
     return tmp_path / name
 
@@ -286,15 +291,18 @@ def bpe_free_identity():
 
 
 @pytest.mark.slow
-def test_python_m_k3train_trains_on_a_mixture_and_resumes_it_on_another_number_of_ranks(two, k3_cache, tmp_path):
+def test_python_m_k3train_trains_on_a_mixture_and_resumes_it_on_another_number_of_ranks(k3_cache, tmp_path):
     """4 steps in one process; the same run as 2 gloo ranks stopped after 2 steps, refused on other weights, then
     resumed in one process with the same global batch: the same losses (the sources' cursors are in the
     checkpoint)."""
+    # each source's val split starts with its own documents, so the sources' val losses differ
+    two = {"web": make_source(tmp_path, "web", DOCS, True), "code": make_source(tmp_path, "code", CODE_DOCS, True)}
     sources = ",".join(f"{{name:{n},path:'{p}'}}" for n, p in two.items())
     args = [
         "data=mixture",
         f"data.sources=[{sources}]",
         "model=smoke_test_lm",
+        "optim.lr=0.05",  # enough to learn each source's bytes in 4 steps: their val losses differ
         "train.max_steps=4",
         "train.seq_len=32",
         "train.log_interval=1",
@@ -323,6 +331,18 @@ def test_python_m_k3train_trains_on_a_mixture_and_resumes_it_on_another_number_o
     # the run's data node rebuilt alone (no train.seed in reach): evaluate reads the val mixture
     proc = launch(k3_cache, str(straight), entry=("-m", "k3train.evaluate"), ranks=None)
     assert proc.returncode == 0 and "val: loss" in proc.stdout, proc.stderr
+
+    # each source validated alone too: val/<source>/loss is that source's val split, as evaluate reads it (the
+    # first batch of 2 rows, the final weights), and the sweep table has a column for it
+    last = [e for e in read_metrics(straight / "metrics.jsonl") if e["event"] == "eval"][-1]
+    for name, path in two.items():
+        data = ["data=prepared", f"data.path={path}", "--batch-size", "2", "--max-batches", "1"]
+        proc = launch(k3_cache, str(straight), *data, entry=("-m", "k3train.evaluate"), ranks=None)
+        assert proc.returncode == 0, proc.stderr
+        alone = float(re.search(r"val: loss ([0-9.]+)", proc.stdout).group(1))
+        assert last[f"val/{name}/loss"] == pytest.approx(alone, abs=1e-4), name
+    assert abs(last["val/web/loss"] - last["val/code/loss"]) > 1e-2  # so the check above tells them apart
+    assert validated_sources([read_job(straight)]) == list(two)
 
 
 @pytest.mark.parametrize("on_exhausted", ["stop", "reweight"])

@@ -36,6 +36,7 @@ class JobRow:
     final_val_loss: float | None = None
     best_val_loss: float | None = None
     val_tokens: int | None = None  # what the final val loss averaged over: train.eval_batches' first val batches
+    source_val_losses: dict[str, float] = field(default_factory=dict)  # data=mixture: the final val/<source>/loss
     step: int = 0
     tokens: int = 0
     tokens_per_s: float | None = None
@@ -59,6 +60,11 @@ def read_job(run_dir: Path, events: list[dict] | None = None) -> JobRow:
     if evals:
         row.final_val_loss, row.best_val_loss = evals[-1]["loss"], min(e["loss"] for e in evals)
         row.val_tokens = evals[-1].get("val_tokens")
+        row.source_val_losses = {
+            key.split("/")[1]: value
+            for key, value in evals[-1].items()
+            if key.startswith("val/") and key.endswith("/loss")
+        }
     progressed = [e for e in events if "step" in e and "tokens" in e]
     if progressed:
         row.step, row.tokens = progressed[-1]["step"], progressed[-1]["tokens"]
@@ -101,13 +107,26 @@ def table_order(row: JobRow) -> tuple[bool, float]:
 COLUMNS = ["final val loss", "best val loss", "val tokens", "step", "tokens", "tokens/s", "end", "run dir"]
 
 
-def cells(row: JobRow, keys: list[str], sweep_dir: Path) -> list[str]:
+def sources(rows: list[JobRow]) -> list[str]:
+    """The mixture sources any job validated alone (data=mixture), in the order they first appear."""
+    return list(dict.fromkeys(name for row in rows for name in row.source_val_losses))
+
+
+def columns(rows: list[JobRow]) -> list[str]:
+    """COLUMNS, with each mixture source's final val loss after the mixture's."""
+    return [COLUMNS[0], *(f"val {name} loss" for name in sources(rows)), *COLUMNS[1:]]
+
+
+def cells(row: JobRow, keys: list[str], sweep_dir: Path, names: list[str] = ()) -> list[str]:
+    """The row's cells under keys + columns(rows): `names` are the sources of columns(rows)."""
+
     def number(x: float | None, fmt: str) -> str:
         return "" if x is None else format(x, fmt)
 
     run_dir = row.run_dir.relative_to(sweep_dir) if row.run_dir.is_relative_to(sweep_dir) else row.run_dir
     return [row.overrides.get(k, "") for k in keys] + [
         number(row.final_val_loss, ".4f"),
+        *(number(row.source_val_losses.get(name), ".4f") for name in names),
         number(row.best_val_loss, ".4f"),
         "" if row.val_tokens is None else str(row.val_tokens),
         str(row.step),
@@ -119,24 +138,26 @@ def cells(row: JobRow, keys: list[str], sweep_dir: Path) -> list[str]:
 
 
 def to_markdown(keys: list[str], rows: list[JobRow], sweep_dir: Path) -> str:
-    header = keys + COLUMNS
+    header, names = keys + columns(rows), sources(rows)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r, keys, sweep_dir)) + " |" for r in rows]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in cells(r, keys, sweep_dir, names)) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
 def to_csv(keys: list[str], rows: list[JobRow], sweep_dir: Path) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(keys + COLUMNS)
-    writer.writerows(cells(r, keys, sweep_dir) for r in rows)
+    writer.writerow(keys + columns(rows))
+    writer.writerows(cells(r, keys, sweep_dir, sources(rows)) for r in rows)
     return out.getvalue()
 
 
 def to_html(keys: list[str], rows: list[JobRow], sweep_dir: Path) -> str:
-    header = "".join(f"<th>{html.escape(h)}</th>" for h in keys + COLUMNS)
+    header = "".join(f"<th>{html.escape(h)}</th>" for h in keys + columns(rows))
+    names = sources(rows)
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells(r, keys, sweep_dir)) + "</tr>\n" for r in rows
+        "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells(r, keys, sweep_dir, names)) + "</tr>\n"
+        for r in rows
     )
     return f"<table>\n<tr>{header}</tr>\n{body}</table>\n"
 

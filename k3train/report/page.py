@@ -8,7 +8,7 @@ import html
 import time
 from pathlib import Path
 
-from k3train.observe.sweep_table import COLUMNS, cells, to_html
+from k3train.observe.sweep_table import cells, columns, sources, to_html
 from k3train.report.figures import Chart
 from k3train.report.runs import Run, Sweep
 
@@ -35,10 +35,11 @@ def _figure(chart: Chart, href: str) -> str:
 
 
 def _runs_table(runs: list[Run]) -> str:
-    header = "".join(f"<th>{html.escape(h)}</th>" for h in ["run", *COLUMNS, "torn lines"])
+    names = sources([r.row for r in runs])
+    header = "".join(f"<th>{html.escape(h)}</th>" for h in ["run", *columns([r.row for r in runs]), "torn lines"])
     rows = "".join(
         "<tr>"
-        + "".join(f"<td>{html.escape(c)}</td>" for c in [r.label, *cells(r.row, [], Path()), str(r.torn)])
+        + "".join(f"<td>{html.escape(c)}</td>" for c in [r.label, *cells(r.row, [], Path(), names), str(r.torn)])
         + "</tr>\n"
         for r in runs
     )

@@ -162,10 +162,17 @@ def build_parts(
     train_loader, val_loader = data.loaders(
         train_cfg.batch_size, train_cfg.seq_len, rank=dims.dp_rank, world_size=dims.dp_size
     )
+    # a mixture's sources each validated alone too (data=mixture: val/<source>/loss)
+    val_sources = {}
+    if hasattr(data, "val_loaders"):
+        val_sources = data.val_loaders(
+            train_cfg.batch_size, train_cfg.seq_len, rank=dims.dp_rank, world_size=dims.dp_size
+        )
     if dims.cp > 1:  # each rank of a group keeps its slice of the rows' sequence, the model exchanges the rest
         train_loader, val_loader = (
             ContextSlices(loader, dims.cp_rank, dims.cp) for loader in (train_loader, val_loader)
         )
+        val_sources = {name: ContextSlices(loader, dims.cp_rank, dims.cp) for name, loader in val_sources.items()}
         if not set_context_parallel(model, ContextParallel(dims.cp_group)):
             raise ValueError(f"parallel.cp={dims.cp}: {type(model).__name__} has no layer that splits its sequence")
     model.to(device)
@@ -218,6 +225,7 @@ def build_parts(
         profile=profile_cfg,
         pipeline=pipeline,
         whole_optimizer=whole_optimizer,
+        val_sources=val_sources,
     )
     return {"trainer": trainer, "metrics": metrics, "data": data}
 

@@ -80,6 +80,7 @@ class Trainer:
         profile: ProfileConfig | None = None,
         pipeline: Pipeline | None = None,
         whole_optimizer: torch.optim.Optimizer | None = None,
+        val_sources: dict | None = None,
     ):
         self.model = model  # the unwrapped, uncompiled module: its state_dict keys stay stable
         self.parallel = parallel or DDP()
@@ -94,6 +95,8 @@ class Trainer:
         self.precision = precision
         self.scaler = precision.make_scaler(device)
         self.train_loader, self.val_loader = train_loader, val_loader
+        # A mixture's sources, each's val split read as val_loader is, logged as val/<source>/loss beside the mixture's
+        self.val_sources = val_sources or {}
         self.config, self.device, self.metrics = config, device, metrics
         self.checkpointer = checkpointer
         self.run_dir = checkpointer.run_dir
@@ -349,21 +352,21 @@ class Trainer:
             def loss_of(x, y, document_ids):
                 return self._from_last_stage(self.pipeline.forward_loss(x, y, document_ids))
 
-        result = evaluate(
-            self.model,
-            self.val_loader,
-            self.config.eval_batches,
-            self.precision,
-            self.device,
-            self.dims.dp_group,
-            loss_of=loss_of,
-        )
+        def val_loss(loader) -> dict:
+            args = (self.config.eval_batches, self.precision, self.device, self.dims.dp_group)
+            return evaluate(self.model, loader, *args, loss_of=loss_of)
+
+        result = val_loss(self.val_loader)
+        for name, loader in self.val_sources.items():
+            result[f"val/{name}/loss"] = val_loss(loader)["loss"]
         self.metrics.log("eval", step=self.state.step, tokens=self.state.tokens, **result)
         # What it measured, beside the number: `k3train.evaluate` reads the whole split by default (another number).
         msg = (
             f"{self.label}eval step {self.state.step}: val loss {result['loss']:.4f} "
             f"(the first {result['batches']} val batches, {result['val_tokens']:,} tokens)"
         )
+        if self.val_sources:
+            msg += "; " + ", ".join(f"{name} {result[f'val/{name}/loss']:.4f}" for name in self.val_sources)
         (progress.write if progress else say)(msg)
         return result
 
