@@ -3,6 +3,7 @@
     python -m k3train.prepare corpus/ extra/*.jsonl.gz --output data/mycorpus
     python -m k3train.prepare docs.jsonl --val-inputs held_out.jsonl --tokenizer tok/tokenizer.json \
         --eod-token "<|endoftext|>" --output data/bpe
+    python -m k3train.prepare hub_download/data/ --text-field content --output data/code  # .parquet/.arrow rows
 
 The pipeline streams: sources.py yields document pieces, which are grouped into ~CHUNK_CHARS chunks per split,
 tokenized by a process pool (at most 2 chunks per worker in flight, results consumed in submission order, so the
@@ -38,6 +39,7 @@ from k3train.data.manifest import FORMAT_VERSION, MANIFEST_NAME, SPLITS, fingerp
 from k3train.data.sources import (
     VAL_FRACTION_TOLERANCE,
     PrepareError,
+    check_tables,
     document_sizes,
     expand_inputs,
     iter_pieces,
@@ -265,6 +267,7 @@ def prepare_dataset(
     val_files = expand_inputs(val_inputs) if val_inputs else []
     if both := sorted(set(files) & set(val_files)):
         raise PrepareError(f"{both[0]} is in both the inputs and the val inputs; a file belongs to one split")
+    check_tables(files + val_files, text_field)  # .parquet/.arrow: datasets installed, the text column there
     # Byte "tokenization" is a memcpy that costs less than shipping the text to another process.
     workers = workers or (1 if isinstance(tokenizer, ByteTokenizer) else usable_cpus()[0])
     bar = tqdm(
@@ -304,7 +307,8 @@ def prepare_dataset(
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m k3train.prepare",
-        description="Tokenize text files (.txt, .jsonl, and their .gz) into a prepared k3train dataset.",
+        description="Tokenize text files (.txt, .jsonl, and their .gz; .parquet and .arrow through Hugging Face "
+        "datasets, local files only) into a prepared k3train dataset.",
     )
     p.add_argument("inputs", nargs="+", help="files, folders (searched recursively) or globs")
     p.add_argument("--output", "-o", required=True, help="dataset directory to create")
@@ -319,7 +323,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     split.add_argument("--val-inputs", nargs="+", default=[], help="files, folders or globs for the val split")
     p.add_argument(
-        "--text-field", default="text", help="JSON field holding a .jsonl document's text (default: %(default)s)"
+        "--text-field",
+        default="text",
+        help="JSON field of a .jsonl line, or column of a .parquet/.arrow row, holding a document's text "
+        "(default: %(default)s)",
     )
     p.add_argument(
         "--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file (default: %(default)s)"

@@ -1,7 +1,10 @@
 """Input text for prepare: which files, how they become documents, and which split each document joins.
 
 Formats (by file name): .txt is one document per file; .jsonl is one document per line, taken from a
-configurable string field; either may be gzip'd (.txt.gz, .jsonl.gz). Empty documents are skipped.
+configurable string field; either may be gzip'd (.txt.gz, .jsonl.gz). .parquet and .arrow (Hugging Face `datasets`
+files: a hub download's parquet, `save_to_disk`'s or the cache's arrow) are one document per row, from the same
+field, read with `datasets.load_dataset` on the local file (optional: `pip install datasets`; never a download).
+Empty documents are skipped.
 
 Documents stream as pieces `(text, last)`: a large .txt is read in ~PIECE_CHARS pieces cut at line ends, so no
 file is ever held whole; `last` marks the piece that ends a document (where the end-of-document token goes).
@@ -14,11 +17,19 @@ import gzip
 import io
 import json
 import math
+import os
+import re
+import sys
+import tempfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")
+TABLE_SUFFIXES = (".parquet", ".arrow")  # read through Hugging Face `datasets`
+SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz", *TABLE_SUFFIXES)
+TABLE_BATCH_ROWS = 1024
+# "owner/name" or "hf://datasets/owner/name": what a hub dataset's name looks like when it is no local path
+_HUB_NAME = re.compile(r"^(hf://(datasets/)?)?[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 PIECE_CHARS = 1 << 18
 VAL_FRACTION_TOLERANCE = 0.1  # relative: val_fraction 0.05 holds to within 0.045-0.055 of the text
 
@@ -48,6 +59,12 @@ def expand_inputs(specs: Sequence[str | Path]) -> list[Path]:
         elif glob.has_magic(str(spec)):
             matches = sorted(p for p in map(Path, glob.glob(str(spec), recursive=True)) if _supported(p))
             where = f"glob {str(spec)!r}"
+        elif _HUB_NAME.match(str(spec)) and not str(spec).endswith(SUFFIXES):
+            raise PrepareError(
+                f"input {str(spec)!r} is no local file or folder and looks like a Hugging Face hub dataset name; "
+                f"prepare never downloads: fetch it first (`hf download --repo-type dataset {spec} --local-dir DIR`) "
+                f"and pass DIR"
+            )
         else:
             raise PrepareError(f"input {path} does not exist; pass files, folders or globs of {', '.join(SUFFIXES)}")
         if not matches:
@@ -58,6 +75,9 @@ def expand_inputs(specs: Sequence[str | Path]) -> list[Path]:
 
 def iter_pieces(path: Path, text_field: str = "text", on_read: Callable[[int], None] | None = None) -> Iterator[Piece]:
     """The documents of one file as pieces; on_read(n) reports n more bytes of the file (as stored) consumed."""
+    if path.name.endswith(TABLE_SUFFIXES):
+        yield from _table_pieces(path, text_field, on_read)
+        return
     with open(path, "rb") as raw:
         stream = gzip.GzipFile(fileobj=raw) if path.name.endswith(".gz") else raw
         text = io.TextIOWrapper(stream, encoding="utf-8", newline="")  # newline="": keep the text's own newlines
@@ -102,6 +122,107 @@ def _jsonl_pieces(text: io.TextIOBase, path: Path, field: str) -> Iterator[Piece
             raise PrepareError(f"{path}:{lineno}: field {field!r} is {type(record[field]).__name__}, not a string")
         if record[field]:
             yield record[field], True
+
+
+def _import_datasets(path: Path):
+    """The `datasets` module, imported offline (its config reads the variables once, at import); a one-line
+    PrepareError without it."""
+    if "datasets" not in sys.modules:
+        saved = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+        os.environ.update(dict.fromkeys(saved, "1"))
+        try:
+            import datasets  # noqa: F401
+        except ImportError:
+            pass
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+    try:
+        import datasets
+    except ImportError as e:
+        raise PrepareError(
+            f"{path}: reading {path.suffix} files needs the Hugging Face datasets package: pip install datasets"
+        ) from e
+    return datasets
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _load_table(path: Path, field: str, cache_dir: str):
+    """The file as a streaming `datasets` dataset of its text column: a packaged builder ("parquet"/"arrow") on
+    the local file, so nothing is resolved on the hub or downloaded, and nothing cached outside cache_dir."""
+    datasets = _import_datasets(path)
+    builder = path.suffix.removeprefix(".")
+    try:
+        ds = datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True, cache_dir=cache_dir)
+        features = ds.features
+    except Exception as e:  # pyarrow's and datasets' own errors for an unreadable file
+        raise PrepareError(f"{path}: not a readable {builder} file ({_first_line(e)}); re-create it") from e
+    if features is not None:
+        if field not in features:
+            raise PrepareError(
+                f"{path}: no {field!r} column (found {sorted(features)}); choose the text field with --text-field"
+            )
+        kind = getattr(features[field], "dtype", type(features[field]).__name__)
+        if "string" not in str(kind):
+            raise PrepareError(f"{path}: column {field!r} is {kind}, not a string")
+    return ds.select_columns([field]).with_format("arrow")
+
+
+def _table_rows(path: Path) -> int:
+    """Rows in a .parquet (its footer) or .arrow file (its batches' headers, memory-mapped): for the progress."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.name.endswith(".parquet"):
+        return pq.read_metadata(path).num_rows
+    with pa.memory_map(str(path)) as source:
+        try:
+            return sum(batch.num_rows for batch in pa.ipc.open_stream(source))
+        except pa.ArrowInvalid:  # the IPC file format (feather v2), not a stream
+            source.seek(0)
+            reader = pa.ipc.open_file(source)
+            return sum(reader.get_batch(i).num_rows for i in range(reader.num_record_batches))
+
+
+def check_tables(paths: Iterable[Path], field: str) -> None:
+    """Refuse, before anything is written, a .parquet/.arrow input that cannot be read (no datasets package, not
+    the format, no string column `field`)."""
+    tables = [p for p in paths if p.name.endswith(TABLE_SUFFIXES)]
+    if tables:
+        with tempfile.TemporaryDirectory(prefix="k3train-prepare-") as cache:
+            for path in tables:
+                _load_table(path, field, cache)
+
+
+def _table_pieces(path: Path, field: str, on_read: Callable[[int], None] | None) -> Iterator[Piece]:
+    size = path.stat().st_size
+    total = _table_rows(path) if on_read is not None else 0
+    reported = row = 0
+    with tempfile.TemporaryDirectory(prefix="k3train-prepare-") as cache:
+        try:
+            for batch in _load_table(path, field, cache).iter(batch_size=TABLE_BATCH_ROWS):
+                for text in batch.column(field).to_pylist():
+                    if text is None:
+                        raise PrepareError(f"{path}: row {row} (from 0): {field!r} is null, not a string")
+                    row += 1
+                    if text:
+                        yield text, True
+                if on_read is not None:
+                    done = size if row >= total else size * row // max(total, 1)
+                    on_read(done - reported)
+                    reported = done
+        except PrepareError:
+            raise
+        except Exception as e:  # a file cut short or corrupt past its header
+            raise PrepareError(f"{path}: not a readable {path.suffix[1:]} file ({_first_line(e)}); re-create it") from e
+    if on_read is not None and reported < size:
+        on_read(size - reported)
 
 
 def document_sizes(pieces: Iterable[Piece]) -> list[int]:
