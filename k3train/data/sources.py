@@ -12,6 +12,7 @@ file is ever held whole; `last` marks the piece that ends a document (where the 
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import gzip
 import io
@@ -125,8 +126,8 @@ def _jsonl_pieces(text: io.TextIOBase, path: Path, field: str) -> Iterator[Piece
 
 
 def _import_datasets(path: Path):
-    """The `datasets` module, imported offline (its config reads the variables once, at import); a one-line
-    PrepareError without it."""
+    """The `datasets` module, imported offline (its config reads the variables once, at import: _offline covers
+    a module imported before); a one-line PrepareError without it."""
     if "datasets" not in sys.modules:
         saved = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
         os.environ.update(dict.fromkeys(saved, "1"))
@@ -153,14 +154,32 @@ def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
+@contextlib.contextmanager
+def _offline(datasets) -> Iterator[None]:
+    """datasets' offline mode for the duration (also when imported online before: load_dataset would otherwise
+    send the hub a download-count request even for a local file)."""
+    names = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "HF_UPDATE_DOWNLOAD_COUNTS")
+    saved = {name: getattr(datasets.config, name) for name in names if hasattr(datasets.config, name)}
+    for name in saved:
+        setattr(datasets.config, name, name != "HF_UPDATE_DOWNLOAD_COUNTS")
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(datasets.config, name, value)
+
+
 def _load_table(path: Path, field: str, cache_dir: str):
     """The file as a streaming `datasets` dataset of its text column: a packaged builder ("parquet"/"arrow") on
     the local file, so nothing is resolved on the hub or downloaded, and nothing cached outside cache_dir."""
     datasets = _import_datasets(path)
     builder = path.suffix.removeprefix(".")
     try:
-        ds = datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True, cache_dir=cache_dir)
-        features = ds.features
+        with _offline(datasets):
+            ds = datasets.load_dataset(
+                builder, data_files=[str(path)], split="train", streaming=True, cache_dir=cache_dir
+            )
+            features = ds.features
     except Exception as e:  # pyarrow's and datasets' own errors for an unreadable file
         raise PrepareError(f"{path}: not a readable {builder} file ({_first_line(e)}); re-create it") from e
     if features is not None:
