@@ -159,6 +159,8 @@ class Pipeline:
         for module in self.modules:  # spread over the stage's ranks (FSDP2: each stage its own root), then staged
             if parallelize is not None:
                 parallelize(module)
+        # each rank's own routed experts (expert parallelism): averaged apart, by the strategy's finish_gradients
+        self.expert_shards = {id(p) for module in self.modules for p in expert_shards(module)}
         rows, seq = micro_shape
         width = self.width = model.config.d_model
         self.stages = [
@@ -242,9 +244,8 @@ class Pipeline:
         if group is None:
             return
         size = dist.get_world_size(group)
-        experts = {id(p) for module in self.modules for p in expert_shards(module)}  # each rank's own: apart
         for p in self.parameters():
-            if p.grad is not None and not isinstance(p.grad, DTensor) and id(p) not in experts:
+            if p.grad is not None and not isinstance(p.grad, DTensor) and id(p) not in self.expert_shards:
                 dist.all_reduce(p.grad, group=group)
                 p.grad.div_(size)
 
