@@ -101,6 +101,8 @@ def test_bad_table_inputs_one_line_nothing_written(tmp_path, tables, capsys):
     pq.write_table(pa.table({"text": ["a", None, "c"]}), tmp_path / "null.parquet")
     (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
     (tmp_path / "junk.arrow").write_bytes(b"not arrow either")
+    whole = tables["save_to_disk arrow"].read_bytes()
+    (tmp_path / "cut.arrow").write_bytes(whole[: len(whole) // 2])  # a stream cut mid-way: its schema reads
     cases = {
         "'allenai/c4' is no local file or folder and looks like a Hugging Face hub dataset name": "allenai/c4",
         "'hf://datasets/HuggingFaceFW/fineweb' is no local": "hf://datasets/HuggingFaceFW/fineweb",
@@ -112,6 +114,7 @@ def test_bad_table_inputs_one_line_nothing_written(tmp_path, tables, capsys):
         "null.parquet: row 1 \\(from 0\\): 'text' is null": tmp_path / "null.parquet",
         "junk.parquet: not a readable parquet file": tmp_path / "junk.parquet",
         "junk.arrow: not a readable arrow file": tmp_path / "junk.arrow",
+        "cut.arrow: not a readable arrow file": tmp_path / "cut.arrow",
     }
     for message, spec in cases.items():
         argv = [str(tables["parquet"]), str(spec), "--output", str(tmp_path / "out"), "--workers", "1"]

@@ -221,10 +221,10 @@ def check_tables(paths: Iterable[Path], field: str) -> None:
 
 def _table_pieces(path: Path, field: str, on_read: Callable[[int], None] | None) -> Iterator[Piece]:
     size = path.stat().st_size
-    total = _table_rows(path) if on_read is not None else 0
     reported = row = 0
     with tempfile.TemporaryDirectory(prefix="k3train-prepare-") as cache:
         try:
+            total = _table_rows(path) if on_read is not None else 0
             for batch in _load_table(path, field, cache).iter(batch_size=TABLE_BATCH_ROWS):
                 for text in batch.column(field).to_pylist():
                     if text is None:
