@@ -62,6 +62,13 @@ class TrainConfig:
     # Per-device peak FLOP/s that `mfu` divides by; null: a known GPU's datasheet peak, or a CPU calibration matmul
     # (k3train/observe/mfu.py).
     peak_flops: float | None = None
+    # Downstream tasks of lm-evaluation-harness (k3train/train/eval_tasks.py) scored every eval_tasks_interval
+    # updates (0: only at the end) as eval_tasks events; eval_tasks_include_path: a folder of local task YAMLs;
+    # eval_tasks_limit: the first N examples of each task (null: all)
+    eval_tasks: list[str] = field(default_factory=list)
+    eval_tasks_interval: int = 0
+    eval_tasks_include_path: str | None = None
+    eval_tasks_limit: int | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -70,7 +77,7 @@ class TrainConfig:
 
         for name in ("batch_size", "seq_len", "gradient_accumulation_steps", "eval_batches", "log_interval"):
             positive(name)
-        for name in ("eval_interval", "checkpoint_interval", "keep_last_k"):
+        for name in ("eval_interval", "checkpoint_interval", "keep_last_k", "eval_tasks_interval"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_steps is not None and self.max_steps < 1:
@@ -92,6 +99,8 @@ class TrainConfig:
                 "train.activation_checkpointing must be none, block or selective, "
                 f"got {self.activation_checkpointing!r}"
             )
+        if self.eval_tasks_limit is not None and self.eval_tasks_limit < 1:
+            raise ValueError(f"train.eval_tasks_limit must be >= 1 or null, got {self.eval_tasks_limit}")
         if self.max_consecutive_skips < 1:
             raise ValueError(f"train.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
 

@@ -20,6 +20,7 @@ in a process that has imported this module: `python -m k3train.lm_eval ...` regi
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -62,6 +63,10 @@ class K3TrainLM(TemplateLM):
         super().__init__()
         if path is None:
             raise ValueError("the k3train model needs model_args path=RUN_DIR_OR_CHECKPOINT")
+        if device and device.startswith("cuda") and not torch.cuda.is_available():
+            # lm_eval's CLI passes its default, cuda:0, when --device is not given; HFLM then runs on the CPU too
+            print(f"[k3train: device={device} but CUDA is not available here: running on the CPU]", file=sys.stderr)
+            device = "cpu"
         loaded = load(path, parse_device(device or "auto", "device"))
         self._setup(loaded.model, loaded.tokenizer, max_length or loaded.seq_len, batch_size)
 

@@ -32,6 +32,7 @@ from k3train.runtime.distributed import World
 from k3train.runtime.parallel_dims import ParallelDims
 from k3train.train.callbacks import Callback
 from k3train.train.cpu_threads import CpuThreads
+from k3train.train.eval_tasks import TaskEval
 from k3train.train.parallel import strategy_missing
 from k3train.train.pipeline import Pipeline
 from k3train.train.rng import configure_determinism, seed_everything
@@ -191,6 +192,10 @@ def build_parts(
         if governor is not None:
             callbacks["cpu_threads"] = governor
     sinks = _build_named(cfg.logger, MetricsSink, "logger", run_dir=str(run_dir))
+    task_eval = None
+    if train_cfg.eval_tasks:  # found and their data read now: a missing task or file is refused before any write
+        include, limit = train_cfg.eval_tasks_include_path, train_cfg.eval_tasks_limit
+        task_eval = TaskEval(train_cfg.eval_tasks, include, limit, data.tokenizer(), dims)
 
     # The log file is opened at its first event, after all checks.
     metrics = MetricsLogger(run_dir / "metrics.jsonl", sinks=list(sinks.values()), enabled=world.is_main)
@@ -226,6 +231,7 @@ def build_parts(
         pipeline=pipeline,
         whole_optimizer=whole_optimizer,
         val_sources=val_sources,
+        task_eval=task_eval,
     )
     return {"trainer": trainer, "metrics": metrics, "data": data}
 

@@ -39,6 +39,7 @@ from k3train.runtime.distributed import any_across_ranks, mean_across_ranks
 from k3train.runtime.parallel_dims import ParallelDims
 from k3train.runtime.signals import StopSignals
 from k3train.train.callbacks import Callback
+from k3train.train.eval_tasks import TaskEval
 from k3train.train.evaluate import evaluate
 from k3train.train.parallel import DDP, clip_gradients, global_grad_norm
 from k3train.train.pipeline import Pipeline, owner_of
@@ -81,6 +82,7 @@ class Trainer:
         pipeline: Pipeline | None = None,
         whole_optimizer: torch.optim.Optimizer | None = None,
         val_sources: dict | None = None,
+        task_eval: TaskEval | None = None,
     ):
         self.model = model  # the unwrapped, uncompiled module: its state_dict keys stay stable
         self.parallel = parallel or DDP()
@@ -97,6 +99,7 @@ class Trainer:
         self.train_loader, self.val_loader = train_loader, val_loader
         # A mixture's sources, each's val split read as val_loader is, logged as val/<source>/loss beside the mixture's
         self.val_sources = val_sources or {}
+        self.task_eval = task_eval  # train.eval_tasks: lm-evaluation-harness tasks (k3train/train/eval_tasks.py)
         self.config, self.device, self.metrics = config, device, metrics
         self.checkpointer = checkpointer
         self.run_dir = checkpointer.run_dir
@@ -328,6 +331,13 @@ class Trainer:
             window.reset()
         if c.eval_interval and s.step % c.eval_interval == 0 and s.step < self.total_steps:
             self.run_eval(progress)
+        if (
+            self.task_eval
+            and c.eval_tasks_interval
+            and s.step % c.eval_tasks_interval == 0
+            and s.step < self.total_steps
+        ):
+            self.run_eval_tasks(progress)
         if c.checkpoint_interval and s.step % c.checkpoint_interval == 0 and s.step < self.total_steps:
             self.save()
 
@@ -370,10 +380,25 @@ class Trainer:
         (progress.write if progress else say)(msg)
         return result
 
+    def run_eval_tasks(self, progress: Progress | None = None) -> dict:
+        """train.eval_tasks on the model as it is now: an eval_tasks event {step, tokens, task: {metric: value}}."""
+        t0 = time.perf_counter()
+        result = self.task_eval(self.model, self.config.seq_len, self.precision, self.device)
+        seconds = round(time.perf_counter() - t0, 3)
+        self.metrics.log("eval_tasks", step=self.state.step, tokens=self.state.tokens, seconds=seconds, **result)
+        shown = "; ".join(
+            f"{task} " + ", ".join(f"{metric} {value:.4g}" for metric, value in scores.items())
+            for task, scores in result.items()
+        )
+        (progress.write if progress else say)(f"{self.label}tasks step {self.state.step}: {shown} ({seconds:.1f} s)")
+        return result
+
     def _finish(self, reason: str, progress: Progress) -> None:
         progress.close()
         if reason != "stop_after" and not reason.startswith("signal:") and self.state.step > 0:
             self.run_eval()  # not when time is short (a signal) or the run goes on (stop_after)
+            if self.task_eval:
+                self.run_eval_tasks()
         if self.checkpointer.saved_step != self.state.step:  # an interval checkpoint may have just saved this step
             self.save()
         if self.plan.done() is not None:

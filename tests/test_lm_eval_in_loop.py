@@ -1,0 +1,96 @@
+"""train.eval_tasks: lm-evaluation-harness tasks scored during training (k3train/train/eval_tasks.py), on a local
+multiple-choice task the test writes (right answers: text of the built-in corpus; wrong ones: its bytes shuffled),
+offline; `python -m k3train.lm_eval` on the run directory; a missing task or task file refused at start-up."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from k3train.data.builtin import builtin_documents
+from k3train.data.tokenizers import ByteTokenizer
+from k3train.inference.loading import build_model, load
+from k3train.observe.metrics import read_metrics
+from k3train.train.eval_tasks import TaskEval
+from k3train.train.precision import Precision
+
+from helpers.local_task import TASK, write_local_task
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+# The quickstart model (k3_tiny on the built-in corpus) shrunk: every layer kind, about 20 s of training on 2 cores.
+SHRUNK = (
+    "model=k3_tiny model.d_model=64 model.expert_ffn_dim=32 model.dense_ffn_dim=64 model.kda_chunk_size=16 "
+    "train.batch_size=8 train.seq_len=64 train.max_steps=60 train.eval_interval=0 train.eval_batches=2 "
+    "train.checkpoint_interval=0 train.progress=lines schedule.warmup_steps=5"
+).split()
+
+
+def python_m(module: str, *args: str, cache: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "K3TRAIN_CACHE": str(cache), "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory) -> Path:
+    return write_local_task(tmp_path_factory.mktemp("tasks"), "\n".join(builtin_documents()), n=24)
+
+
+@pytest.fixture(scope="module")
+def run_dir(k3_cache, tasks, tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("in-loop") / "run"
+    in_loop = [f"train.eval_tasks=[{TASK}]", f"train.eval_tasks_include_path={tasks}", "train.eval_tasks_interval=30"]
+    proc = python_m("k3train", *SHRUNK, *in_loop, f"hydra.run.dir={run}", cache=k3_cache)
+    assert proc.returncode == 0, proc.stderr
+    return run
+
+
+def test_task_scores_are_eval_tasks_events_and_the_trained_model_beats_a_random_one(run_dir, tasks):
+    events = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["event"] == "eval_tasks"]
+    assert [e["step"] for e in events] == [30, 60]
+    trained = events[-1][TASK]["acc"]
+    # the same architecture at its initial weights, scored by the same code
+    loaded = load(run_dir)
+    torch.manual_seed(1337)
+    fresh = build_model(loaded.model_target, dict(loaded.model.config.__dict__), torch.device("cpu"))
+    scorer = TaskEval([TASK], str(tasks), None, ByteTokenizer())
+    untrained = scorer(fresh, 64, Precision("fp32"), torch.device("cpu"))[TASK]["acc"]
+    assert trained > untrained + 0.25, (trained, untrained)
+    assert trained >= 0.75
+
+
+def test_python_m_k3train_lm_eval_scores_the_run_as_the_loop_did(run_dir, tasks, k3_cache, tmp_path):
+    args = ["run", "--model", "k3train", "--model_args", f"path={run_dir},max_length=64", "--tasks", TASK]
+    proc = python_m(
+        "k3train.lm_eval", *args, "--include_path", str(tasks), "--output_path", str(tmp_path), cache=k3_cache
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (result,) = tmp_path.rglob("results_*.json")
+    acc = json.loads(result.read_text())["results"][TASK]["acc,none"]
+    final = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["event"] == "eval_tasks"][-1]
+    assert acc == pytest.approx(final[TASK]["acc"], abs=1e-9)
+
+
+@pytest.mark.parametrize("bad", ["missing_task", "missing_file"])
+def test_a_missing_task_or_task_file_is_refused_in_one_line_before_anything_is_written(bad, k3_cache, tasks, tmp_path):
+    where = tasks
+    if bad == "missing_file":
+        where = write_local_task(tmp_path / "tasks", "\n".join(builtin_documents()), n=4)
+        (where / f"{TASK}.jsonl").unlink()
+    name = "no_such_task" if bad == "missing_task" else TASK
+    run = tmp_path / "run"
+    overrides = [f"train.eval_tasks=[{name}]", f"train.eval_tasks_include_path={where}", f"hydra.run.dir={run}"]
+    proc = python_m("k3train", *SHRUNK, *overrides, cache=k3_cache)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "train.eval_tasks" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not run.exists()
+
