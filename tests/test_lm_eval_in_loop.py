@@ -94,3 +94,15 @@ def test_a_missing_task_or_task_file_is_refused_in_one_line_before_anything_is_w
     assert "Traceback" not in proc.stderr
     assert not run.exists()
 
+
+def test_the_report_draws_each_tasks_scores_by_step(run_dir, tmp_path):
+    from k3train.report.cli import write_report
+    from k3train.report.figures import run_charts
+    from k3train.report.runs import load_run
+
+    charts = {chart.name: chart for chart in run_charts(load_run(run_dir))}
+    events = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["event"] == "eval_tasks"]
+    (panel,) = charts["tasks"].panels
+    assert panel.ylabel == "acc" and panel.data() == {TASK: ([30.0, 60.0], [e[TASK]["acc"] for e in events])}
+    write_report([run_dir], tmp_path / "out")
+    assert (tmp_path / "out" / "tasks.png").read_bytes() == charts["tasks"].png

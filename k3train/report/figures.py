@@ -315,6 +315,25 @@ def optimizer_chart(run: Run) -> Chart:
     )
 
 
+def tasks_chart(run: Run) -> Chart:
+    """train.eval_tasks: one panel per metric (acc, acc_norm, ...), one line per task, by step."""
+    title = "downstream tasks (train.eval_tasks)"
+    panels: dict[str, dict[str, tuple]] = {}
+    for task in keys_of(run.events, "eval_tasks"):
+        for metric in keys_of(run.events, "eval_tasks", task):
+            panels.setdefault(metric, {})[task] = (task, metric)
+    if not panels:
+        return Chart("tasks", title, None, "no eval_tasks event (train.eval_tasks is empty)")
+    fig, axes = _new_figure(len(panels), title)
+    for ax, (metric, lines) in zip(axes, panels.items()):
+        for task, path in lines.items():
+            _line(ax, *series(run.events, "eval_tasks", *path), task, marker="o")
+        _finish(ax, metric)
+    axes[-1].set_xlabel("step")
+    _tokens_axis(axes[0], run)
+    return _chart("tasks", title, fig)
+
+
 # Under each figure on the page: what it shows and what good looks like.
 CAPTIONS = {
     "loss": "Train loss (the mean over the updates since the last log line) and val loss (the first "
@@ -339,6 +358,9 @@ CAPTIONS = {
     "for singular values in about [0.5, 1.5], not exactly 1 (Jordan et al., 2024), so up to ~0.5 is by design; "
     "near 1 is a direction of the momentum with a tiny singular value left small (it gets a small update, "
     "harmless); far above 1, or NaN, is a fault.",
+    "tasks": "Each lm-evaluation-harness task of train.eval_tasks, per metric, at every train.eval_tasks_interval "
+    "updates and after the last (eval_tasks events). Good: rising from chance (1 / choices for accuracy) as the "
+    "loss falls; a few dozen examples give steps of 1 / examples, so read trends, not single points.",
     "overlay": "Val (top) and train loss of every run by step, in the sweep table's order (best final val loss "
     "first). Runs compare step for step where they train the same tokens a step.",
 }
@@ -347,7 +369,11 @@ RUN_CHARTS = [loss_chart, lr_chart, grad_norm_chart, throughput_chart, moe_chart
 
 
 def run_charts(run: Run) -> list[Chart]:
-    return [chart(run) for chart in RUN_CHARTS]
+    """RUN_CHARTS' figures, and the downstream tasks' where the run scored any (train.eval_tasks)."""
+    charts = [chart(run) for chart in RUN_CHARTS]
+    if any(e.get("event") == "eval_tasks" for e in run.events):
+        charts.append(tasks_chart(run))
+    return charts
 
 
 def overlay_chart(runs: list[Run]) -> Chart:
