@@ -104,7 +104,9 @@ def test_bad_table_inputs_one_line_nothing_written(tmp_path, tables, capsys):
     whole = tables["save_to_disk arrow"].read_bytes()
     (tmp_path / "cut.arrow").write_bytes(whole[: len(whole) // 2])  # a stream cut mid-way: its schema reads
     cases = {
-        "'allenai/c4' is no local file or folder and looks like a Hugging Face hub dataset name": "allenai/c4",
+        "'allenai/c4' is no local file or folder; if it names a Hugging Face hub dataset, prepare never downloads": (
+            "allenai/c4"
+        ),
         "'hf://datasets/HuggingFaceFW/fineweb' is no local": "hf://datasets/HuggingFaceFW/fineweb",
         "missing.parquet does not exist": tmp_path / "missing.parquet",
         "nofield.parquet: no 'text' column \\(found \\['body'\\]\\); choose the text field with --text-field": (

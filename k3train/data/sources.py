@@ -62,9 +62,9 @@ def expand_inputs(specs: Sequence[str | Path]) -> list[Path]:
             where = f"glob {str(spec)!r}"
         elif _HUB_NAME.match(str(spec)) and not str(spec).endswith(SUFFIXES):
             raise PrepareError(
-                f"input {str(spec)!r} is no local file or folder and looks like a Hugging Face hub dataset name; "
-                f"prepare never downloads: fetch it first (`hf download --repo-type dataset {spec} --local-dir DIR`) "
-                f"and pass DIR"
+                f"input {str(spec)!r} is no local file or folder; if it names a Hugging Face hub dataset, prepare "
+                f"never downloads: fetch it first (`hf download --repo-type dataset {spec} --local-dir DIR`) and "
+                f"pass DIR"
             )
         else:
             raise PrepareError(f"input {path} does not exist; pass files, folders or globs of {', '.join(SUFFIXES)}")
