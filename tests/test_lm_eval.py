@@ -103,3 +103,8 @@ def test_a_local_multiple_choice_task_runs_offline_through_the_adapter(lm, tmp_p
     out = simple_evaluate(model=lm, tasks=[TASK], task_manager=tasks, bootstrap_iters=0, verbosity="ERROR")
     assert 0.0 <= out["results"][TASK]["acc,none"] <= 1.0
     assert out["n-samples"][TASK]["effective"] == 6
+
+
+def test_a_continuation_longer_than_max_length_is_refused_naming_both(lm):
+    with pytest.raises(ValueError, match="continuation of 70 tokens is longer than max_length=64"):
+        lm.loglikelihood([request("loglikelihood", ("ctx", "x" * 70))])

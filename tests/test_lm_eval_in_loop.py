@@ -61,13 +61,14 @@ def test_task_scores_are_eval_tasks_events_and_the_trained_model_beats_a_random_
     torch.manual_seed(1337)
     fresh = build_model(loaded.model_target, dict(loaded.model.config.__dict__), torch.device("cpu"))
     scorer = TaskEval([TASK], str(tasks), None, ByteTokenizer())
-    untrained = scorer(fresh, 64, Precision("fp32"), torch.device("cpu"))[TASK]["acc"]
+    length = fresh.config.max_seq_len  # as the loop scores
+    untrained = scorer(fresh, length, Precision("fp32"), torch.device("cpu"))[TASK]["acc"]
     assert trained > untrained + 0.25, (trained, untrained)
     assert trained >= 0.75
 
 
 def test_python_m_k3train_lm_eval_scores_the_run_as_the_loop_did(run_dir, tasks, k3_cache, tmp_path):
-    args = ["run", "--model", "k3train", "--model_args", f"path={run_dir},max_length=64", "--tasks", TASK]
+    args = ["run", "--model", "k3train", "--model_args", f"path={run_dir}", "--tasks", TASK]
     proc = python_m(
         "k3train.lm_eval", *args, "--include_path", str(tasks), "--output_path", str(tmp_path), cache=k3_cache
     )
@@ -106,3 +107,22 @@ def test_the_report_draws_each_tasks_scores_by_step(run_dir, tmp_path):
     assert panel.ylabel == "acc" and panel.data() == {TASK: ([30.0, 60.0], [e[TASK]["acc"] for e in events])}
     write_report([run_dir], tmp_path / "out")
     assert (tmp_path / "out" / "tasks.png").read_bytes() == charts["tasks"].png
+
+
+def test_scoring_tasks_leaves_training_exactly_as_without_them(builtin_data, tasks, tmp_path):
+    from helpers.trainer import make_trainer, smoke
+
+    def train(name: str, with_tasks: bool) -> tuple[list, dict]:
+        model = smoke(builtin_data.vocab_size)
+        trainer = make_trainer(tmp_path / name, builtin_data, model, max_steps=4, eval_tasks_interval=2)
+        if with_tasks:
+            trainer.task_eval = TaskEval([TASK], str(tasks), 4, ByteTokenizer())
+        trainer.fit()
+        events = read_metrics(tmp_path / name / "metrics.jsonl")
+        return events, {k: v.clone() for k, v in model.state_dict().items()}
+
+    plain, plain_weights = train("plain", False)
+    scored, scored_weights = train("scored", True)
+    assert [e["step"] for e in scored if e["event"] == "eval_tasks"] == [2, 4]
+    assert [e["loss"] for e in scored if e["event"] == "train"] == [e["loss"] for e in plain if e["event"] == "train"]
+    assert all(torch.equal(plain_weights[k], scored_weights[k]) for k in plain_weights)

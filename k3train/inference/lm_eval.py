@@ -8,7 +8,7 @@ lm_eval's three request kinds through k3train's own model:
   encoded, the context's tokens cut off its front); the continuation's tokens' log-probabilities (fp32 log-softmax
   of the model's logits) are summed, and is_greedy says whether each was the argmax. Requests are batched, longest
   first, padded on the right (a causal model's earlier positions never see the padding). A text longer than the
-  model's context keeps its last max_length + 1 tokens, as HFLM does.
+  model's context keeps its last max_length + 1 tokens, as HFLM does (max_length: the model's max_seq_len).
 - loglikelihood_rolling: lm_eval's rolling windows of max_length tokens, each scored as above.
 - generate_until: k3train's sampler and cache (k3train/inference/sampling.py: KDA state and MLA latent cache),
   greedy unless the task asks for a temperature, stopping at the task's `until` strings or end-of-document.
@@ -50,7 +50,8 @@ def token_logprobs(logits: torch.Tensor, targets: list[int]) -> tuple[torch.Tens
 @register_model("k3train")
 class K3TrainLM(TemplateLM):
     """lm_eval's `k3train` model. model_args: path (required), device (auto), batch_size (8), max_length (the
-    sequence length the run trained at, else the model's max_seq_len)."""
+    model's max_seq_len, the positions it was built for; a run trained at a shorter train.seq_len may do better at
+    that: max_length=<train.seq_len>)."""
 
     def __init__(
         self,
@@ -68,7 +69,7 @@ class K3TrainLM(TemplateLM):
             print(f"[k3train: device={device} but CUDA is not available here: running on the CPU]", file=sys.stderr)
             device = "cpu"
         loaded = load(path, parse_device(device or "auto", "device"))
-        self._setup(loaded.model, loaded.tokenizer, max_length or loaded.seq_len, batch_size)
+        self._setup(loaded.model, loaded.tokenizer, max_length, batch_size)
 
     @classmethod
     def from_model(
@@ -117,6 +118,11 @@ class K3TrainLM(TemplateLM):
         for _, context, continuation in requests:
             if not continuation:
                 raise ValueError("lm_eval asked for the loglikelihood of an empty continuation")
+            if len(continuation) > self.max_length:
+                raise ValueError(
+                    f"a continuation of {len(continuation)} tokens is longer than max_length={self.max_length}: "
+                    "raise max_length (model_args) or shorten the task's answers"
+                )
             whole = (list(context) + list(continuation))[-(self.max_length + 1) :]
             rows.append((whole[:-1], whole[-len(continuation) :]))
         results: list[tuple[float, bool] | None] = [None] * len(rows)

@@ -383,7 +383,8 @@ class Trainer:
     def run_eval_tasks(self, progress: Progress | None = None) -> dict:
         """train.eval_tasks on the model as it is now: an eval_tasks event {step, tokens, task: {metric: value}}."""
         t0 = time.perf_counter()
-        result = self.task_eval(self.model, self.config.seq_len, self.precision, self.device)
+        max_length = getattr(self.model.config, "max_seq_len", None) or self.config.seq_len  # as lm_eval's HFLM
+        result = self.task_eval(self.model, max_length, self.precision, self.device)
         seconds = round(time.perf_counter() - t0, 3)
         self.metrics.log("eval_tasks", step=self.state.step, tokens=self.state.tokens, seconds=seconds, **result)
         shown = "; ".join(
