@@ -49,6 +49,7 @@ from k3train.plan.pipeline import (
 from k3train.train.pipeline import PipelineSettings
 
 from helpers.config import composed
+from helpers.heavy import heavy
 from helpers.spawn import spawn_ranks
 
 CPU = torch.device("cpu")
@@ -373,6 +374,7 @@ def test_pipeline_bytes_equal_four_gloo_ranks(four_rank_counts: list[dict], case
 
 
 @pytest.mark.slow  # 8 spawned gloo ranks: ~63 s on 2 cores (load average 11)
+@heavy  # the rule the 4-rank FSDP2 case checks, over HSDP's 2-D view
 @pytest.mark.parametrize("case", list(EIGHT_RANKS))
 def test_pipeline_bytes_equal_eight_gloo_ranks(tmp_path, case: str) -> None:
     """pp = 2 x HSDP 2 x 2 (ranks 0-3 hold stage 0, as 2 replica groups of 2 shards; 4-7 stage 1): FSDP2's
