@@ -475,22 +475,9 @@ def test_collective_bytes_equal_a_two_rank_gloo_run(two_rank_counts: list[dict],
 
 
 def _expert_parallel_rank_main(rank: int, world_size: int) -> dict:
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from k3train.models.k3.moe import MoE, shard_experts
 
-    class AllToAllBytes(TorchDispatchMode):
-        """Each all-to-all's input bytes (what this rank sends), the backward's too."""
-
-        def __init__(self):
-            super().__init__()
-            self.bytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "all_to_all" in func.name() or "alltoall" in func.name():
-                tensors = args[1] if "alltoall" in func.name() else args[0]  # c10d: (outputs, inputs, ...)
-                self.bytes += tensors.nbytes
-            return func(*args, **(kwargs or {}))
+    from helpers.all_to_all_bytes import AllToAllBytes
 
     cfg = composed(*SMALL, "precision=bf16")
     torch.manual_seed(0)

@@ -26,7 +26,6 @@ from hydra.utils import instantiate
 from test_plan import SMALL, TINY, count_collectives, planned, spec_of
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from k3train.plan.__main__ import main
 from k3train.plan.estimate import estimate
@@ -48,6 +47,7 @@ from k3train.plan.pipeline import (
 )
 from k3train.train.pipeline import PipelineSettings
 
+from helpers.all_to_all_bytes import AllToAllBytes
 from helpers.config import composed
 from helpers.heavy import heavy
 from helpers.spawn import spawn_ranks
@@ -267,20 +267,6 @@ def _rank_main(rank: int, world: int, cases: dict) -> dict:
         for (owner, name), original in originals.items():
             setattr(owner, name, original)
     return out
-
-
-class AllToAllBytes(TorchDispatchMode):
-    """Each all-to-all's input bytes (what this rank sends), the backward's too (as test_plan's EP run counts)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bytes = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "all_to_all" in func.name() or "alltoall" in func.name():
-            tensors = args[1] if "alltoall" in func.name() else args[0]  # c10d: (outputs, inputs, ...)
-            self.bytes += tensors.nbytes
-        return func(*args, **(kwargs or {}))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
