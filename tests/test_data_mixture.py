@@ -328,6 +328,18 @@ def test_python_m_k3train_trains_on_a_mixture_and_resumes_it_on_another_number_o
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
     assert steps(straight, "eval") == pytest.approx(steps(split, "eval"), rel=1e-5)
+    # the train loss per source: the 2 ranks' rows summed over both ranks give the one process's figures
+    by_source = {
+        run: {
+            e["step"]: {k: v for k, v in e.items() if k.startswith("train/")}
+            for e in read_metrics(run / "metrics.jsonl")
+            if e["event"] == "train"
+        }
+        for run in (straight, split)
+    }
+    assert by_source[straight][1] and by_source[straight].keys() == by_source[split].keys()
+    for step, figures in by_source[straight].items():
+        assert by_source[split][step] == pytest.approx(figures, rel=1e-5), step
     # the run's data node rebuilt alone (no train.seed in reach): evaluate reads the val mixture
     proc = launch(k3_cache, str(straight), entry=("-m", "k3train.evaluate"), ranks=None)
     assert proc.returncode == 0 and "val: loss" in proc.stdout, proc.stderr
@@ -375,3 +387,42 @@ def test_val_weights_give_jobs_of_other_weights_one_val_set(two):
     assert a[1].batches_remaining() == b[1].batches_remaining() == n > 0
     rows = take(even[1], n)[0]
     assert torch.equal(take(a[1], n)[0], rows) and torch.equal(take(b[1], n)[0], rows)
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_train_loss_per_source_is_its_rows_mean_loss_and_together_they_give_the_loss(two, tmp_path, accum):
+    """train/<source>/loss in each train event: at step 1 the mean cross-entropy of that source's rows under the
+    initial weights (computed here apart, with F.cross_entropy); at every step the sources' figures weighted by
+    their token counts give back the update's loss; a source with no row in an update has no figure in its event."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from helpers.trainer import make_trainer, smoke
+
+    data = mixture(two, [0.25, 0.75], seed=1)  # its first 8 rows: 2 of web, 6 of code
+    model = smoke(data.vocab_size)
+    initial = copy.deepcopy(model)
+    trainer = make_trainer(tmp_path / "run", data, model, batch_size=8, max_steps=3, gradient_accumulation_steps=accum)
+    trainer.fit()
+    train = [e for e in read_metrics(tmp_path / "run" / "metrics.jsonl") if e["event"] == "train"]
+    assert [e["step"] for e in train] == [1, 2, 3]
+
+    reference, _ = data.loaders(8, 16)
+    for event in train:
+        batches = [reference.next_batch() for _ in range(accum)]
+        sources = torch.cat([reference.sources_of(reference.batches - accum + i) for i in range(accum)])
+        counts = torch.bincount(sources, minlength=2).double()
+        assert [f"train/{name}/loss" in event for name in ("web", "code")] == (counts > 0).tolist()
+        per_source = torch.tensor([event.get(f"train/{name}/loss", 0.0) for name in ("web", "code")]).double()
+        assert (per_source * counts).sum().item() / counts.sum().item() == pytest.approx(event["loss"], rel=1e-6)
+        if event["step"] == 1:
+            x, y = torch.cat([b.inputs for b in batches]), torch.cat([b.targets for b in batches])
+            with torch.no_grad():
+                logits, _ = initial(x)
+                rows = F.cross_entropy(logits.transpose(1, 2).float(), y, reduction="none").mean(1)
+            assert (counts > 0).all()  # this seed's first update has both
+            for i, name in enumerate(["web", "code"]):
+                assert event[f"train/{name}/loss"] == pytest.approx(rows[sources == i].mean().item(), rel=1e-6), name
+    # near ln(257) at init, yet 40x the tolerance above apart: the check tells the sources apart
+    assert abs(train[0]["train/web/loss"] - train[0]["train/code/loss"]) > 2e-4

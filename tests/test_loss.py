@@ -6,7 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3train.models.common.loss import IGNORE_INDEX, default_chunk_size, linear_cross_entropy
+from k3train.models.common.loss import (
+    IGNORE_INDEX,
+    default_chunk_size,
+    linear_cross_entropy,
+    recording_target_losses,
+)
 from k3train.models.k3 import KimiK3
 
 from helpers.loss_problems import loss_and_grads, problem, reference
@@ -59,6 +64,27 @@ def test_ignored_targets_count_neither_in_the_sum_nor_in_the_mean(chunk_size):
     # the gradient rows of ignored targets are exactly zero
     _, grad_hidden, _ = loss_and_grads(linear_cross_entropy, hidden, weight, targets, chunk_size=chunk_size)
     assert grad_hidden[targets == IGNORE_INDEX].abs().max() == 0
+
+
+@pytest.mark.parametrize("with_grad", [True, False])
+def test_a_recording_gets_each_targets_loss_and_leaves_the_mean_and_gradients_bitwise(with_grad):
+    """recording_target_losses (a mixture's loss per source): per target F.cross_entropy's reduction="none" within
+    1e-6, 0 where ignored; the mean and its gradients the same bits as without the recording; calls nest."""
+    hidden, weight, targets = problem(100, 16, 257, ignored=0.2)
+    want = F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="none").detach()
+    plain = loss_and_grads(linear_cross_entropy, hidden, weight, targets, chunk_size=24)
+    with torch.set_grad_enabled(with_grad), recording_target_losses() as outer:
+        with recording_target_losses() as recorded:
+            loss = linear_cross_entropy(hidden, weight, targets, chunk_size=24)
+        assert outer == []  # the inner recording took it
+        linear_cross_entropy(hidden, weight, targets, chunk_size=24)
+    assert len(recorded) == 1 and len(outer) == 1
+    (losses, kept), _ = recorded[0], outer[0]
+    assert torch.equal(kept, targets != IGNORE_INDEX) and not losses.requires_grad
+    torch.testing.assert_close(losses, want, rtol=1e-6, atol=1e-6)
+    assert torch.equal(loss.detach(), plain[0].detach())
+    if with_grad:
+        assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(loss, (hidden, weight)), plain[1:]))
 
 
 def test_every_target_ignored_gives_nan_loss_and_zero_gradients_as_f_cross_entropy():

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from k3train.models.common.loss import record_target_losses, recording
+
 
 @dataclass
 class SmokeTestConfig:
@@ -52,7 +54,10 @@ class SmokeTestLM(nn.Module):
         logits = self.lm_head(self.embed(x))
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+            flat_logits, flat_targets = logits.float().view(-1, logits.size(-1)), targets.reshape(-1)
+            loss = F.cross_entropy(flat_logits, flat_targets)
+            if recording():  # a mixture's loss per source (k3train/models/common/loss.py)
+                record_target_losses(F.cross_entropy(flat_logits, flat_targets, reduction="none"), flat_targets)
         return logits, loss
 
     def check_data(self, vocab_size: int, seq_len: int) -> None:

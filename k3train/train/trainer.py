@@ -28,6 +28,7 @@ from k3train.checkpoint.checkpointer import Checkpointer
 from k3train.checkpoint.expert_shards import expert_sharded_model, expert_sharded_optimizer, with_expert_shards
 from k3train.config import ProfileConfig, TrainConfig
 from k3train.data import EndOfData
+from k3train.models.common.loss import recording_target_losses
 from k3train.models.layout import expert_shards
 from k3train.models.protocol import LanguageModel, document_inputs
 from k3train.observe.metrics import MetricsLogger
@@ -47,6 +48,7 @@ from k3train.train.pipeline_state import PipelineModel, PipelineOptimizer, merge
 from k3train.train.plan import TrainingPlan
 from k3train.train.precision import Precision
 from k3train.train.rng import RNGState
+from k3train.train.source_losses import SourceLosses
 from k3train.train.state import ConfiguredOptimizer, TrainState
 
 
@@ -99,6 +101,8 @@ class Trainer:
         self.train_loader, self.val_loader = train_loader, val_loader
         # A mixture's sources, each's val split read as val_loader is, logged as val/<source>/loss beside the mixture's
         self.val_sources = val_sources or {}
+        # ... and its train loss per source (a loader that says each row's source: MixtureLoader.sources_of)
+        self.source_losses = SourceLosses(train_loader.names) if hasattr(train_loader, "sources_of") else None
         self.task_eval = task_eval  # train.eval_tasks: lm-evaluation-harness tasks (k3train/train/eval_tasks.py)
         self.config, self.device, self.metrics = config, device, metrics
         self.checkpointer = checkpointer
@@ -182,7 +186,7 @@ class Trainer:
             documents = document_inputs(self.model, document_ids, self.device)  # {} without boundaries
             last = i == len(batches) - 1  # only its backward all-reduces the gradients across ranks
             with self.parallel.no_sync(self.replicated) if not last else contextlib.nullcontext():
-                with self.precision.autocast(self.device):
+                with self.precision.autocast(self.device), self._recording_sources([i]):
                     _, loss = self.forward(x, targets=y, **documents)
                 self.scaler.scale(loss / accum).backward()
             losses.append(loss.detach().float())
@@ -201,13 +205,27 @@ class Trainer:
         if any(d is not None for d in ids):  # a micro-batch without boundaries is one document a row
             documents = torch.cat([torch.zeros_like(b[0]) if d is None else d for b, d in zip(batches, ids)])
             documents = documents.to(self.device)
-        with self.precision.autocast(self.device):
+        with self.precision.autocast(self.device), self._recording_sources(range(len(batches))):
             loss = self.pipeline.step(x, y, documents)
         self.pipeline.reduce_gradients(self.dims.dp_group)
         for stage in self.pipeline.modules:  # e.g. expert-parallel weights, which the pipeline's average leaves out
             self.parallel.finish_gradients(stage, self.dims)
         loss = self._from_last_stage(loss)
         return mean_across_ranks(loss, self.device, self.dims.dp_group)
+
+    @contextlib.contextmanager
+    def _recording_sources(self, micro_batches):
+        """A mixture's per-target losses of the forwards inside, summed by source (k3train/train/source_losses.py);
+        micro_batches: the update's micro-batches (0..accum-1) whose rows those forwards take, in order."""
+        if self.source_losses is None:
+            yield
+            return
+        accum = self.config.gradient_accumulation_steps
+        first = 0 if self.config.overfit_batch else self.train_loader.batches - accum  # loader's index of batch 0
+        with recording_target_losses() as recorded:
+            yield
+        sources = torch.cat([self.train_loader.sources_of(first + i) for i in micro_batches])
+        self.source_losses.add(recorded, sources)
 
     def _from_last_stage(self, loss: float | None) -> float:
         """A figure of the last stage's rank, on every rank of its pipeline."""
@@ -240,6 +258,8 @@ class Trainer:
             for callback in self.callbacks.values():
                 callback.after_skipped_step(self.state.step)
             result["skipped"] = True
+        if self.source_losses is not None:
+            self.source_losses.end_update(result["skipped"])
         self.optimizer.zero_grad(set_to_none=True)
         return result
 
@@ -316,6 +336,9 @@ class Trainer:
         s, c = self.state, self.config
         if s.step % c.log_interval == 0 or s.step == self.total_steps:
             figures = window.summary()
+            if self.source_losses is not None:
+                by_source = self.source_losses.summary(self.device, self.dims.world_group)
+                figures.update({f"train/{name}/loss": loss for name, loss in by_source.items()})
             record = self.metrics.log(
                 "train",
                 step=s.step,

@@ -14,6 +14,10 @@ backward each stream [N, V] floats through memory; a chunk of them stays in cach
 Targets equal to IGNORE_INDEX (-100, F.cross_entropy's default) count neither in the sum nor in the mean. When
 every target is ignored the loss is NaN (0 / 0) and the gradients are zero, as F.cross_entropy gives.
 
+Per-target losses for figures (a mixture's train loss per source): within `recording_target_losses()` each call
+also appends (losses [N] fp32, kept [N] bool), detached, to the list it yields; the mean and its gradients are the
+same bits as without it. FLA's kernel gives only the mean, so a recorded call takes the chunked path.
+
 Under torch.autocast the matmuls run in the autocast dtype, as the nn.Linear they replace would; the softmax and
 the loss are fp32, and the gradients reach hidden and weight in their own dtypes (through autograd's casts).
 
@@ -26,6 +30,9 @@ the gradients). FLA's kernel:
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 
@@ -40,6 +47,33 @@ IMPLEMENTATIONS = ("auto", "chunked", "fla")
 # Timings: docs/decisions/linear-cross-entropy.md.
 LOGITS_BLOCK_VALUES = 512 * 32768
 GPU_LOGITS_BLOCK_VALUES = 2048 * 163840
+
+
+_recorded: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # set by recording_target_losses
+
+
+@contextlib.contextmanager
+def recording_target_losses() -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Every loss computed inside appends its (per-target losses, kept) to the list this yields (module docstring)."""
+    global _recorded
+    outer, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer
+
+
+def recording() -> bool:
+    """Whether a recording_target_losses() is on: a model whose loss is not linear_cross_entropy's computes its
+    per-target losses only then, and hands them to record_target_losses."""
+    return _recorded is not None
+
+
+def record_target_losses(losses: torch.Tensor, targets: torch.Tensor) -> None:
+    """losses [N] (e.g. F.cross_entropy's with reduction="none"), targets [N] -> into the recording, if one is on."""
+    if _recorded is not None:
+        kept = targets != IGNORE_INDEX
+        _recorded.append((torch.where(kept, losses.detach().float(), 0.0), kept))
 
 
 def default_chunk_size(vocab_size: int, device_type: str = "cpu") -> int:
@@ -74,7 +108,8 @@ def linear_cross_entropy(
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        if implementation == "fla" or (implementation == "auto" and chunk_size_given is None and _fla_fits(hidden)):
+        fla_wanted = implementation == "fla" or (implementation == "auto" and chunk_size_given is None)
+        if fla_wanted and _recorded is None and (implementation == "fla" or _fla_fits(hidden)):
             with torch.autocast(device_type, enabled=False):
                 return _fla_linear_cross_entropy(hidden, weight, targets)
         return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size)
@@ -130,6 +165,7 @@ def _chunked(
     """The mean loss over the kept targets and, with_grads, its gradients w.r.t. hidden and weight in their dtypes;
     one [chunk, V] block of fp32 logits at a time."""
     kept = targets != IGNORE_INDEX
+    per_target = None if _recorded is None else torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     count = kept.sum()  # a tensor: no host sync on a GPU, no graph break under torch.compile
     # The mean's 1 / count goes into the [chunk, d] side of each gradient product, never a pass over [chunk, V].
     # All targets ignored: the gradient rows are all masked to 0, and the clamp keeps them 0 rather than NaN.
@@ -151,7 +187,10 @@ def _chunked(
         else:
             logits.copy_(h @ weight.T)  # the matmul in the low-precision dtype, the softmax in fp32
         log_probs = torch.log_softmax(logits, dim=-1, out=logits)  # in place: each row is read before it is written
-        loss_sum -= (log_probs.gather(1, t) * scale).sum()  # scale: the kept rows' 1 / count, 0 for ignored ones
+        target_log_probs = log_probs.gather(1, t)
+        loss_sum -= (target_log_probs * scale).sum()  # scale: the kept rows' 1 / count, 0 for ignored ones
+        if per_target is not None:
+            per_target[rows] = torch.where(kept[rows], -target_log_probs[:, 0], 0.0)
         if not with_grads:
             continue
         # d(summed loss)/d(logits) = softmax - one_hot; the row scale turns it into the mean's, masked
@@ -168,6 +207,8 @@ def _chunked(
                 grad_weight.copy_(product)
             else:
                 grad_weight += product
+    if per_target is not None:
+        _recorded.append((per_target, kept))
     loss = torch.where(count > 0, loss_sum, torch.nan)  # all ignored: NaN, as F.cross_entropy gives
     if with_grads:
         return loss, grad_hidden, grad_weight.to(weight.dtype)
