@@ -508,3 +508,23 @@ def test_report_on_a_four_job_sweep(run_cli, tmp_path, monkeypatch):
         assert png.startswith(PNG_MAGIC) and len(png) > 5000 and png == (out / href).read_bytes()
     rows = re.findall(r"<tr>(?:<td>[^<]*</td>){7}<td>max_steps</td><td>(\d)</td></tr>", page)
     assert rows == in_order  # the page's sweep table, best val loss first
+
+
+def test_a_mixture_run_gets_a_loss_per_source_figure_with_each_sources_val_and_train_curves(tmp_path):
+    path = tmp_path / "run"
+    path.mkdir()
+    events = [
+        _train(1, 5.0, **{"train/web/loss": 4.0, "train/code/loss": 5.5}),
+        _train(2, 4.0, **{"train/code/loss": 4.4}),  # no web row in that window: no figure, no point
+        {"event": "eval", "step": 2, "tokens": 128, "loss": 4.5, "val/web/loss": 4.1, "val/code/loss": 4.9},
+    ]
+    (path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    run = load_run(path)
+    charts = {chart.name: chart for chart in run_charts(run)}
+    assert list(charts) == [*CHART_NAMES, "sources"]
+    val, train = charts["sources"].panels
+    assert val.data() == {"web": ([2], [4.1]), "code": ([2], [4.9]), "mixture": ([2], [4.5])}
+    assert train.data() == {"web": ([1], [4.0]), "code": ([1, 2], [5.5, 4.4]), "mixture": ([1, 2], [5.0, 4.0])}
+    assert (val.ylabel, train.ylabel) == ("val loss", "train loss")
+    # a run of one dataset has none
+    assert "sources" not in {chart.name for chart in run_charts(load_run(_run_dir(tmp_path / "plain")))}

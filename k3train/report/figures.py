@@ -17,6 +17,7 @@ from k3train.report.runs import Run, has_values, keys_of, series
 
 INSTALL_HINT = "pip install 'k3train[report]'"
 MOE_KEY = re.compile(r"moe/(?P<layer>[^/]+)/(?P<metric>.+)")
+SOURCE_KEY = re.compile(r"(?P<split>train|val)/(?P<source>.+)/loss")
 
 
 class MissingMatplotlib(ImportError):
@@ -334,6 +335,33 @@ def tasks_chart(run: Run) -> Chart:
     return _chart("tasks", title, fig)
 
 
+def sources_chart(run: Run) -> Chart:
+    """data=mixture: val (top) and train loss per source by step, the mixture's own dashed beside them."""
+    title = "loss per source (data=mixture)"
+    names: dict[str, list[str]] = {"val": [], "train": []}
+    for event, split in (("eval", "val"), ("train", "train")):
+        for key in keys_of(run.events, event):
+            match = SOURCE_KEY.fullmatch(key)
+            if match and match["split"] == split and match["source"] not in names[split]:
+                names[split].append(match["source"])
+    if not names["val"] and not names["train"]:
+        return Chart("sources", title, None, "no per-source loss (not a data=mixture run)")
+    fig, (top, bottom) = _new_figure(2, title)
+    for ax, event, split in ((top, "eval", "val"), (bottom, "train", "train")):
+        for source in names[split]:
+            _line(
+                ax,
+                *series(run.events, event, f"{split}/{source}/loss"),
+                source,
+                **({"marker": "o"} if ax is top else {}),
+            )
+        _line(ax, *series(run.events, event, "loss"), "mixture", color="grey", ls="--")
+        _finish(ax, f"{split} loss")
+    bottom.set_xlabel("step")
+    _tokens_axis(top, run)
+    return _chart("sources", title, fig)
+
+
 # Under each figure on the page: what it shows and what good looks like.
 CAPTIONS = {
     "loss": "Train loss (the mean over the updates since the last log line) and val loss (the first "
@@ -361,6 +389,9 @@ CAPTIONS = {
     "tasks": "Each lm-evaluation-harness task of train.eval_tasks, per metric, at every train.eval_tasks_interval "
     "updates and after the last (eval_tasks events). Good: rising from chance (1 / choices for accuracy) as the "
     "loss falls; a few dozen examples give steps of 1 / examples, so read trends, not single points.",
+    "sources": "data=mixture: each source's val loss (its own val split, the same rows every time) and train loss "
+    "(the mean over its tokens among the updates since the last log line), the mixture's as the dashed line. A "
+    "source whose loss stalls while the others fall is one the weights under-feed, or one that is harder.",
     "overlay": "Val (top) and train loss of every run by step, in the sweep table's order (best final val loss "
     "first). Runs compare step for step where they train the same tokens a step.",
 }
@@ -369,8 +400,11 @@ RUN_CHARTS = [loss_chart, lr_chart, grad_norm_chart, throughput_chart, moe_chart
 
 
 def run_charts(run: Run) -> list[Chart]:
-    """RUN_CHARTS' figures, and the downstream tasks' where the run scored any (train.eval_tasks)."""
+    """RUN_CHARTS' figures, the loss per source for a mixture, and the downstream tasks' where the run scored any
+    (train.eval_tasks)."""
     charts = [chart(run) for chart in RUN_CHARTS]
+    if any(SOURCE_KEY.fullmatch(key) for e in ("eval", "train") for key in keys_of(run.events, e)):
+        charts.append(sources_chart(run))
     if any(e.get("event") == "eval_tasks" for e in run.events):
         charts.append(tasks_chart(run))
     return charts
