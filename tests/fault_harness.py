@@ -54,7 +54,16 @@ MODELS = {
         "model.kda_chunk_size=16",
         "callbacks.qk_clip.tau=0.05",
     ],
+    # data=mixture: every source's cursor, the batch counter and the dropped sources have to survive a kill too (two
+    # sources over the built-in corpus, each with its own cursor, at 1:3)
+    "smoke_mixture": [
+        "model=smoke_test_lm",
+        "data=mixture",
+        "data.sources=[{name:a,path:null},{name:b,path:null}]",
+        "data.weights=[0.25,0.75]",
+    ],
 }
+KILL_MODELS = ("smoke_test_lm", "k3_tiny")  # kill_trials' (the mixture's trial is the suite's own)
 KILL_KINDS = ("random", "after_step", "temp_file")
 TIMEOUT = 300
 
@@ -277,8 +286,8 @@ class TrialResult:
     skipped: str = ""  # why the trial could not run here
 
 
-def kill_trials(seeds: range) -> list[KillTrial]:
-    return [KillTrial(m, i, k, s) for s in seeds for m in MODELS for i in (1, 5) for k in KILL_KINDS]
+def kill_trials(seeds: range, models: tuple[str, ...] = KILL_MODELS) -> list[KillTrial]:
+    return [KillTrial(m, i, k, s) for s in seeds for m in models for i in (1, 5) for k in KILL_KINDS]
 
 
 def _checkpoints_ahead(step: int, interval: int) -> int:
