@@ -99,7 +99,8 @@ def test_a_local_multiple_choice_task_runs_offline_through_the_adapter(lm, tmp_p
     from helpers.local_task import TASK, write_local_task
 
     text = "the quick brown fox jumps over the lazy dog. " * 20
-    tasks = TaskManager(include_path=str(write_local_task(tmp_path / "tasks", text, n=6)))
+    # the local folder alone: indexing lm_eval's own tasks adds 10-30 s and nothing this test reads
+    tasks = TaskManager(include_path=str(write_local_task(tmp_path / "tasks", text, n=6)), include_defaults=False)
     out = simple_evaluate(model=lm, tasks=[TASK], task_manager=tasks, bootstrap_iters=0, verbosity="ERROR")
     assert 0.0 <= out["results"][TASK]["acc,none"] <= 1.0
     assert out["n-samples"][TASK]["effective"] == 6

@@ -44,7 +44,13 @@ class TaskEval:
             raise ValueError(f"train.eval_tasks_include_path={include_path} is not a directory of task YAMLs")
         logging.getLogger("lm_eval").setLevel(logging.ERROR)
         self.tasks, self.limit, self.tokenizer = list(tasks), limit, tokenizer
-        self.manager = TaskManager(include_path=include_path)
+        # The local YAMLs alone first: indexing lm_eval's own ~15,000 tasks takes 10-30 s, at start-up and again
+        # in every rank; only a task the local folder lacks needs them.
+        self.manager = None
+        if include_path is not None:
+            self.manager = TaskManager(include_path=include_path, include_defaults=False)
+        if self.manager is None or any(t not in self.manager.all_tasks for t in self.tasks):
+            self.manager = TaskManager(include_path=include_path)
         unknown = [t for t in self.tasks if t not in self.manager.all_tasks]
         if unknown:
             where = f" or in {include_path}" if include_path else " (train.eval_tasks_include_path: local YAMLs)"
