@@ -126,3 +126,26 @@ def test_scoring_tasks_leaves_training_exactly_as_without_them(builtin_data, tas
     assert [e["step"] for e in scored if e["event"] == "eval_tasks"] == [2, 4]
     assert [e["loss"] for e in scored if e["event"] == "train"] == [e["loss"] for e in plain if e["event"] == "train"]
     assert all(torch.equal(plain_weights[k], scored_weights[k]) for k in plain_weights)
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_under_ddp_and_fsdp_every_rank_scores_and_the_event_is_the_final_weights_score(
+    parallel, tasks, k3_cache, tmp_path
+):
+    """2 gloo ranks (FSDP2: the forwards' all-gathers in step on both ranks): the run ends, its eval_tasks events
+    are at the interval and the end, and the last one's score is that of the final checkpoint scored in one
+    process."""
+    from helpers.distributed_runs import launch
+
+    run = tmp_path / "run"
+    in_loop = [f"train.eval_tasks=[{TASK}]", f"train.eval_tasks_include_path={tasks}", "train.eval_tasks_interval=2"]
+    shape = ["train.max_steps=4", "train.batch_size=4", "train.cpu_threads=1", "train.eval_tasks_limit=8"]
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    proc = launch(k3_cache, *SHRUNK, *shape, *in_loop, f"parallel={parallel}", f"hydra.run.dir={run}", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = [r for r in read_metrics(run / "metrics.jsonl") if r["event"] == "eval_tasks"]
+    assert [e["step"] for e in events] == [2, 4]
+    loaded = load(run)
+    scorer = TaskEval([TASK], str(tasks), 8, ByteTokenizer())
+    alone = scorer(loaded.model, loaded.model.config.max_seq_len, Precision("fp32"), torch.device("cpu"))[TASK]
+    assert events[-1][TASK] == pytest.approx(alone, abs=1e-9)
