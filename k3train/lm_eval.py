@@ -13,8 +13,8 @@ from k3train.runtime.bootstrap import bootstrap
 
 bootstrap()  # before torch loads (runtime/bootstrap.py)
 
-import os  # noqa: E402  (after bootstrap, as the other entry points)
-import sys  # noqa: E402
+import os
+import sys
 
 
 def main(argv: list[str] | None = None) -> int:

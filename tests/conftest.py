@@ -147,3 +147,13 @@ def tmpfs(tmp_path):
     yield mount
     for at in mounted:
         subprocess.run(["umount", str(at)], check=True)
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Under pytest-xdist's `--dist loadgroup` (README's test command): a test file runs on one worker, so its
+    module fixtures (one-process references, prepared runs) are built once; the SLURM files share one worker, as
+    they share the one local SLURM node whose CPUs their jobs expect to have to themselves."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
+            item.add_marker(pytest.mark.xdist_group(group))
