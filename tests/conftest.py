@@ -149,11 +149,17 @@ def tmpfs(tmp_path):
         subprocess.run(["umount", str(at)], check=True)
 
 
-def pytest_collection_modifyitems(items) -> None:
-    """Under pytest-xdist's `--dist loadgroup` (README's test command): a test file runs on one worker, so its
-    module fixtures (one-process references, prepared runs) are built once; the SLURM files share one worker, as
-    they share the one local SLURM node whose CPUs their jobs expect to have to themselves."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            group = "slurm" if item.get_closest_marker("slurm") else item.nodeid.split("::")[0]
-            item.add_marker(pytest.mark.xdist_group(group))
+@pytest.fixture(autouse=True)
+def one_slurm_test_at_a_time(request, tmp_path_factory):
+    """README's test command spreads the files over two pytest-xdist workers (--dist loadfile: a file's tests, and
+    its module fixtures, on one worker). The SLURM tests of two files would then share the one local SLURM node,
+    whose CPUs each test's jobs expect to have to themselves: they take turns, through a lock in the directory the
+    workers' temp directories share."""
+    if request.node.get_closest_marker("slurm") is None:
+        yield
+        return
+    import fcntl
+
+    with open(tmp_path_factory.getbasetemp().parent / "slurm-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield

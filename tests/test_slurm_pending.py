@@ -229,5 +229,9 @@ def test_a_sweep_that_waits_says_why(tmp_path):
         launcher.wait(timeout=30)
         reader.join(timeout=10)
     reported = [line for line in lines if line.startswith("k3train: SLURM job")]
-    assert len(reported) == 1, "".join(lines)
-    assert " waiting: BeginTime (its start time has not come yet)" in reported[0]
+    # once per reason: BeginTime, after "None" where the scheduler had not looked at the array by warning_s (a
+    # loaded machine: seen with two pytest workers on 2 cores)
+    if len(reported) == 2:
+        assert " waiting: None (the scheduler has not looked at it yet)" in reported[0], "".join(lines)
+    assert 1 <= len(reported) <= 2, "".join(lines)
+    assert " waiting: BeginTime (its start time has not come yet)" in reported[-1], "".join(lines)
