@@ -201,6 +201,17 @@ def test_torch_compile_traces_it_whole_and_gives_the_same_loss_and_gradients():
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    # and within a recording (a mixture's loss per source under train.compile): the per-target losses come out too
+    with recording_target_losses() as eager:
+        loss_fn(hidden, weight, targets)
+    with recording_target_losses() as compiled:
+        got = loss_and_grads(torch.compile(loss_fn), hidden, weight, targets, grad_scale=0.7)
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    assert len(eager) == len(compiled) == 1
+    torch.testing.assert_close(compiled[0][0], eager[0][0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(compiled[0][1], eager[0][1])
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_default_chunk_holds_a_larger_block_on_a_gpu():

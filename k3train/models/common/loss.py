@@ -109,12 +109,16 @@ def linear_cross_entropy(
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         fla_wanted = implementation == "fla" or (implementation == "auto" and chunk_size_given is None)
-        if fla_wanted and _recorded is None and (implementation == "fla" or _fla_fits(hidden)):
+        if fla_wanted and not recording() and (implementation == "fla" or _fla_fits(hidden)):
             with torch.autocast(device_type, enabled=False):
                 return _fla_linear_cross_entropy(hidden, weight, targets)
-        return _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size)
-    with torch.autocast(device_type, enabled=False):
-        return _chunked(hidden, weight, targets, chunk_size, with_grads=False)[0]
+        loss, per_target = _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size, recording())
+    else:
+        with torch.autocast(device_type, enabled=False):
+            loss, _, _, per_target = _chunked(hidden, weight, targets, chunk_size, False, recording())
+    if recording():  # here, outside the autograd.Function: torch.compile replays a list append only out there
+        _recorded.append((per_target, targets != IGNORE_INDEX))
+    return loss
 
 
 def _fla_fits(hidden: torch.Tensor) -> bool:
@@ -142,30 +146,40 @@ def _fla_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk_size):
+    def forward(ctx, hidden, weight, targets, chunk_size, per_target_wanted):
         with torch.autocast(hidden.device.type, enabled=False):  # the inputs arrive already in the matmul dtype
-            loss, grad_hidden, grad_weight = _chunked(hidden, weight, targets, chunk_size, with_grads=True)
+            loss, grad_hidden, grad_weight, per_target = _chunked(
+                hidden, weight, targets, chunk_size, True, per_target_wanted
+            )
         ctx.save_for_backward(grad_hidden, grad_weight)
-        return loss
+        if per_target is None:
+            per_target = loss.new_empty(0)
+        ctx.mark_non_differentiable(per_target)
+        return loss, per_target
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, _grad_per_target):
         grad_hidden, grad_weight = ctx.saved_tensors
         # On CPU the usual grad_loss == 1 returns the gradients as they are: scaling by 1 would write a fresh [V, d]
         # tensor (why: docs/decisions/linear-cross-entropy.md). Elsewhere always the one pass: testing for 1 costs a
         # host sync on a GPU and a graph break under torch.compile.
         if grad_loss.device.type == "cpu" and not torch.compiler.is_compiling() and grad_loss.item() == 1.0:
-            return grad_hidden, grad_weight, None, None
-        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None
+            return grad_hidden, grad_weight, None, None, None
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None, None, None
 
 
 def _chunked(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, with_grads: bool
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The mean loss over the kept targets and, with_grads, its gradients w.r.t. hidden and weight in their dtypes;
-    one [chunk, V] block of fp32 logits at a time."""
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int,
+    with_grads: bool,
+    per_target_wanted: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The mean loss over the kept targets; with_grads, its gradients w.r.t. hidden and weight in their dtypes; with
+    per_target_wanted, each target's loss (fp32 [N], 0 where ignored). One [chunk, V] block of fp32 logits at a time."""
     kept = targets != IGNORE_INDEX
-    per_target = None if _recorded is None else torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    per_target = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device) if per_target_wanted else None
     count = kept.sum()  # a tensor: no host sync on a GPU, no graph break under torch.compile
     # The mean's 1 / count goes into the [chunk, d] side of each gradient product, never a pass over [chunk, V].
     # All targets ignored: the gradient rows are all masked to 0, and the clamp keeps them 0 rather than NaN.
@@ -207,9 +221,7 @@ def _chunked(
                 grad_weight.copy_(product)
             else:
                 grad_weight += product
-    if per_target is not None:
-        _recorded.append((per_target, kept))
     loss = torch.where(count > 0, loss_sum, torch.nan)  # all ignored: NaN, as F.cross_entropy gives
     if with_grads:
-        return loss, grad_hidden, grad_weight.to(weight.dtype)
-    return loss, None, None
+        return loss, grad_hidden, grad_weight.to(weight.dtype), per_target
+    return loss, None, None, per_target
