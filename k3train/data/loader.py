@@ -45,6 +45,15 @@ class Batch(NamedTuple):
     document_ids: torch.Tensor | None = None
 
 
+def check_geometry(batch_size: int, seq_len: int, rank: int, world_size: int) -> None:
+    """A loader's shape and place among the ranks, refused in one line when not usable (every loader's check)."""
+    for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in 0..{world_size - 1} for world_size {world_size}, got {rank!r}")
+
+
 class TokenDataLoader:
     def __init__(
         self,
@@ -57,11 +66,7 @@ class TokenDataLoader:
     ):
         """eod_id: the end-of-document token whose successors start new documents (document masking); None: each
         row is one sequence and batches carry no document_ids."""
-        for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in 0..{world_size - 1} for world_size {world_size}, got {rank!r}")
+        check_geometry(batch_size, seq_len, rank, world_size)
         self.dataset, self.batch_size, self.seq_len = dataset, batch_size, seq_len
         self.rank, self.world_size = rank, world_size
         self.eod_id = eod_id

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from k3train.data.dataset import ShardedTokenDataset, TokenData
-from k3train.data.loader import Batch, EndOfData, TokenDataLoader, document_ids
+from k3train.data.loader import Batch, EndOfData, TokenDataLoader, check_geometry, document_ids
 from k3train.data.manifest import FORMAT_VERSION, read_manifest
 from k3train.data.tokenizers import ByteTokenizer, Tokenizer
 
@@ -87,11 +87,7 @@ class MixtureLoader:
         world_size: int = 1,
         eod_id: int | None = None,
     ):
-        for name, value in (("batch_size", batch_size), ("seq_len", seq_len), ("world_size", world_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if not isinstance(rank, int) or not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in 0..{world_size - 1} for world_size {world_size}, got {rank!r}")
+        check_geometry(batch_size, seq_len, rank, world_size)
         self.datasets, self.names = list(datasets), list(names)
         self.weights = [float(w) for w in weights]
         self._weights = np.array(self.weights, dtype=np.float64)
