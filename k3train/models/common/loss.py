@@ -70,7 +70,8 @@ def recording() -> bool:
 
 
 def record_target_losses(losses: torch.Tensor, targets: torch.Tensor) -> None:
-    """losses [N] (e.g. F.cross_entropy's with reduction="none"), targets [N] -> into the recording, if one is on."""
+    """losses [N] (e.g. F.cross_entropy's with reduction="none"), targets [N] -> into the recording, if one is on.
+    Call it outside any autograd.Function: torch.compile replays a list append only out there."""
     if _recorded is not None:
         kept = targets != IGNORE_INDEX
         _recorded.append((torch.where(kept, losses.detach().float(), 0.0), kept))
@@ -107,17 +108,18 @@ def linear_cross_entropy(
     if torch.is_autocast_enabled(device_type):  # the casts nn.Linear would get; autograd carries the grads back
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
+    record = recording()
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         fla_wanted = implementation == "fla" or (implementation == "auto" and chunk_size_given is None)
-        if fla_wanted and not recording() and (implementation == "fla" or _fla_fits(hidden)):
+        if fla_wanted and not record and (implementation == "fla" or _fla_fits(hidden)):
             with torch.autocast(device_type, enabled=False):
                 return _fla_linear_cross_entropy(hidden, weight, targets)
-        loss, per_target = _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size, recording())
+        loss, per_target = _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size, record)
     else:
         with torch.autocast(device_type, enabled=False):
-            loss, _, _, per_target = _chunked(hidden, weight, targets, chunk_size, False, recording())
-    if recording():  # here, outside the autograd.Function: torch.compile replays a list append only out there
-        _recorded.append((per_target, targets != IGNORE_INDEX))
+            loss, _, _, per_target = _chunked(hidden, weight, targets, chunk_size, False, record)
+    if record:
+        record_target_losses(per_target, targets)
     return loss
 
 
