@@ -338,12 +338,14 @@ def tasks_chart(run: Run) -> Chart:
 def sources_chart(run: Run) -> Chart:
     """data=mixture: val (top) and train loss per source by step, the mixture's own dashed beside them."""
     title = "loss per source (data=mixture)"
-    names: dict[str, list[str]] = {"val": [], "train": []}
-    for event, split in (("eval", "val"), ("train", "train")):
-        for key in keys_of(run.events, event):
-            match = SOURCE_KEY.fullmatch(key)
-            if match and match["split"] == split and match["source"] not in names[split]:
-                names[split].append(match["source"])
+    names = {
+        split: [
+            m["source"]
+            for key in keys_of(run.events, event)
+            if (m := SOURCE_KEY.fullmatch(key)) and m["split"] == split
+        ]
+        for event, split in (("eval", "val"), ("train", "train"))
+    }
     if not names["val"] and not names["train"]:
         return Chart("sources", title, None, "no per-source loss (not a data=mixture run)")
     fig, (top, bottom) = _new_figure(2, title)
@@ -403,8 +405,8 @@ def run_charts(run: Run) -> list[Chart]:
     """RUN_CHARTS' figures, the loss per source for a mixture, and the downstream tasks' where the run scored any
     (train.eval_tasks)."""
     charts = [chart(run) for chart in RUN_CHARTS]
-    if any(SOURCE_KEY.fullmatch(key) for e in ("eval", "train") for key in keys_of(run.events, e)):
-        charts.append(sources_chart(run))
+    if (sources := sources_chart(run)).png is not None:
+        charts.append(sources)
     if any(e.get("event") == "eval_tasks" for e in run.events):
         charts.append(tasks_chart(run))
     return charts
