@@ -223,18 +223,22 @@ def test_a_run_with_cp_2_trains_as_one_process_and_resumes_in_one(k3_cache, tmp_
 @pytest.mark.slow
 def test_cp_composes_with_fsdp_and_expert_parallelism(k3_cache, tmp_path) -> None:
     """parallel=fsdp parallel.ep=2 parallel.cp=2 on 2 ranks: the dense weights sharded, the routed experts split and
-    each row's sequence split over the same two ranks; the losses of one process with the same global batch."""
+    each row's sequence split over the same two ranks; the losses of one process with the same global batch. The
+    data a mixture of two sources at 1:3, so the train loss per source is summed over slices of rows too."""
     from helpers.distributed_runs import K3, launch, steps
 
-    args = [*K3, "train.max_steps=3", "train.batch_size=4"]
+    mixture = ["data=mixture", "data.sources=[{name:a,path:null},{name:b,path:null}]", "data.weights=[0.25,0.75]"]
+    args = [*K3, *mixture, "train.max_steps=3", "train.batch_size=4"]
     one, all_three = tmp_path / "one", tmp_path / "all_three"
     proc = launch(k3_cache, *args, f"hydra.run.dir={one}", ranks=None)
     assert proc.returncode == 0, proc.stderr
     both = ["parallel=fsdp", "parallel.ep=2", "parallel.cp=2"]
     proc = launch(k3_cache, *args, *both, f"hydra.run.dir={all_three}")
     assert proc.returncode == 0, proc.stderr
-    for step, loss in steps(one).items():
-        assert steps(all_three)[step] == pytest.approx(loss, rel=1e-5), step
+    for key in ("loss", "train/a/loss", "train/b/loss"):
+        want = steps(one, key=key)
+        assert sorted(want) == [1, 2, 3], key
+        assert steps(all_three, key=key) == pytest.approx(want, rel=1e-5), key
 
 
 @pytest.mark.slow

@@ -36,9 +36,12 @@ def launch(k3_cache, *args, ranks=2, entry=("-m", "k3train"), env=None, timeout=
     return subprocess.run([*command, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def steps(run_dir, event="train"):
+def steps(run_dir, event="train", key="loss"):
+    """{step: the event's `key`} for the steps whose event has it."""
     return {
-        e["step"]: e["loss"] for e in read_metrics(run_dir / "metrics.jsonl", final_only=True) if e["event"] == event
+        e["step"]: e[key]
+        for e in read_metrics(run_dir / "metrics.jsonl", final_only=True)
+        if e["event"] == event and key in e
     }
 
 
