@@ -75,6 +75,20 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def no_thread_environment(monkeypatch):
+    """As a process started without OMP_NUM_THREADS or MKL_NUM_THREADS: both removed from the environment, and the
+    record of what the process started with cleared too (restored afterwards). Without the second, importing any CLI
+    module (its bootstrap() records the environment once per process) in an earlier test of the same worker keeps,
+    say, a cluster's OMP_NUM_THREADS=1 as "the user's" after the test removed it."""
+    from k3train.runtime import cpu
+
+    for name in cpu.THREAD_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(cpu, "_thread_environment_at_start", None)
+    return monkeypatch
+
+
 def _gloo_rank(rank: int, fn, world_size: int, workdir: Path, args: tuple) -> None:
     """One spawned rank: join the gloo group through a file in workdir, run fn, save its result for the parent."""
     from datetime import timedelta

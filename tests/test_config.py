@@ -217,7 +217,8 @@ def test_every_schedule_reaches_the_peak_lr_and_stays_within_it(option):
 @pytest.mark.parametrize("option", options("precision"))
 def test_every_precision_autocasts_and_takes_a_scaled_update(option):
     cfg = with_option("precision", option)
-    precision, model, cpu = instantiate(cfg.precision), tiny_model(cfg), torch.device("cpu")
+    precision, cpu = instantiate(cfg.precision), torch.device("cpu")
+    model = tiny_model(cfg).to(precision.param_dtype)  # as build_parts places it: fp64 weights under precision=fp64
     assert isinstance(precision, Precision)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = precision.make_scaler(cpu)
@@ -230,7 +231,7 @@ def test_every_precision_autocasts_and_takes_a_scaled_update(option):
     for _ in range(8):  # fp16's first loss scales overflow: those updates are skipped and the scale halves
         with precision.autocast(cpu):
             _, loss = model(x, y)
-        assert loss.dtype == torch.float32 and torch.isfinite(loss)
+        assert loss.dtype == precision.param_dtype and torch.isfinite(loss)  # fp32, or fp64 for fp64
         optimizer.zero_grad()
         scaler.scale(loss).backward()
         scaler.step(optimizer)

@@ -24,13 +24,10 @@ THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # the intra-op counts
 
 
 @pytest.fixture
-def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+def clean_env(no_thread_environment: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    monkeypatch = no_thread_environment
     for name in ("LOCAL_WORLD_SIZE", "PYTEST_XDIST_WORKER_COUNT", "SLURM_CPUS_PER_TASK", "TORCHELASTIC_RUN_ID"):
         monkeypatch.delenv(name, raising=False)
-    for name in THREAD_VARIABLES:
-        monkeypatch.delenv(name, raising=False)
-    # as in a process no CLI started: the environment now is the user's (restored afterwards)
-    monkeypatch.setattr(cpu, "_thread_environment_at_start", None, raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5, 6, 7})
     monkeypatch.setattr(cpu, "cgroup_cpu_limit", lambda: None)
     return monkeypatch

@@ -38,8 +38,9 @@ def test_the_local_preset_runs_its_jobs_in_batches_of_its_job_count_and_other_sw
     assert hydra_config("hydra/launcher=slurm").sweeper.max_batch_size is None  # a SLURM array goes in whole
 
 
-def test_auto_threads_divide_the_cpus_among_the_local_sweeps_jobs(monkeypatch):
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "LOCAL_WORLD_SIZE", "SLURM_CPUS_PER_TASK"):
+def test_auto_threads_divide_the_cpus_among_the_local_sweeps_jobs(no_thread_environment):
+    monkeypatch = no_thread_environment
+    for name in ("LOCAL_WORLD_SIZE", "SLURM_CPUS_PER_TASK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(cpu, "usable_cpus", lambda: (8, "8 CPUs in this process's affinity"))
     monkeypatch.setenv(cpu.LOCAL_JOBS_VARIABLE, "2")

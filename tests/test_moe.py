@@ -206,24 +206,36 @@ def test_grouped_swiglu_equals_the_autograd_loop(autocast):
 def test_grouped_mm_runs_the_same_experts_as_the_loop(situ, autocast):
     """GroupedSwiGLU given the counts as a tensor (F.grouped_mm over device-side offsets, the CUDA path) against the
     same counts as a host list (one torch.mm per expert), experts with no rows included, the row scale on: the output
-    and every gradient, fp32 and bf16 autocast. On a CPU torch's grouped_mm falls back to one mm per group, so in fp32
-    they agree to the bit; tests/test_moe_gpu.py compares them on a GPU."""
+    and every gradient, fp32 and bf16 autocast. In fp32 both are judged against the loop in fp64 (F.grouped_mm has no
+    fp64), within a bound from fp32's resolution and the tensors' scale: how a CPU's grouped_mm sums its products
+    differs between CPUs (bitwise on an AMD EPYC, 1.4e-6 apart on an Intel Xeon), the math must not.
+    tests/test_moe_gpu.py compares them on a GPU."""
     from k3train.models.k3.moe import GroupedSwiGLU
 
+    d, ffn = 8, 16  # grouped_mm: rows of 16 bytes
     results = []
-    for as_tensor in (False, True):
-        tensors, counts = expert_inputs(torch.float32, d=8, ffn=16, seed=4)  # grouped_mm: rows of 16 bytes
-        scale = (torch.rand(tensors[0].shape[0], generator=torch.Generator().manual_seed(3)) + 0.5).requires_grad_()
+    for dtype, as_tensor in ((torch.float64, False), (torch.float32, False), (torch.float32, True)):
+        tensors, counts = expert_inputs(dtype, d=d, ffn=ffn, seed=4)
+        scale = torch.rand(tensors[0].shape[0], generator=torch.Generator().manual_seed(3)) + 0.5
+        scale = scale.to(dtype).requires_grad_()
         rows = torch.tensor(counts) if as_tensor else counts
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast and dtype == torch.float32):
             out = GroupedSwiGLU.apply(*tensors, rows, scale, situ)
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(2)).to(out.dtype))
-        results.append([out.detach().float(), *(t.grad for t in tensors), scale.grad])
-    for name, got, want in zip(("out", "x", "w_gate", "w_up", "w_down", "scale"), results[1], results[0]):
-        # x's gradient sums two products: the loop rounds each to bf16 (addmm), grouped_mm only their sum
-        tol = dict(rtol=2e-2, atol=1e-2 * want.abs().max().item()) if autocast else dict(rtol=1e-6, atol=1e-6)
-        torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"{n}: {m}")
-    assert results[1][2][1].abs().sum() == 0 and results[1][2][5].abs().sum() == 0  # experts 1 and 5 had no rows
+        results.append([out.detach().double(), *(t.grad.double() for t in tensors), scale.grad.double()])
+    exact, loop, grouped = results
+    names = ("out", "x", "w_gate", "w_up", "w_down", "scale")
+    for name, got, want, truth in zip(names, grouped, loop, exact):
+        if autocast:  # x's gradient sums two products: the loop rounds each to bf16 (addmm), grouped_mm only their sum
+            tol = dict(rtol=2e-2, atol=1e-2 * want.abs().max().item())
+            torch.testing.assert_close(got, want, **tol, msg=lambda m, n=name: f"{n}: {m}")
+            continue
+        # a sum of n fp32 products is within n x eps of the exact one, relative to the products' size; the largest
+        # sum here has 2 x ffn terms (x's gradient: both halves at once)
+        bound = 2 * ffn * torch.finfo(torch.float32).eps * truth.abs().max().item()
+        for path, value in (("grouped_mm", got), ("loop", want)):
+            torch.testing.assert_close(value, truth, rtol=0, atol=bound, msg=lambda m, n=name, p=path: f"{p} {n}: {m}")
+    assert grouped[2][1].abs().sum() == 0 and grouped[2][5].abs().sum() == 0  # experts 1 and 5 had no rows
 
 
 @pytest.mark.parametrize("implementation, grouped_calls", [("auto", 0), ("loop", 0), ("grouped_mm", 8)])

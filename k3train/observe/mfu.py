@@ -74,6 +74,8 @@ def gpu_peak(device_name: str, dtype: str) -> Peak:
         dtype = "tf32"
     for name, peaks in GPU_PEAKS:
         if name.lower() in device_name.lower():
+            if dtype not in peaks:
+                return Peak(None, f"no {dtype} peak in the table for NVIDIA {name}: set train.peak_flops")
             return Peak(peaks[dtype], f"datasheet: NVIDIA {name} dense {dtype}")
     return Peak(None, f"unknown GPU {device_name!r}: set train.peak_flops to its peak FLOP/s")
 
@@ -101,9 +103,17 @@ def calibrate_cpu_matmul(dtype: torch.dtype, budget_s: float = 1.0) -> float:
     return 2 * n**3 / best
 
 
+def busy(load_avg: float | None) -> bool:
+    """Whether a calibration at this load average shared the CPUs: at half of them busy or more, other work takes
+    cores from the matmuls, so the peak measured is an underestimate (and every MFU computed from it reads high)."""
+    return load_avg is not None and load_avg >= (os.cpu_count() or 1) / 2
+
+
 def cpu_peak(dtype: str, cache_dir: Path | None = None) -> Peak:
-    """The calibrated matmul peak of this CPU at torch's current thread count: the cached entry as it is, measured
-    (and cached) only when there is none or $K3TRAIN_RECALIBRATE asks."""
+    """The calibrated matmul peak of this CPU at torch's current thread count, measured (and cached) when there is
+    none, or $K3TRAIN_RECALIBRATE asks (which replaces it). Load can only lower a measured peak, so a cached entry
+    measured on a busy machine is measured again once the machine is quieter by at least a core's worth of load,
+    and the higher of the two is kept; a quiet entry is used as it is, so MFU compares across runs."""
     threads = torch.get_num_threads()
     cpu = cpu_description()["cpu_model"]
     key = f"{cpu} | {dtype} | {threads} threads"
@@ -114,27 +124,48 @@ def cpu_peak(dtype: str, cache_dir: Path | None = None) -> Peak:
         cached = {}
     what = f"calibration: {dtype} matmul on {threads} threads of {cpu}"
     entry = cached.get(key)
-    if _usable(entry) and not recalibration_asked():
+    load_now = round(os.getloadavg()[0], 2)
+    asked = recalibration_asked()
+    if _usable(entry) and not asked:
         calibration = _calibration(entry, cached=True)
-        return Peak(
-            float(entry["flops_per_s"]),
-            f"{what}, {_measured(calibration)}, from the cache {path}; {RECALIBRATE_ENV}=1 measures again",
-            calibration,
-        )
-    replacing = ""  # asked to measure again: the figure it replaces stays in sight
-    if _usable(entry):
-        replaced = _calibration(entry, cached=True)
-        replacing = f" (replacing {entry['flops_per_s'] / 1e9:,.1f} GFLOP/s {_measured(replaced)})"
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    entry = {
+        then = calibration.load_avg
+        if not (busy(then) and load_now <= then - 1):  # quiet then, or no quieter now: the cached figure as it is
+            return Peak(
+                float(entry["flops_per_s"]),
+                f"{what}, {_measured(calibration)}{_busy_note(then)}, from the cache {path}; {RECALIBRATE_ENV}=1 "
+                "measures again",
+                calibration,
+            )
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}[dtype]
+    measured = {
         "flops_per_s": calibrate_cpu_matmul(torch_dtype),
-        "load_avg": round(os.getloadavg()[0], 2),
+        "load_avg": load_now,
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    cached[key] = entry
+    note = ""  # the figure a new measurement replaced, or kept over it, stays in sight
+    if _usable(entry):
+        old = f"{entry['flops_per_s'] / 1e9:,.1f} GFLOP/s {_measured(_calibration(entry, cached=True))}"
+        if asked or measured["flops_per_s"] >= entry["flops_per_s"]:
+            note = f" (replacing {old})"
+        else:  # load only lowers a peak: the higher figure is the truer one
+            note = f" ({measured['flops_per_s'] / 1e9:,.1f} GFLOP/s at load average {load_now:g} now; kept: {old})"
+            measured = entry
+    cached[key] = measured
     kept = f"cached in {path}" if _write_cache(path, cached) else f"not cached ({path} is not writable)"
-    calibration = _calibration(entry, cached=False)
-    return Peak(float(entry["flops_per_s"]), f"{what}, {_measured(calibration)}{replacing}, {kept}", calibration)
+    calibration = _calibration(measured, cached=measured is entry)
+    if measured is entry:
+        return Peak(float(measured["flops_per_s"]), f"{what}, the higher of two{note}", calibration)
+    source = f"{what}, {_measured(calibration)}{_busy_note(load_now)}{note}, {kept}"
+    return Peak(float(measured["flops_per_s"]), source, calibration)
+
+
+def _busy_note(load_avg: float | None) -> str:
+    if not busy(load_avg):
+        return ""
+    return (
+        f" (a busy machine: {os.cpu_count()} CPUs, so this peak is low and MFU reads high; measured again once the "
+        "load is a core lower, the higher kept)"
+    )
 
 
 def _write_cache(path: Path, cached: dict) -> bool:

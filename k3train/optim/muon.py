@@ -68,7 +68,7 @@ HeadSplit = tuple[int, int]  # (n_heads, dim): a ParamLayout's head_split (k3tra
 # Newton-Schulz dtypes: bf16 is torch.optim.Muon's (and fast on GPUs and CPUs with native bf16); fp32 is the
 # choice on CPUs without it, where bf16 matmuls run far slower (k3train/optim/build.py picks for "auto"; measured:
 # docs/decisions/cpu-runtime.md).
-NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp64": torch.float64}
 
 
 def zeropower_via_newtonschulz5(

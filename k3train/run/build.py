@@ -176,7 +176,7 @@ def build_parts(
         val_sources = {name: ContextSlices(loader, dims.cp_rank, dims.cp) for name, loader in val_sources.items()}
         if not set_context_parallel(model, ContextParallel(dims.cp_group)):
             raise ValueError(f"parallel.cp={dims.cp}: {type(model).__name__} has no layer that splits its sequence")
-    model.to(device)
+    model.to(device, precision.param_dtype)
     pipeline = whole_optimizer = None
     if dims.pp > 1:  # cut first: each rank spreads only its stages over their ranks
         pipeline = _pipeline(model, parallel, dims, device, train_cfg)

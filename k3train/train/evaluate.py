@@ -45,11 +45,11 @@ def evaluate(
             with precision.autocast(device):
                 if loss_of is not None:
                     ids = None if document_ids is None else document_ids.to(device)
-                    loss = torch.tensor(loss_of(x.to(device), y.to(device), ids))
+                    loss = torch.tensor(loss_of(x.to(device), y.to(device), ids), dtype=torch.float64)
                 else:
                     documents = document_inputs(model, document_ids, device)
                     _, loss = model(x.to(device), targets=y.to(device), **documents)
-            losses.append(loss.float())
+            losses.append(loss.double())
     finally:
         val_loader.load_state_dict(cursor)
         restore_rng_state(rng)

@@ -153,6 +153,8 @@ class Pipeline:
     ) -> None:
         self.settings, self.n_microbatches, self.group = settings, n_microbatches, group
         bounds = stage_bounds(len(model.layers), settings.n_stages)
+        # what crosses a cut is in the weights' dtype: fp32, or fp64 under precision=fp64
+        self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.stage_ids = stages_of(pp_rank, settings)
         self.modules = [model.pipeline_stage(*bounds[s]) for s in self.stage_ids]
         release_other_stages(model, self.modules)
@@ -169,8 +171,8 @@ class Pipeline:
                 s,
                 settings.n_stages,
                 device,
-                input_args=_example_inputs(module, rows, seq, width),
-                output_args=_example_outputs(module, rows, seq, width),
+                input_args=_example_inputs(module, rows, seq, width, self.dtype),
+                output_args=_example_outputs(module, rows, seq, width, self.dtype),
                 group=group,
             )
             for s, module in zip(self.stage_ids, self.modules)
@@ -204,7 +206,7 @@ class Pipeline:
         self.schedule.step(*args, target=y, losses=losses, **kwargs)
         if not self.holds_last:
             return None
-        return float(torch.stack([loss.detach().float() for loss in losses]).sum())
+        return float(torch.stack([loss.detach().double() for loss in losses]).sum())
 
     @torch.no_grad()
     def forward_loss(self, x: torch.Tensor, y: torch.Tensor, document_ids: torch.Tensor | None = None) -> float | None:
@@ -222,12 +224,15 @@ class Pipeline:
             if module is None:
                 continue
             if stage and before != here:  # received from the rank of the stage before
-                carried = tuple(torch.empty(*y.shape, self.width, device=y.device) for _ in range(1 + module.blocks_in))
+                carried = tuple(
+                    torch.empty(*y.shape, self.width, dtype=self.dtype, device=y.device)
+                    for _ in range(1 + module.blocks_in)
+                )
                 for t in carried:
                     dist.recv(t, group=self.group, group_src=before)
             out = module(*carried, **kwargs)
             if module.is_last:
-                loss = float(out.float().sum())
+                loss = float(out.double().sum())
                 continue
             carried = out
             after = owner_of(stage + 1, self.settings)
@@ -252,17 +257,19 @@ class Pipeline:
 
 # What crosses a cut, as meta tensors for PipelineStage's buffers. requires_grad: what the stage receives and sends
 # has a gradient to return (without it the schedule sends none back and the earlier stages learn nothing).
-def _example_inputs(module: nn.Module, rows: int, seq: int, width: int) -> tuple[torch.Tensor, ...]:
+def _example_inputs(module: nn.Module, rows: int, seq: int, width: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     if module.is_first:
         return (torch.empty(rows, seq, dtype=torch.long, device="meta"),)
-    return _activations(rows, seq, width, 1 + module.blocks_in)
+    return _activations(rows, seq, width, 1 + module.blocks_in, dtype)
 
 
-def _example_outputs(module: nn.Module, rows: int, seq: int, width: int) -> tuple[torch.Tensor, ...]:
+def _example_outputs(
+    module: nn.Module, rows: int, seq: int, width: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
     if module.is_last:
-        return (torch.empty(1, device="meta", requires_grad=True),)
-    return _activations(rows, seq, width, 1 + module.blocks_out)
+        return (torch.empty(1, dtype=dtype, device="meta", requires_grad=True),)
+    return _activations(rows, seq, width, 1 + module.blocks_out, dtype)
 
 
-def _activations(rows: int, seq: int, width: int, n: int) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.empty(rows, seq, width, device="meta", requires_grad=True) for _ in range(n))
+def _activations(rows: int, seq: int, width: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    return tuple(torch.empty(rows, seq, width, dtype=dtype, device="meta", requires_grad=True) for _ in range(n))

@@ -10,7 +10,7 @@ import torch
 
 from k3train.runtime.cpu import cpu_description, matmul_slowdown
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 # Warn when a half-precision matmul is this many times slower than fp32 on the CPU (measured at start-up): on
 # CPUs without native support it is 10-200x; with it, faster than fp32 (AMX) or close to it.
 SLOW_CPU_RATIO = 1.5
@@ -18,7 +18,7 @@ SLOW_CPU_RATIO = 1.5
 
 @dataclass
 class Precision:
-    dtype: str = "fp32"  # fp32 | bf16 | fp16
+    dtype: str = "fp32"  # fp32 | bf16 | fp16 | fp64 (weights and every sum in fp64: for equivalence checks)
     # fp16's dynamic loss scale: the first scale, and how many overflow-free updates before it doubles.
     init_scale: float = 65536.0
     growth_interval: int = 2000
@@ -31,6 +31,11 @@ class Precision:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The master weights' (and so the optimizer state's) dtype: fp64 under precision=fp64, else fp32."""
+        return torch.float64 if self.dtype == "fp64" else torch.float32
+
     def check_device(self, device: torch.device) -> str | None:
         """Reject device/precision pairs that cannot work, before any work is done; returns a warning (also
         printed) for pairs that work but slowly: bf16/fp16 autocast on a CPU that multiplies them slower than fp32."""
@@ -41,7 +46,7 @@ class Precision:
                 f"precision=bf16 needs a GPU with bf16 support; {torch.cuda.get_device_name(device)} has none: "
                 "use precision=fp16 or precision=fp32"
             )
-        if device.type != "cpu" or self.dtype == "fp32":
+        if device.type != "cpu" or self.dtype in ("fp32", "fp64"):
             return None
         slowdown = matmul_slowdown(self.torch_dtype)
         if slowdown < SLOW_CPU_RATIO:
@@ -55,7 +60,7 @@ class Precision:
         return warning
 
     def autocast(self, device: torch.device):
-        if self.dtype == "fp32":
+        if self.dtype in ("fp32", "fp64"):
             return contextlib.nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.torch_dtype)
 

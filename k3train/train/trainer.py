@@ -189,7 +189,7 @@ class Trainer:
                 with self.precision.autocast(self.device), self._recording_sources([i]):
                     _, loss = self.forward(x, targets=y, **documents)
                 self.scaler.scale(loss / accum).backward()
-            losses.append(loss.detach().float())
+            losses.append(loss.detach().double())  # exact for fp32 and fp64 losses alike
         self.parallel.finish_gradients(self.model, self.dims)  # e.g. expert-parallel weights, which DDP leaves out
         # The global batch's loss, so every rank takes the same skip-or-step decision (a NaN anywhere is NaN here).
         loss = mean_across_ranks(torch.stack(losses).mean().item(), self.device, self.dims.dp_group)

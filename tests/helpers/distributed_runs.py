@@ -46,12 +46,16 @@ def steps(run_dir, event="train", key="loss"):
 
 
 # k3_tiny shrunk: Muon + AdamW, the Quantile-Balanced MoE (its bias from the global batch) and QK-Clip at a threshold
-# under the initial max logits, so the clipping decision must be the same on both ranks. Newton-Schulz in fp32: in
-# bf16 its rounding turns the last-bit differences of a sum over 2 ranks into weight differences up to 4e-4 after 4
-# steps (measured; 4e-6 in fp32), which would hide a real mismatch.
+# under the initial max logits, so the clipping decision must be the same on both ranks. In fp64 (weights, optimizer
+# state, loss and Newton-Schulz), so that "N ranks equal one process" judges the math, not a CPU's rounding: in fp32
+# AdamW's normalised update of a nearly cancelling gradient sum turns the last-bit difference of a sum over ranks into
+# up to 4.5e-4 on the embedding after a few updates, and how much differs between CPUs (AMD EPYC against Intel Xeon);
+# in fp64 every layout ends within 4e-13 of one process (measured: fsdp x ep 2, pp 2 x fsdp, cp 2 x ep 2, hsdp 2x2),
+# while a deliberate change of 1e-6 to one constant stands out by orders of magnitude.
 K3 = [
     "model=k3_tiny",
-    "optim.ns_dtype=fp32",
+    "precision=fp64",
+    "optim.ns_dtype=fp64",
     "model.d_model=64",
     "model.expert_ffn_dim=32",
     "model.dense_ffn_dim=64",
@@ -65,6 +69,8 @@ K3 = [
     "schedule.warmup_steps=0",
     "train.cpu_threads=1",
 ]
+# How close a K3 run on N ranks ends to one process: losses (relative) and weights (absolute), in fp64.
+FP64_BOUND = 1e-10
 
 
 def kill_a_rank_then_resume(k3_cache, args, straight, killed, last, ranks=2):

@@ -74,7 +74,8 @@ def record_target_losses(losses: torch.Tensor, targets: torch.Tensor) -> None:
     Call it outside any autograd.Function: torch.compile replays a list append only out there."""
     if _recorded is not None:
         kept = targets != IGNORE_INDEX
-        _recorded.append((torch.where(kept, losses.detach().float(), 0.0), kept))
+        losses = losses.detach().to(torch.promote_types(losses.dtype, torch.float32))  # bf16 up, fp64 kept
+        _recorded.append((torch.where(kept, losses, 0.0), kept))
 
 
 def default_chunk_size(vocab_size: int, device_type: str = "cpu") -> int:
@@ -179,26 +180,28 @@ def _chunked(
     per_target_wanted: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The mean loss over the kept targets; with_grads, its gradients w.r.t. hidden and weight in their dtypes; with
-    per_target_wanted, each target's loss (fp32 [N], 0 where ignored). One [chunk, V] block of fp32 logits at a time."""
+    per_target_wanted, each target's loss ([N], 0 where ignored). One [chunk, V] block of logits at a time, in fp32 for
+    bf16/fp16/fp32 inputs and fp64 for fp64 ones (precision=fp64 keeps every sum exact enough to compare layouts)."""
+    acc = torch.promote_types(hidden.dtype, torch.float32)
     kept = targets != IGNORE_INDEX
-    per_target = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device) if per_target_wanted else None
+    per_target = torch.zeros(hidden.shape[0], dtype=acc, device=hidden.device) if per_target_wanted else None
     count = kept.sum()  # a tensor: no host sync on a GPU, no graph break under torch.compile
     # The mean's 1 / count goes into the [chunk, d] side of each gradient product, never a pass over [chunk, V].
     # All targets ignored: the gradient rows are all masked to 0, and the clamp keeps them 0 rather than NaN.
-    row_scale = kept[:, None] / count.clamp(min=1)
+    row_scale = kept[:, None].to(acc) / count.clamp(min=1)
     safe_targets = torch.where(kept, targets, 0)[:, None]  # any valid index: the ignored rows are masked out
-    loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    loss_sum = torch.zeros((), dtype=acc, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grads else None
     # fp32 accumulator: summing the chunks' products in bf16 would round at every chunk; torch.empty, as the first
     # chunk's addmm_ has beta=0 (it ignores what was there)
-    grad_weight = torch.empty_like(weight, dtype=torch.float32) if with_grads else None
+    grad_weight = torch.empty_like(weight, dtype=acc) if with_grads else None
     # One fp32 block reused by every chunk: a fresh [chunk, V] allocation per chunk costs page faults on CPU.
-    block = torch.empty(min(chunk_size, hidden.shape[0]), weight.shape[0], dtype=torch.float32, device=hidden.device)
+    block = torch.empty(min(chunk_size, hidden.shape[0]), weight.shape[0], dtype=acc, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
         h, t, scale = hidden[rows], safe_targets[rows], row_scale[rows]
         logits = block[: h.shape[0]]
-        if h.dtype == torch.float32:
+        if h.dtype == acc:
             torch.mm(h, weight.T, out=logits)
         else:
             logits.copy_(h @ weight.T)  # the matmul in the low-precision dtype, the softmax in fp32
@@ -210,8 +213,8 @@ def _chunked(
         if not with_grads:
             continue
         # d(summed loss)/d(logits) = softmax - one_hot; the row scale turns it into the mean's, masked
-        grad_logits = log_probs.exp_().scatter_add_(1, t, torch.full_like(t, -1, dtype=torch.float32))
-        if h.dtype == torch.float32:
+        grad_logits = log_probs.exp_().scatter_add_(1, t, torch.full_like(t, -1, dtype=acc))
+        if h.dtype == acc:
             grad_hidden[rows] = (grad_logits @ weight) * scale
             grad_weight.addmm_(grad_logits.T, h * scale, beta=0 if start == 0 else 1)
         else:  # scaled in fp32 before the cast, as the whole-logits path's gradient is (1 / count in bf16 is off by

@@ -59,7 +59,11 @@ def slice_summary(
         raise ValueError(f"context-parallel KDA runs one of {IMPLEMENTATIONS}; got {implementation!r}")
     B, _, HV, K = g.shape
     o0, F = kernel(q, k, v, g, beta, output_final_state=True, document_ids=document_ids)
-    identity = torch.eye(K, dtype=torch.float32, device=q.device).expand(B, HV, K, K).contiguous()
+    identity = (
+        torch.eye(K, dtype=torch.promote_types(q.dtype, torch.float32), device=q.device)
+        .expand(B, HV, K, K)
+        .contiguous()
+    )
     no_values = v.new_zeros(*v.shape[:3], K)
     Q, M = kernel(q, k, no_values, g, beta, initial_state=identity, output_final_state=True, document_ids=document_ids)
     return o0, Q, M, F
