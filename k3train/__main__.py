@@ -46,11 +46,12 @@ def main() -> None:
     except distributed.LaunchError as exc:  # before Hydra: nothing is written yet
         print(f"k3train: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+    # a resume composes its run's own overrides first, so the keys given now are checked against its config groups
+    sys.argv, remembered = remember_run_overrides(sys.argv, world.size)
     problem = unknown_key_error(sys.argv)  # one line, before Hydra's advice to append a misspelt key with +
     if problem:
         print(f"k3train: error: {problem}", file=sys.stderr, flush=True)
         sys.exit(2)
-    sys.argv, remembered = remember_run_overrides(sys.argv)  # a resume composes its run's own overrides first
     if remembered is not None and world.is_main:
         print(remembered.describe(), flush=True)
     if not world.is_main:

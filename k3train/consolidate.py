@@ -19,12 +19,21 @@ import sys
 from pathlib import Path
 
 from k3train.checkpoint.checkpointer import CheckpointError, load_checkpoint, save_checkpoint
+from k3train.checkpoint.latest import newest_checkpoint
 
 
 def sharded_checkpoint(path: Path) -> Path:
-    """The sharded checkpoint `path` names: itself, or a run directory's last.dcp."""
+    """The sharded checkpoint `path` names: itself, or a run directory's last.dcp where that is the run's newest
+    checkpoint (as resume, generate and evaluate choose it). A run that went on in one process after its sharded
+    sessions has a newer last.pt: consolidating last.dcp would hand back an older step, so that is refused."""
     path = Path(path)
     if (path / "last.dcp").exists():
+        newest = newest_checkpoint(path)
+        if newest is not None and newest.name != "last.dcp":
+            raise CheckpointError(
+                f"{path}'s newest checkpoint is {newest.name}, written after last.dcp and already one file: resume, "
+                f"generate or evaluate from it as it is; to consolidate the older last.dcp, pass {path / 'last.dcp'}"
+            )
         return path / "last.dcp"
     if path.is_dir() and (path / "extra.pt").is_file():
         return path

@@ -234,6 +234,7 @@ def test_bad_inputs_are_refused_in_one_line_before_anything_is_written(two, tmp_
         ([web, code], [0.5, -0.5], r"data.weights\[1\]=-0.5 \(code\) is negative"),
         ([web, code], [1.0], r"data.weights has 1 entries but data.sources has 2 \(web, code\); give one weight"),
         ([web, code], [1.0, float("nan")], r"data.weights\[1\]=nan \(code\) is not a finite number"),
+        ([web, code], [1e308, 1e308], r"data.weights=\[1e\+308, 1e\+308\] sum to more than the largest float; "),
         (
             [builtin, {"name": "bpe", "path": str(other)}],
             [1, 1],

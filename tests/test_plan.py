@@ -744,6 +744,21 @@ def test_bad_input_exits_2(capsys: pytest.CaptureFixture) -> None:
     assert "KimiK3" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "args, line",
+    [
+        (["parallel.pp=-2", "--gpus", "8"], "k3train plan: error: parallel.pp=-2 must be a positive integer"),
+        (["parallel.ep=0", "--gpus", "8"], "k3train plan: error: parallel.ep=0 must be a positive integer"),
+        (["--vocab-size", "-5"], "k3train plan: error: vocab_size=-5 must be a positive integer"),
+    ],
+)
+def test_a_bad_count_is_refused_in_the_runs_words_in_one_line(capsys: pytest.CaptureFixture, args, line) -> None:
+    """As python -m k3train refuses them: no traceback, no Hydra "Error in call to target" wrapper."""
+    assert main(["model=k3_tiny", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip() == line and captured.out == ""
+
+
 def test_a_given_mesh_is_planned_as_given(capsys: pytest.CaptureFixture) -> None:
     assert main([*TINY, "--gpus", "4", "--mesh", "1x4x2", "--gpu", "h100"]) == 0
     out = capsys.readouterr().out

@@ -120,4 +120,57 @@ def test_how_a_session_ran_is_not_remembered(tmp_path):
     run_dir = _run_dir(tmp_path, overrides=["model=smoke_test_lm", *session])
     composed, remembered = remember_run_overrides(["k3train", f"hydra.run.dir={run_dir}", "resume=auto"])
     assert composed == ["k3train", "model=smoke_test_lm", f"hydra.run.dir={run_dir}", "resume=auto"]
-    assert f"(not {' '.join(session)}: how a session runs is each session's own)" in remembered.describe()
+    assert f"(not {' '.join(session)}: how a session runs is each session's own; " in remembered.describe()
+
+
+def _run_on(tmp_path, world_size: int, overrides: list[str]):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    session = {"session": 0, "overrides": overrides, "world_size": world_size}
+    (run_dir / "run.json").write_text(json.dumps({"sessions": [session]}))
+    return run_dir
+
+
+def test_the_parallel_layout_is_kept_where_the_processes_are_the_runs(tmp_path):
+    """A pipelined run on 2 processes resumed on 2 with resume=auto alone stays pipelined; on 1 process the layout is
+    dropped and the line says which overrides it had; any parallel override given now replaces the whole layout."""
+    layout = ["parallel=fsdp", "parallel.pp=2"]
+    run_dir = _run_on(tmp_path, 2, ["model=smoke_test_lm", *layout, "train.stop_after=2"])
+    resume = ["k3train", f"hydra.run.dir={run_dir}", "resume=auto"]
+
+    composed, remembered = remember_run_overrides(resume, world_size=2)
+    assert composed == ["k3train", "model=smoke_test_lm", *layout, f"hydra.run.dir={run_dir}", "resume=auto"]
+    assert "(not train.stop_after=2: how a session runs is each session's own)" in remembered.describe()
+
+    composed, remembered = remember_run_overrides(resume, world_size=1)
+    assert composed == ["k3train", "model=smoke_test_lm", *resume[1:]]
+    assert (
+        "its layout (parallel=fsdp parallel.pp=2) ran on 2 process(es), this session has 1: give this session's "
+        "parallel.* overrides, or the same ones to keep it"
+    ) in remembered.describe()
+
+    composed, _ = remember_run_overrides([*resume, "parallel.cp=2"], world_size=2)
+    assert composed == ["k3train", "model=smoke_test_lm", *resume[1:], "parallel.cp=2"]
+
+
+def test_keys_given_with_a_resume_are_checked_against_the_runs_own_config_groups(tmp_path):
+    """data=mixture is the run's: its keys are known to a resume that does not repeat it."""
+    from k3train.config import register_configs
+    from k3train.run.override_keys import unknown_key_error
+
+    register_configs()  # as python -m k3train does first
+    run_dir = _run_on(tmp_path, 1, ["data=mixture", "train.max_steps=2"])
+    composed, _ = remember_run_overrides(["k3train", f"hydra.run.dir={run_dir}", "resume=auto", "data.verify=true"])
+    assert unknown_key_error(composed) is None
+    assert "unknown key data.verify" in unknown_key_error(["k3train", "data.verify=true"])
+
+
+@pytest.mark.slow
+def test_cli_resume_of_a_mixture_takes_a_mixture_key_without_repeating_data_mixture(run_cli, tmp_path):
+    run_dir = tmp_path / "run"
+    mixture = ["data=mixture", "data.sources=[{name:a,path:null},{name:b,path:null}]", "data.weights=[1,3]"]
+    first = run_cli(*STARTED, *mixture, "train.eval_interval=0", "train.stop_after=1", f"hydra.run.dir={run_dir}")
+    assert first.returncode == 0, first.stderr
+    resumed = run_cli(f"hydra.run.dir={run_dir}", "resume=auto", "data.verify=true")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "stopped at step 2 (max_steps)" in resumed.stdout

@@ -109,7 +109,7 @@ def check_compatible(saved: dict, current: dict, path: Path) -> None:
             "recipe",
             "training recipe",
             "restore these train.* / precision settings; global_batch_size is "
-            "train.batch_size x the number of processes",
+            "train.batch_size x the data-parallel ranks, the processes / (parallel.pp x parallel.cp)",
         ),
         ("optimizer_layout", "optimizer param groups", "use the same optim config"),
         ("data", "dataset identity", "point data at the dataset the checkpoint was trained on"),

@@ -487,8 +487,14 @@ def _check_weights(weights: Any, names: list[str], key: str = "weights") -> list
         if w < 0:
             raise ValueError(f"data.{key}[{i}]={w!r} ({names[i]}) is negative; weights are shares, 0 or more")
         values.append(float(w))
-    if sum(values) <= 0:
-        raise ValueError(f"data.{key}={values} sum to {sum(values):g}; give at least one source a positive weight")
+    total = sum(values)
+    if total <= 0:
+        raise ValueError(f"data.{key}={values} sum to {total:g}; give at least one source a positive weight")
+    if not math.isfinite(total):  # the shares would be inf / inf: some sources never drawn
+        raise ValueError(
+            f"data.{key}={values} sum to more than the largest float; only their ratios matter: give smaller "
+            "numbers in the same proportions (e.g. [1, 1])"
+        )
     return values
 
 

@@ -88,6 +88,7 @@ class RunManifest:
         resume_step: int | None,
         slurm: dict | None = None,
         flops: dict | None = None,
+        world_size: int = 1,
     ) -> None:
         if self.path.exists():
             self.data = json.loads(self.path.read_text(encoding="utf-8"))
@@ -103,6 +104,7 @@ class RunManifest:
             "session": len(self.data["sessions"]),
             "start": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "overrides": overrides,
+            "world_size": world_size,  # processes: a resume with as many keeps the recorded parallel layout
             "resume_from": resume_from,
             "resume_step": resume_step,
             "slurm": slurm,  # job id, array task, node list, restart count (k3train/runtime/slurm.py)

@@ -23,6 +23,7 @@ import json  # noqa: E402
 import sys  # noqa: E402
 
 from hydra import compose, initialize_config_module  # noqa: E402
+from hydra.errors import InstantiationException  # noqa: E402
 from hydra.utils import instantiate  # noqa: E402
 
 from k3train.config import register_configs  # noqa: E402
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         if cp > 1 and "kda" in spec.model.layer_pattern and spec.model.kda_implementation != "chunk":
             raise ValueError(cp_kda_refusal(spec.model.kda_implementation))
     except Exception as exc:  # a bad override, model or mesh: say what, as a refusal
-        print(f"k3train plan: error: {exc}", file=sys.stderr)
+        cause = exc.__cause__ if isinstance(exc, InstantiationException) and exc.__cause__ else exc  # not Hydra's
+        print(f"k3train plan: error: {cause}", file=sys.stderr)  # "Error in call to target" wrapper: its reason
         return 2
     devices = args.gpus if args.gpus is not None or mesh is None else mesh.world
     if mesh is not None and mesh.world != devices:

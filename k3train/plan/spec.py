@@ -102,6 +102,16 @@ def check_split(seq_len: int, cp: int) -> None:
         )
 
 
+def _count(parallel, key: str) -> int:
+    """parallel.<key>, a count of ranks or stages (null: 1), refused as the run refuses it where it is not >= 1."""
+    value = parallel.get(key, 1)
+    if value is None:
+        return 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"parallel.{key}={value!r} must be a positive integer")
+    return value
+
+
 def build_spec(cfg: DictConfig, device_type: str, vocab_size: int | None = None) -> RunSpec:
     """The composed config as a RunSpec; the model is built on the meta device. vocab_size: what the model's
     `vocab_size: null` takes (the data's), when the config leaves it null."""
@@ -131,12 +141,12 @@ def build_spec(cfg: DictConfig, device_type: str, vocab_size: int | None = None)
         ns_dtype=_ns_dtype(cfg.optim, device_type) if optimizer == "muon_adamw" else None,
         precision=str(cfg.precision.dtype),
         strategy="fsdp" if parallel_target.endswith("FSDP") else "ddp",
-        ep=int(cfg.parallel.get("ep", 1) or 1),
-        cp=int(cfg.parallel.get("cp", 1) or 1),
-        dp_replicate=int(cfg.parallel.get("dp_replicate", 1) or 1),
-        pp=int(cfg.parallel.get("pp", 1) or 1),
+        ep=_count(cfg.parallel, "ep"),
+        cp=_count(cfg.parallel, "cp"),
+        dp_replicate=_count(cfg.parallel, "dp_replicate"),
+        pp=_count(cfg.parallel, "pp"),
         pp_schedule=str(cfg.parallel.get("pp_schedule", "1f1b")),
-        pp_virtual_stages=int(cfg.parallel.get("pp_virtual_stages", 1) or 1),
+        pp_virtual_stages=_count(cfg.parallel, "pp_virtual_stages"),
         pp_microbatches=cfg.parallel.get("pp_microbatches"),
         reshard_after_forward=bool(cfg.parallel.get("reshard_after_forward", True)),
         batch_size=train.batch_size,

@@ -280,6 +280,7 @@ def _open_session(
         resume_step=trainer.state.step if resume_path else None,
         slurm=job.describe() if (job := slurm.current_job()) else None,
         flops=trainer.mfu.as_dict(),
+        world_size=current_world().size,
     )
     metrics.log(
         "session",

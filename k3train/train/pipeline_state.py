@@ -69,6 +69,12 @@ class PipelineModel:
             part.load_state_dict({k: state[k] for k in wanted})
 
 
+# Each pp rank's own optimizer figures (Muon's orthogonality error per group: a group spans every stage, each stage
+# measures its part), kept apart in the checkpoint so that a resume on as many pp ranks gives each its own back;
+# the merged copy beside them is what a resume on another layout (or one process) reads.
+STAGE_FIGURES = "pipeline_stage_figures"
+
+
 class PipelineOptimizer:
     """The optimizer part over this rank's stages (`part`: its ConfiguredOptimizer), written and read in the format
     of `whole`, the same optimizer built over the whole model (its parameter order and groups; it holds no state)."""
@@ -99,7 +105,10 @@ class PipelineOptimizer:
         state: dict = {} if self.gather else mine
         extra: dict = {}
         saved_settings: dict = {}
-        for part in _gathered(entry, self.group):
+        parts = _gathered(entry, self.group)
+        if self.group is not None and len(parts) == dist.get_world_size(self.group):  # the rank that has them all
+            extra[STAGE_FIGURES] = [part["extra"] for part in parts]
+        for part in parts:
             state |= part["state"]
             for key, value in part["extra"].items():  # per-group figures (Muon's orthogonality error): merged
                 extra[key] = {**extra.get(key, {}), **value} if isinstance(value, dict) else value
@@ -135,10 +144,14 @@ class PipelineOptimizer:
             kept |= {k: v for k, v in group.items() if isinstance(v, list) and k != "params"}  # this rank's own
             local_groups.append({**kept, "params": list(range(start, start + size))})
             start += size
+        extra = {k: v for k, v in saved.items() if k not in ("state", "param_groups", STAGE_FIGURES)}
+        stage_figures = saved.get(STAGE_FIGURES)
+        if self.group is not None and len(stage_figures or []) == dist.get_world_size(self.group):
+            extra |= stage_figures[dist.get_rank(self.group)]  # this pp rank's own, as it saved them
         local = {
             "state": {i: state[n] for i, n in enumerate(self.local_names) if n in state},
             "param_groups": local_groups,
-            **{k: v for k, v in saved.items() if k not in ("state", "param_groups")},
+            **extra,
         }
         self.part.load_state_dict(local)
 
