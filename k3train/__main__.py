@@ -16,7 +16,7 @@ from omegaconf import DictConfig
 from k3train.config import register_configs
 from k3train.run.override_keys import unknown_key_error
 from k3train.run.remembered import remember_run_overrides
-from k3train.runtime import distributed
+from k3train.runtime import distributed, signals
 
 register_configs()
 _composed = False  # Hydra composed a config and called the task: a SystemExit(1) before that is a config error
@@ -40,6 +40,7 @@ def compose_and_run(cfg: DictConfig) -> None:
 
 
 def main() -> None:
+    signals.imports_done()  # a Ctrl-C from here on is this function's to report
     # Before Hydra: every rank must resolve the same run directory (rank 0's start time, see distributed.py).
     try:
         world = distributed.init_from_env()

@@ -35,8 +35,11 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> int:
         os.replace(tmp, path)
         _fsync_dir(path.parent)  # make the rename itself durable
     except (OSError, RuntimeError) as exc:
-        # torch.save's zip writer meets a full disk as an OSError, then its own clean-up raises a RuntimeError
-        # ("unexpected pos") on top of it: the OSError underneath is what failed.
+        # torch.save's zip writer meets a full disk as an OSError, or a second Ctrl-C as a KeyboardInterrupt, then
+        # its own clean-up raises a RuntimeError ("unexpected pos") on top of it: what is underneath is what happened.
+        interrupt = _underneath(exc, KeyboardInterrupt)
+        if interrupt is not None:
+            raise interrupt from None
         failure = _os_error(exc)
         if failure is None:
             raise
@@ -100,7 +103,12 @@ def _fsync_dir(path: Path) -> None:
 
 def _os_error(exc: BaseException) -> OSError | None:
     """exc if it is an OSError, else the OSError it was raised while handling (None if there is none)."""
-    while exc is not None and not isinstance(exc, OSError):
+    return _underneath(exc, OSError)
+
+
+def _underneath(exc: BaseException | None, kind: type[BaseException]) -> BaseException | None:
+    """exc if it is a `kind`, else the `kind` it was raised while handling (None if there is none)."""
+    while exc is not None and not isinstance(exc, kind):
         exc = exc.__context__
     return exc
 

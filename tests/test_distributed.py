@@ -91,7 +91,8 @@ def test_a_resume_on_another_world_size_continues_the_same_global_batch_or_says_
         ranks=None,
     )  # 1 x 2 rows: not the checkpoint's 2 x 2
     assert proc.returncode == 2
-    assert "global_batch_size was 4, now 2" in proc.stderr and "x the number of processes" in proc.stderr
+    assert "global_batch_size was 4, now 2" in proc.stderr
+    assert "x the data-parallel ranks, the processes / (parallel.pp x parallel.cp)" in proc.stderr
     proc = launch(
         k3_cache,
         *SMOKE,

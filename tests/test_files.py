@@ -29,6 +29,51 @@ def test_write_atomic_replaces_the_file_and_keeps_it_after_a_failure(tmp_path):
     assert target.read_bytes() == b"second" and leftovers(tmp_path) == []
 
 
+def test_a_ctrl_c_inside_torch_save_is_the_ctrl_c_not_the_zip_writers_error(tmp_path):
+    """A second Ctrl-C while torch.save writes: its zip writer's clean-up raises "unexpected pos" on top of the
+    KeyboardInterrupt; the caller gets the KeyboardInterrupt (the runner's one line), the old file, no temp file."""
+    import torch
+
+    target = tmp_path / "last.pt"
+    target.write_bytes(b"the last checkpoint")
+
+    class CtrlCMidway:
+        def __init__(self, f):
+            self.f, self.written = f, 0
+
+        def write(self, data):
+            self.written += len(data)
+            if self.written > 100_000:
+                raise KeyboardInterrupt
+            return self.f.write(data)
+
+        def flush(self):
+            self.f.flush()
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        write_atomic(target, lambda f: torch.save({"w": torch.zeros(10**6)}, CtrlCMidway(f)))
+    assert type(caught.value) is KeyboardInterrupt and caught.value.__suppress_context__
+    assert target.read_bytes() == b"the last checkpoint" and leftovers(tmp_path) == []
+
+
+def test_a_ctrl_c_while_python_m_k3train_imports_ends_it_by_sigint_in_one_line():
+    """bootstrap(training=True) is the first thing `python -m k3train` does; a Ctrl-C during the imports that follow
+    (torch: seconds) ends the process by SIGINT with one line, not a traceback from inside an import."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (  # SIGINT as a terminal's foreground job has it (a script's background job starts with it ignored)
+        "import signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "from k3train.runtime.bootstrap import bootstrap; bootstrap(training=True); "
+        "import os, signal, time; os.kill(os.getpid(), signal.SIGINT); time.sleep(30)"
+    )
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == -signal.SIGINT, proc.stderr
+    assert proc.stderr.strip() == "k3train: interrupted by Ctrl-C while starting; nothing was written"
+
+
 def test_remove_stale_temp_files_removes_only_temp_files(tmp_path):
     (tmp_path / ".last.pt.tmp-123").write_bytes(b"torn")
     (tmp_path / "last.pt").write_bytes(b"kept")

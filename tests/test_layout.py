@@ -62,6 +62,10 @@ def test_parallel_dims_say_how_the_ranks_divide_the_work() -> None:
     hsdp = ParallelDims.for_strategy("fsdp", world_size=4, rank=3, device_type="cpu", dp_replicate=2)
     assert (hsdp.dp_replicate, hsdp.dp_shard, hsdp.dp_size, hsdp.dp_rank) == (2, 2, 4, 3)
     assert hsdp.describe() == "HSDP: 2 replica groups, each FSDP2 over 2 process(es)"
+    for pp, dp_replicate in ((2, 1), (1, 2)):  # one process a stage or a replica group: the fix, not FSDP2's failure
+        with pytest.raises(ValueError, match=r"= 1 process: nothing to shard over; use parallel=ddp for this layout, "
+                           r"or run on 4 processes or more"):  # fmt: skip
+            ParallelDims.for_strategy("fsdp", world_size=2, rank=0, device_type="cpu", pp=pp, dp_replicate=dp_replicate)
     with pytest.raises(ValueError, match="rank 4 outside a world of 4"):
         ParallelDims(dp_replicate=4, rank=4)
     with pytest.raises(ValueError, match="unknown parallel strategy 'tp'"):

@@ -35,6 +35,7 @@ CASES = {  # name -> (schedule, stages a rank, activation checkpointing)
     "interleaved_1f1b": ("interleaved_1f1b", 2, "none"),
     "interleaved_zero_bubble": ("interleaved_zero_bubble", 2, "none"),
     "zbv_zero_bubble": ("zbv_zero_bubble", 2, "selective"),
+    "dualpipev": ("dualpipev", 2, "none"),  # DualPipe's V: a micro-batch's forward overlapped with another's backward
 }
 
 
@@ -173,6 +174,7 @@ def test_stages_split_the_layers_evenly_and_ranks_hold_them_loop_or_v_style() ->
     assert stage_bounds(4, 2) == [(0, 2), (2, 4)] and stage_bounds(7, 3) == [(0, 3), (3, 5), (5, 7)]
     assert stages_of(1, PipelineSettings(4, "interleaved_1f1b", 2)) == [1, 5]
     assert stages_of(1, PipelineSettings(4, "zbv_zero_bubble", 2)) == [1, 6]
+    assert stages_of(1, PipelineSettings(4, "dualpipev", 2)) == [1, 6]
     assert stages_of(3, PipelineSettings(4, "1f1b")) == [3]
 
 

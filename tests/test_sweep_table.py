@@ -70,3 +70,17 @@ def test_summary_files_hold_the_same_table(tmp_path, capsys):
 def test_a_missing_sweep_directory_is_one_clear_line(tmp_path, capsys):
     assert main([str(tmp_path / "nope")]) == 2
     assert "no sweep directory" in capsys.readouterr().err
+
+
+def test_a_best_value_at_the_edge_of_its_grid_is_flagged_under_the_table(tmp_path):
+    """3e-2 is the largest lr swept and the best: the optimum may be beyond; in the middle, no note."""
+    for i, (lr, loss) in enumerate([("1e-3", 3.0), ("3e-3", 2.5), ("1e-2", 2.2), ("3e-2", 2.0)]):
+        _job(tmp_path / "edge", i, [f"optim.lr={lr}", "model=k3_tiny"], [loss])
+    markdown = write_sweep_summary(tmp_path / "edge")
+    assert markdown.splitlines()[-1] == (
+        "**Note:** best final val loss at optim.lr=3e-2, the largest value swept (0.001..0.03): the optimum may lie "
+        "beyond it; extend the grid past it before choosing."
+    )
+    for i, (lr, loss) in enumerate([("1e-3", 3.0), ("3e-3", 2.0), ("1e-2", 2.2)]):
+        _job(tmp_path / "middle", i, [f"optim.lr={lr}"], [loss])
+    assert "Note" not in write_sweep_summary(tmp_path / "middle")

@@ -173,6 +173,20 @@ def test_end_of_data_stops_cleanly_at_an_update_boundary(tmp_path, builtin_data)
     assert events[-1]["reason"] == "end_of_data"
 
 
+def test_a_max_steps_beyond_the_data_is_said_before_the_run_starts(tmp_path, builtin_data):
+    """train.max_steps past the end of the train split: the plan says where the data ends the run, and why."""
+    model = smoke(builtin_data.vocab_size)
+    kwargs = dict(optimizer=sgd(model, lr=1e-3), batch_size=64, seq_len=512, gradient_accumulation_steps=2)
+    held = (builtin_data.train.num_tokens - 1) // (64 * 512) // 2
+    trainer = make_trainer(tmp_path / "far", builtin_data, model, max_steps=held + 30, **kwargs)
+    assert trainer.total_steps == held
+    assert trainer.plan.data_note() == (
+        f"the train split holds {held:,} more updates of this batch (65,536 tokens each): the run ends at step "
+        f"{held:,} (end of data), before train.max_steps={held + 30}; the stream never wraps"
+    )
+    assert make_trainer(tmp_path / "near", builtin_data, model, max_steps=held, **kwargs).plan.data_note() is None
+
+
 def test_overfit_batch_repeats_the_first_batch_and_memorises_it(tmp_path, builtin_data):
     model = Recorder(builtin_data.vocab_size)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-2)

@@ -162,12 +162,43 @@ def to_html(keys: list[str], rows: list[JobRow], sweep_dir: Path) -> str:
     return f"<table>\n<tr>{header}</tr>\n{body}</table>\n"
 
 
+def edge_notes(keys: list[str], rows: list[JobRow]) -> list[str]:
+    """For each swept number (3 values or more among the jobs with a val loss) whose best job (the lowest final val
+    loss) took its smallest or largest value: the optimum may lie beyond the grid, so the sweep has not found it."""
+    finished = [r for r in rows if r.final_val_loss is not None and math.isfinite(r.final_val_loss)]
+    if not finished:
+        return []
+    best, notes = finished[0], []  # rows are sorted best first
+    for key in keys:
+        values = {}
+        for row in finished:
+            try:
+                values[row.overrides.get(key)] = float(row.overrides.get(key))
+            except (TypeError, ValueError):
+                break  # not a number everywhere: no edge to speak of
+        else:
+            if len(set(values.values())) < 3 or key not in best.overrides:
+                continue
+            low, high = min(values.values()), max(values.values())
+            if values[best.overrides[key]] in (low, high):
+                side = "smallest" if values[best.overrides[key]] == low else "largest"
+                notes.append(
+                    f"best final val loss at {key}={best.overrides[key]}, the {side} value swept "
+                    f"({low:g}..{high:g}): the optimum may lie beyond it; extend the grid past it before choosing"
+                )
+    return notes
+
+
 def write_sweep_summary(sweep_dir: Path, table: tuple[list[str], list[JobRow]] | None = None) -> str:
-    """Write SWEEP_DIR/sweep_summary.md and .csv (each atomically) and return the markdown table; `table` (keys,
-    rows) when the caller has read the jobs already."""
+    """Write SWEEP_DIR/sweep_summary.md and .csv (each atomically) and return the markdown table, with a note under
+    it for a best value at the edge of its grid (edge_notes); `table` (keys, rows) when the caller has read the jobs
+    already."""
     sweep_dir = Path(sweep_dir)
     keys, rows = table if table is not None else sweep_table(sweep_dir)
     markdown = to_markdown(keys, rows, sweep_dir)
+    notes = edge_notes(keys, rows)
+    if notes:
+        markdown += "\n" + "".join(f"**Note:** {note}.\n" for note in notes)
     for suffix, text in ((".md", markdown), (".csv", to_csv(keys, rows, sweep_dir))):
         write_atomic(sweep_dir / f"{SUMMARY_STEM}{suffix}", lambda f, text=text: f.write(text.encode()))
     return markdown

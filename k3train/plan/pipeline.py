@@ -126,7 +126,13 @@ class PipelinePlan:
 def settings_of(spec: RunSpec) -> PipelineSettings:
     """The run's PipelineSettings for `spec` (its refusals are the run's: a schedule that does not exist, virtual
     stages the schedule cannot hold)."""
-    return PipelineSettings(spec.pp, spec.pp_schedule, spec.pp_virtual_stages, spec.pp_microbatches)
+    settings = PipelineSettings(spec.pp, spec.pp_schedule, spec.pp_virtual_stages, spec.pp_microbatches)
+    if settings.schedule == "dualpipev":  # its actions include OVERLAP_F_B, which `simulate` has no cost for
+        raise ValueError(
+            "parallel.pp_schedule=dualpipev runs, but the planner does not model its overlapped forward-and-backward "
+            "actions yet: plan its V layout (the same stages a rank) with parallel.pp_schedule=zbv_zero_bubble"
+        )
+    return settings
 
 
 def plan_pipeline(spec: RunSpec) -> PipelinePlan:

@@ -372,8 +372,11 @@ CAPTIONS = {
     "lr": "Each param group's learning rate as the schedule sets it, by step, from 0. Groups that share a schedule "
     "lie on each other (dashed to keep each visible); the dotted line is where warmup ends.",
     "grad_norm": "The global gradient norm before clipping (mean and max over the updates since the last log line) "
-    "and after it, against train.grad_clip. Good: mostly below the threshold after the first steps; clipping every "
-    "update means the lr is too high for it. Red lines: updates skipped for a non-finite loss or gradient.",
+    "and after it, against train.grad_clip. Early in training the norm is large whatever the lr (a lower lr keeps "
+    "it large longer), so clipping most of the first hundreds of updates is normal, and a short sweep in which every "
+    "run clips says nothing about which lr is best: compare their losses. Past the early steps, good is mostly below "
+    "the threshold; a norm that stays at or rises above it while the loss stalls means the updates are too large. "
+    "Red lines: updates skipped for a non-finite loss or gradient.",
     "throughput": "Tokens per second and model FLOPs utilisation (the model's FLOPs over the device's peak) by step. "
     "Good: flat after the first steps; dips are evaluations, checkpoints or other processes on the machine.",
     "moe": "Per MoE layer, the load of its busiest (load_max) and idlest (load_min) routed expert over the mean "

@@ -325,6 +325,8 @@ def _print_summary(run_dir: Path, trainer: Trainer, threads: ThreadChoice, chang
         f"  token plan: {trainer.tokens_per_update:,} tokens per nominal update x {trainer.total_steps} "
         f"= {trainer.tokens_per_update * trainer.total_steps:,} tokens (a plan, not a measurement)"
     )
+    if (note := trainer.plan.data_note()) is not None:
+        lines.append(f"  data: {note}")
     print("\n".join(lines), flush=True)
 
 

@@ -93,6 +93,12 @@ class ParallelDims:
                     "process(es): each replica group shards the model over world / dp_replicate of them"
                 )
             shard = world_size // dp_replicate
+            if shard == 1 and (pp > 1 or dp_replicate > 1):  # one process alone is a run FSDP2 leaves unsharded
+                raise ValueError(
+                    f"parallel=fsdp shards over processes / (parallel.pp x parallel.dp_replicate) = "
+                    f"{world_size * pp} / ({pp} x {dp_replicate}) = 1 process: nothing to shard over; use "
+                    f"parallel=ddp for this layout, or run on {2 * pp * dp_replicate} processes or more"
+                )
             return cls(dp_replicate, shard, rank=rank, device_type=device_type, ep=ep, cp=cp, pp=pp)
         if dp_replicate != 1:
             raise ValueError(

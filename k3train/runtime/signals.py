@@ -85,13 +85,31 @@ class StopSignals:
 
 
 _early: StopSignals | None = None
+CTRL_C_WHILE_IMPORTING = b"\nk3train: interrupted by Ctrl-C while starting; nothing was written\n"
 
 
 def catch_early() -> None:
     """From the start of `python -m k3train` until the run's StopSignals takes over: note a stop signal instead of
     dying of it. SLURM may send a time-limit warning up to a minute early, while the job is still importing or
-    building; the run then stops with a checkpoint after its first update and the job is requeued."""
+    building; the run then stops with a checkpoint after its first update and the job is requeued. A Ctrl-C while
+    the CLI's modules import (torch: seconds) ends the process by SIGINT with one line instead of a
+    KeyboardInterrupt traceback from inside an import; `imports_done()` hands Ctrl-C back to the CLI's own handling."""
     global _early
     if _early is None and threading.current_thread() is threading.main_thread():
         _early = StopSignals()
         _early._previous = {sig: signal.signal(sig, _early._handle) for sig in StopSignals.EARLY_SIGNALS}
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # an ignored SIGINT stays ignored
+            signal.signal(signal.SIGINT, _end_while_importing)
+
+
+def _end_while_importing(signum, frame) -> None:
+    os.write(2, CTRL_C_WHILE_IMPORTING)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def imports_done() -> None:
+    """From here a Ctrl-C raises KeyboardInterrupt again, which the CLI turns into its one line (it may have written
+    something by then that a clean exit removes)."""
+    if signal.getsignal(signal.SIGINT) is _end_while_importing:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

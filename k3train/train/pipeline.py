@@ -35,7 +35,9 @@ SCHEDULES = {
     "interleaved_1f1b": ("Interleaved1F1B", True),
     "interleaved_zero_bubble": ("InterleavedZeroBubble", True),
     "zbv_zero_bubble": ("ZBVZeroBubble", True),  # exactly 2 stages a rank, V-shaped
+    "dualpipev": ("DualPipeV", True),  # DeepSeek's DualPipe in torch's V form: 2 stages a rank, V-shaped
 }
+V_SHAPED = ("zbv_zero_bubble", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -56,9 +58,9 @@ class PipelineSettings:
                 f"parallel.pp_schedule={self.schedule!r} is not a schedule; choose one of {', '.join(SCHEDULES)}"
             )
         multi = SCHEDULES[self.schedule][1]
-        if self.schedule == "zbv_zero_bubble" and self.virtual_stages != 2:
+        if self.schedule in V_SHAPED and self.virtual_stages != 2:
             raise ValueError(
-                f"parallel.pp_schedule=zbv_zero_bubble holds 2 stages a rank (a V); got pp_virtual_stages="
+                f"parallel.pp_schedule={self.schedule} holds 2 stages a rank (a V); got pp_virtual_stages="
                 f"{self.virtual_stages}: set parallel.pp_virtual_stages=2"
             )
         if not multi and self.virtual_stages != 1:
@@ -112,7 +114,7 @@ def stage_bounds(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
 def stages_of(pp_rank: int, settings: PipelineSettings) -> list[int]:
     """The stage indices rank `pp_rank` of the pipeline holds, in the order its schedule wants them."""
     pp, v = settings.pp, settings.virtual_stages
-    if settings.schedule == "zbv_zero_bubble":
+    if settings.schedule in V_SHAPED:
         return [pp_rank, 2 * pp - 1 - pp_rank]
     return [pp_rank + k * pp for k in range(v)]
 

@@ -30,8 +30,11 @@ class TrainingPlan:
             limits.append(c.max_steps)
         if c.max_tokens is not None:
             limits.append(math.ceil(c.max_tokens / self.tokens_per_update))
+        self.asked = min(limits, default=None)  # what max_steps / max_tokens ask for, the data aside
+        self.data_limit = None  # the step at which the train split runs out
         if not c.overfit_batch:
-            limits.append(self.state.step + self.train_loader.batches_remaining() // c.gradient_accumulation_steps)
+            self.data_limit = self.state.step + self.train_loader.batches_remaining() // c.gradient_accumulation_steps
+            limits.append(self.data_limit)
         if not limits:
             raise ValueError("train.overfit_batch=true needs train.max_steps or train.max_tokens")
         total = min(limits)
@@ -41,6 +44,18 @@ class TrainingPlan:
                 "lower train.batch_size, train.seq_len or train.gradient_accumulation_steps"
             )
         return total
+
+    def data_note(self) -> str | None:
+        """Where the train split ends the run before train.max_steps / max_tokens would: said before it starts."""
+        if self.data_limit is None or self.asked is None or self.data_limit >= self.asked:
+            return None
+        c = self.config
+        asked = f"train.max_steps={c.max_steps}" if c.max_steps == self.asked else f"train.max_tokens={c.max_tokens:,}"
+        return (
+            f"the train split holds {self.data_limit - self.state.step:,} more updates of this batch "
+            f"({self.tokens_per_update:,} tokens each): the run ends at step {self.data_limit:,} (end of data), "
+            f"before {asked}; the stream never wraps"
+        )
 
     def done(self) -> str | None:
         """Why the run as planned is over (max_steps, max_tokens, end_of_data), or None while work is left."""
