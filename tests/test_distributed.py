@@ -107,3 +107,14 @@ def test_a_resume_on_another_world_size_continues_the_same_global_batch_or_says_
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     for step in a:
         assert b[step] == pytest.approx(a[step], rel=1e-5), step
+
+
+def test_a_refusal_every_rank_makes_is_said_once(k3_cache, tmp_path):
+    """Under torchrun each rank refuses a bad setting alike: one line on the node, not one per rank (a rank's own
+    message, another text, would still get through: tests/test_console.py)."""
+    run = tmp_path / "run"
+    proc = launch(k3_cache, *SMOKE, "parallel=fsdp", "parallel.pp=2", f"hydra.run.dir={run}", ranks=2)
+    assert proc.returncode != 0
+    assert proc.stderr.count("k3train: error: parallel=fsdp shards over processes") == 1, proc.stderr
+    proc = launch(k3_cache, *SMOKE, "optim.lrr=1", f"hydra.run.dir={run}", ranks=2)
+    assert proc.stderr.count("k3train: error: unknown key optim.lrr") == 1, proc.stderr

@@ -49,6 +49,7 @@ def run_dir(k3_cache, tasks, tmp_path_factory) -> Path:
     in_loop = [f"train.eval_tasks=[{TASK}]", f"train.eval_tasks_include_path={tasks}", "train.eval_tasks_interval=30"]
     proc = python_m("k3train", *SHRUNK, *in_loop, f"hydra.run.dir={run}", cache=k3_cache)
     assert proc.returncode == 0, proc.stderr
+    assert "it/s]" not in proc.stderr and "examples/s]" not in proc.stderr  # lm_eval's, datasets' bars held back
     return run
 
 
@@ -73,18 +74,23 @@ def test_python_m_k3train_lm_eval_scores_the_run_as_the_loop_did(run_dir, tasks,
         "k3train.lm_eval", *args, "--include_path", str(tasks), "--output_path", str(tmp_path), cache=k3_cache
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "batch_size: 8" in proc.stdout + proc.stderr  # the adapter's default, not lm_eval's CLI's 1
     (result,) = tmp_path.rglob("results_*.json")
     acc = json.loads(result.read_text())["results"][TASK]["acc,none"]
     final = [r for r in read_metrics(run_dir / "metrics.jsonl") if r["event"] == "eval_tasks"][-1]
     assert acc == pytest.approx(final[TASK]["acc"], abs=1e-9)
 
 
-@pytest.mark.parametrize("bad", ["missing_task", "missing_file"])
+@pytest.mark.parametrize("bad", ["missing_task", "missing_file", "unparsable_yaml"])
 def test_a_missing_task_or_task_file_is_refused_in_one_line_before_anything_is_written(bad, k3_cache, tasks, tmp_path):
     where = tasks
-    if bad == "missing_file":
+    if bad in ("missing_file", "unparsable_yaml"):
         where = write_local_task(tmp_path / "tasks", "\n".join(builtin_documents()), n=4)
+    if bad == "missing_file":
         (where / f"{TASK}.jsonl").unlink()
+    if bad == "unparsable_yaml":  # lm_eval leaves it out silently: the refusal says why the task is missing
+        (broken,) = where.glob("*.yaml")
+        broken.write_text(broken.read_text() + "\ndoc_to_choice: [unclosed\n")
     name = "no_such_task" if bad == "missing_task" else TASK
     run = tmp_path / "run"
     overrides = [f"train.eval_tasks=[{name}]", f"train.eval_tasks_include_path={where}", f"hydra.run.dir={run}"]
@@ -92,6 +98,8 @@ def test_a_missing_task_or_task_file_is_refused_in_one_line_before_anything_is_w
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and "train.eval_tasks" in errors[0], proc.stderr[-3000:]
+    if bad == "unparsable_yaml":
+        assert f"{broken} does not parse (" in errors[0], errors[0]
     assert "Traceback" not in proc.stderr
     assert not run.exists()
 

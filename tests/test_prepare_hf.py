@@ -128,6 +128,24 @@ def test_bad_table_inputs_one_line_nothing_written(tmp_path, tables, capsys):
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
 
 
+def test_a_parquet_file_with_a_broken_footer_is_one_line_of_ours(tmp_path):
+    """datasets logs its own "Failed to read schema" line for it (to the stderr it captured at import, which
+    pytest's capsys does not see): the command itself prints our one line only."""
+    import subprocess
+    import sys
+
+    junk = tmp_path / "footer.parquet"
+    junk.write_bytes(b"PAR1" + b"garbage" * 50 + b"PAR1")  # the magic, then nonsense: its footer is read
+    proc = subprocess.run(
+        [sys.executable, "-m", "k3train.prepare", str(junk), "--output", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and "footer.parquet: not a readable parquet file" in proc.stderr, proc.stderr
+
+
 def test_without_datasets(tmp_path, monkeypatch, capsys):
     """k3train prepares .jsonl without datasets; a .parquet input then says how to get it, in one line, exit 2."""
     monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` raises ImportError

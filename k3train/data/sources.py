@@ -17,6 +17,7 @@ import glob
 import gzip
 import io
 import json
+import logging
 import math
 import os
 import re
@@ -169,13 +170,24 @@ def _offline(datasets) -> Iterator[None]:
             setattr(datasets.config, name, value)
 
 
+@contextlib.contextmanager
+def _logger_silenced(name: str) -> Iterator[None]:
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.CRITICAL + 1)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def _load_table(path: Path, field: str, cache_dir: str):
     """The file as a streaming `datasets` dataset of its text column: a packaged builder ("parquet"/"arrow") on
     the local file, so nothing is resolved on the hub or downloaded, and nothing cached outside cache_dir."""
     datasets = _import_datasets(path)
     builder = path.suffix.removeprefix(".")
     try:
-        with _offline(datasets):
+        with _offline(datasets), _logger_silenced("datasets"):  # its own "Failed to read schema" line: ours says it
             ds = datasets.load_dataset(
                 builder, data_files=[str(path)], split="train", streaming=True, cache_dir=cache_dir
             )

@@ -5,7 +5,11 @@ a job killed a moment later must have said it."""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 
 def say(message: str) -> None:
@@ -13,4 +17,24 @@ def say(message: str) -> None:
 
 
 def notice(message: str) -> None:
-    print(f"k3train: {message}", file=sys.stderr, flush=True)
+    if first_on_this_node(message):
+        print(f"k3train: {message}", file=sys.stderr, flush=True)
+
+
+def first_on_this_node(message: str) -> bool:
+    """Whether this rank is the first of its launch on this node to say `message`. torchrun's ranks share its agent
+    as their parent, and most refusals are every rank's alike (a bad setting): one copy a node is enough, and a
+    rank's own message (another text) still gets through. A marker file per (agent, message) in the temp
+    directory decides; anything unusual (one process, no /proc, a read-only temp dir) says it."""
+    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1:
+        return True
+    try:  # the agent's pid and start time: unique to this launch, whatever the rendezvous id
+        agent = os.getppid()
+        started = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
+        key = hashlib.sha256(f"{agent} {started}\0{message}".encode()).hexdigest()[:24]
+        os.close(os.open(Path(tempfile.gettempdir()) / f"k3train-said-{key}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    except (OSError, IndexError):
+        return True
+    return True

@@ -13,8 +13,11 @@ restored afterwards, as for the val loss (k3train/train/evaluate.py), so the tas
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -54,16 +57,19 @@ class TaskEval:
         unknown = [t for t in self.tasks if t not in self.manager.all_tasks]
         if unknown:
             where = f" or in {include_path}" if include_path else " (train.eval_tasks_include_path: local YAMLs)"
-            raise ValueError(f"train.eval_tasks: no task named {', '.join(unknown)} in lm_eval{where}")
+            broken = _unparsable_yamls(Path(include_path)) if include_path else []
+            why = "".join(f"; {path} does not parse ({error})" for path, error in broken)  # lm_eval skips them
+            raise ValueError(f"train.eval_tasks: no task named {', '.join(unknown)} in lm_eval{where}{why}")
         self._task_dict()  # reads every task's data now: a missing file is refused before the run starts
 
     def _task_dict(self) -> dict:
         from lm_eval.tasks import get_task_dict
 
         try:
-            if hasattr(self.manager, "load"):  # lm_eval 0.4.10 on; get_task_dict before
-                return self.manager.load(self.tasks)
-            return get_task_dict(self.tasks, self.manager)
+            with _bars_held_back():
+                if hasattr(self.manager, "load"):  # lm_eval 0.4.10 on; get_task_dict before
+                    return self.manager.load(self.tasks)
+                return get_task_dict(self.tasks, self.manager)
         except Exception as exc:  # datasets' and lm_eval's own errors, of many types
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise ValueError(f"train.eval_tasks: reading the tasks' data failed: {first}") from None
@@ -79,7 +85,7 @@ class TaskEval:
         model.eval()
         try:
             lm = K3TrainLM.from_model(model, self.tokenizer, max_length=max_length)
-            with precision.autocast(device):
+            with precision.autocast(device), _bars_held_back():
                 out = evaluator.evaluate(
                     lm, self._task_dict(), limit=self.limit, bootstrap_iters=0, log_samples=False, verbosity="ERROR"
                 )
@@ -91,6 +97,37 @@ class TaskEval:
     def describe(self) -> str:
         limit = f", the first {self.limit} examples of each" if self.limit else ""
         return f"downstream tasks: {', '.join(self.tasks)}{limit}"
+
+
+def _unparsable_yamls(folder: Path) -> list[tuple[Path, str]]:
+    """The task YAMLs under folder that YAML cannot read (lm_eval's own tags, !function and the like, allowed), each
+    with the first line of why: lm_eval leaves such a file out without a word, so its task looks missing."""
+    import yaml
+
+    class TaskLoader(yaml.SafeLoader):
+        pass
+
+    TaskLoader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    broken = []
+    for path in sorted(folder.rglob("*.yaml")):
+        try:
+            yaml.load(path.read_text(encoding="utf-8"), Loader=TaskLoader)  # noqa: S506 - a SafeLoader subclass
+        except (yaml.YAMLError, UnicodeDecodeError) as exc:
+            broken.append((path, str(exc).strip().splitlines()[0]))
+    return broken
+
+
+@contextlib.contextmanager
+def _bars_held_back():
+    """lm_eval's and datasets' progress bars (tqdm, on stderr) kept out of the training log: stderr is held while
+    the tasks are read or scored, and shown only if that fails."""
+    held = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException:
+        sys.stderr.write(held.getvalue())
+        raise
 
 
 def scores(result: dict) -> dict[str, float]:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from k3train.runtime.console import first_on_this_node
 from k3train.runtime.cpu import cpu_description, matmul_slowdown
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
@@ -56,7 +57,8 @@ class Precision:
             f"{torch.backends.cpu.get_cpu_capability()}): a {self.dtype} matmul measured {slowdown:.1f}x "
             f"slower than fp32, so autocast makes training slower, not faster; use precision=fp32"
         )
-        print(warning, file=sys.stderr, flush=True)
+        if first_on_this_node(warning):
+            print(warning, file=sys.stderr, flush=True)
         return warning
 
     def autocast(self, device: torch.device):
