@@ -135,6 +135,8 @@ def test_a_peak_measured_on_a_busy_machine_is_measured_again_when_quieter_and_th
     loads["now"] = 4.5  # quieter, but still busy: measured again (3e10), and the higher kept
     kept = cpu_peak("fp32", cache_dir=tmp_path)
     assert kept.flops_per_s == 4e10 and "30.0 GFLOP/s at load average 4.5 now; kept: 40.0 GFLOP/s" in kept.source
+    loads["now"] = 4.0  # not a core quieter than the last try: not measured a third time
+    assert cpu_peak("fp32", cache_dir=tmp_path).calibration == Calibration(measured_at, 6.0, cached=True)
 
     loads["now"] = 0.5  # quiet: measured again, higher, and cached with its load
     quiet = cpu_peak("fp32", cache_dir=tmp_path)

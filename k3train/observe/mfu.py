@@ -129,7 +129,8 @@ def cpu_peak(dtype: str, cache_dir: Path | None = None) -> Peak:
     if _usable(entry) and not asked:
         calibration = _calibration(entry, cached=True)
         then = calibration.load_avg
-        if not (busy(then) and load_now <= then - 1):  # quiet then, or no quieter now: the cached figure as it is
+        quietest = min(then or 0.0, entry.get("quietest_try", math.inf))  # each try must be a core quieter still
+        if not (busy(then) and load_now <= quietest - 1):  # quiet then, or no quieter now: the cached figure as it is
             return Peak(
                 float(entry["flops_per_s"]),
                 f"{what}, {_measured(calibration)}{_busy_note(then)}, from the cache {path}; {RECALIBRATE_ENV}=1 "
@@ -142,19 +143,19 @@ def cpu_peak(dtype: str, cache_dir: Path | None = None) -> Peak:
         "load_avg": load_now,
         "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
-    note = ""  # the figure a new measurement replaced, or kept over it, stays in sight
+    note, kept_old = "", False  # the figure a new measurement replaced, or was kept over it, stays in sight
     if _usable(entry):
         old = f"{entry['flops_per_s'] / 1e9:,.1f} GFLOP/s {_measured(_calibration(entry, cached=True))}"
         if asked or measured["flops_per_s"] >= entry["flops_per_s"]:
             note = f" (replacing {old})"
         else:  # load only lowers a peak: the higher figure is the truer one
             note = f" ({measured['flops_per_s'] / 1e9:,.1f} GFLOP/s at load average {load_now:g} now; kept: {old})"
-            measured = entry
+            measured, kept_old = {**entry, "quietest_try": load_now}, True
     cached[key] = measured
     kept = f"cached in {path}" if _write_cache(path, cached) else f"not cached ({path} is not writable)"
-    calibration = _calibration(measured, cached=measured is entry)
-    if measured is entry:
-        return Peak(float(measured["flops_per_s"]), f"{what}, the higher of two{note}", calibration)
+    calibration = _calibration(measured, cached=kept_old)
+    if kept_old:
+        return Peak(float(measured["flops_per_s"]), f"{what}, the higher of two{note}, {kept}", calibration)
     source = f"{what}, {_measured(calibration)}{_busy_note(load_now)}{note}, {kept}"
     return Peak(float(measured["flops_per_s"]), source, calibration)
 
