@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
+import re
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -36,7 +38,8 @@ from k3train.optim.qk_clip import set_max_logit_tracking
 from k3train.plan.__main__ import main
 from k3train.plan.activations import F32, I64, ContextSlice, layer_activations, root_activations
 from k3train.plan.comm import plan_comm
-from k3train.plan.estimate import context_flops_per_token, estimate, qk_clip_flops
+from k3train.plan.command import launch, run_overrides, short_rows
+from k3train.plan.estimate import context_flops_per_token, estimate, propose, qk_clip_flops
 from k3train.plan.hardware import GPUS, lookup
 from k3train.plan.memory import plan_memory
 from k3train.plan.mesh import Mesh, candidates
@@ -731,6 +734,112 @@ def test_a_k3_recipe_that_fits_is_proposed_with_its_mesh(capsys: pytest.CaptureF
     assert status == 0 and "proposed mesh" in out and "dp_shard 4096" in out
 
 
+def test_the_proposal_is_the_fastest_mesh_that_fits_or_with_prefer_memory_the_smallest_peak(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """k3_tiny on 4 H100s: every candidate fits; the first tried (DDP, ep 1), the fastest (FSDP, ep 1) and the
+    smallest peak (FSDP, ep 4) are three meshes, so each choice is told apart from the others."""
+    spec = spec_of(*TINY, "train.seq_len=64", device="cuda")
+    chosen, tried = propose(spec, 4, lookup("h100"))
+    fits = [e for e in tried if e.fits]
+    assert len(fits) == len(tried) == 6 and chosen is not tried[0]
+    assert chosen.mesh == min(fits, key=lambda e: e.step_s).mesh == Mesh(1, 4, 1)
+    small, _ = propose(spec, 4, lookup("h100"), prefer="memory")
+    assert small.mesh == min(fits, key=lambda e: (e.memory.peak, e.step_s)).mesh != chosen.mesh
+    argv = [*TINY, "train.seq_len=64", "--gpus", "4", "--gpu", "h100"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "mesh 1x4x1 = " in out and f"--prefer memory proposes it; --mesh {small.mesh} plans it" in out
+    assert main([*argv, "--prefer", "memory"]) == 0
+    out = capsys.readouterr().out
+    assert f"mesh {small.mesh} = " in out and "fastest: dp_replicate 1 x dp_shard 4 (ep 1)" in out
+
+
+def test_a_quickstart_row_is_named_near_the_top_with_the_override_to_plan_a_real_one(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    """Rows under min(4,096, max_seq_len / 8) are a quickstart's: said under the header, with train.seq_len=4096."""
+    spec = spec_of(*TINY)  # 256 of max_seq_len 512: a tiny model's own length
+    assert short_rows(spec) is None
+    k3_like = dataclasses.replace(spec, model=dataclasses.replace(spec.model, max_seq_len=1048576))
+    assert "train.seq_len=4096" in short_rows(k3_like) and "max_seq_len 1,048,576" in short_rows(k3_like)
+    assert short_rows(dataclasses.replace(k3_like, seq_len=4096)) is None
+    assert short_rows(dataclasses.replace(k3_like, seq_len=2048)) is not None
+    argv = ["model=k3_small", "model.vocab_size=32768", "--gpus", "1", "--gpu", "h100"]  # 256 of 4,096
+    assert main(argv) == 0
+    head = capsys.readouterr().out.splitlines()[:6]
+    assert any(line.startswith("  note: train.seq_len 256 is a quickstart row") for line in head), head
+    assert main([*argv, "--json"]) == 0
+    assert "train.seq_len=4096" in json.loads(capsys.readouterr().out)["notes"][0]
+    assert main([*argv, "train.seq_len=1024"]) in (0, 2)  # 8 rows of 1,024 may not fit: the note is the same
+    assert "quickstart" not in capsys.readouterr().out
+
+
+def test_the_plan_leads_with_the_command_that_trains_it_and_gives_days_per_1e12_tokens(
+    capsys: pytest.CaptureFixture,
+) -> None:
+    argv = [*TINY, "train.seq_len=64", "parallel.bucket_cap_mb=50", "--gpus", "4", "--gpu", "h100"]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[4] == "" and lines[5].startswith("train it (the plan below, 1x4x1: ")
+    assert lines[6] == (
+        "  torchrun --standalone --nproc_per_node=4 -m k3train model=k3_tiny model.vocab_size=257 train.seq_len=64 "
+        "precision=fp32 train.activation_checkpointing=none train.batch_size=8 train.gradient_accumulation_steps=1 "
+        "parallel=fsdp parallel.ep=1 parallel.cp=1"
+    )  # DDP's bucket_cap_mb dropped: the mesh is FSDP's
+    throughput = next(line for line in lines if line.startswith("throughput: "))
+    per_day = float(re.search(r"([0-9.e+]+) tokens/day", throughput).group(1))
+    days = float(re.search(r"\(([0-9.,]+) days per 1e12 tokens\)", throughput).group(1))
+    assert days == pytest.approx(1e12 / per_day, abs=0.05)  # printed to 0.1 day
+    assert main([*argv, "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["run"]["launch"] == [lines[6].strip()] and "parallel=fsdp" in plan["run"]["overrides"]
+    assert plan["chosen"]["days_per_1e12_tokens"] == pytest.approx(1e12 / plan["chosen"]["tokens_per_day"])
+
+
+def test_launch_forms_and_the_overrides_that_realise_a_mesh() -> None:
+    """docs/distributed.md's forms: one process, torchrun on a node, torchrun or srun over nodes of 8."""
+    h200, cpu = lookup("h200"), lookup("cpu")
+    assert launch(1, h200, ["model=k3"]) == ["python -m k3train model=k3"]
+    assert launch(8, h200, ["a=1"]) == ["torchrun --standalone --nproc_per_node=8 -m k3train a=1"]
+    assert launch(2, cpu, ["a=1"]) == ["torchrun --standalone --nproc_per_node=2 -m k3train a=1"]
+    many = launch(1024, h200, ["a=1", "b=[1,2]"])
+    assert many[0].startswith("torchrun --nnodes=128 --nproc_per_node=8 ") and many[0].endswith(
+        " -m k3train a=1 'b=[1,2]'"
+    )
+    assert (
+        many[1]
+        == "srun --nodes=128 --ntasks-per-node=8 --gpus-per-node=8 --kill-on-bad-exit=1 python -m k3train a=1 'b=[1,2]'"
+    )
+    assert launch(12, h200, [])[0].startswith("torchrun --nnodes=3 --nproc_per_node=4 ")  # nodes of 4, not 8 + 4
+    spec = spec_of(*TINY)
+    given = ["model=k3_tiny", "precision=bf16", "parallel.bucket_cap_mb=50"]
+    hsdp = run_overrides(spec, Mesh(2, 2, 2), given)
+    assert hsdp[:2] == ["model=k3_tiny", "precision=fp32"]  # a key the plan sets keeps its place, with the plan's value
+    assert hsdp[2:] == [
+        "train.activation_checkpointing=none", "train.batch_size=8", "train.gradient_accumulation_steps=1",
+        "parallel=hsdp", "parallel.dp_replicate=2", "parallel.ep=2", "parallel.cp=1",
+    ]  # fmt: skip
+    assert run_overrides(spec, Mesh(4, 1, 1), given)[-1] == "parallel.cp=1" and "parallel.bucket_cap_mb=50" in (
+        run_overrides(spec, Mesh(4, 1, 1), given)
+    )  # still DDP: its own keys stay
+    assert "parallel" not in {o.split("=")[0] for o in run_overrides(spec, Mesh(), given)}  # one process
+
+
+@pytest.mark.slow  # 10 s: K3 planned on the meta device
+def test_k3_at_4096_token_rows_fits_first_on_1024_h200s_at_its_fastest_mesh(capsys: pytest.CaptureFixture) -> None:
+    """The README's planner example: its first answer fits, at the fastest mesh (ep 128, 24.4 s a step), where the
+    smallest ep that fits (ep 16) steps in 58.1 s."""
+    recipe = ["precision=bf16", "train.seq_len=4096", "train.activation_checkpointing=block", "train.batch_size=1"]
+    assert main(["model=k3", *recipe, "--gpus", "1024", "--gpu", "h200"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[5].startswith("train it (the plan below, 1x1024x128: 24.4 s a step") and "quickstart" not in lines[4]
+    assert lines[6].startswith("  torchrun --nnodes=128 --nproc_per_node=8 ") and lines[7].startswith("  srun ")
+    assert lines[6].endswith(" parallel=fsdp parallel.ep=128 parallel.cp=1")
+    tried = {line.split()[0]: float(line.split()[-4]) for line in lines if re.match(r"^  1x1024x\d+ ", line)}
+    assert tried["1x1024x16"] > 2 * tried["1x1024x128"]  # what the smallest ep that fits would have proposed
+
+
 def test_nothing_fits_exits_2_and_names_the_largest_items(capsys: pytest.CaptureFixture) -> None:
     assert main(["model=k3", "--gpus", "8", "--gpu", "h100"]) == 2
     captured = capsys.readouterr()
@@ -780,12 +889,12 @@ def test_context_parallel_is_planned_only_when_asked(capsys: pytest.CaptureFixtu
     recipe = [*TINY, "train.seq_len=64", "--gpus", "4", "--gpu", "h100"]
     assert main(recipe) == 0
     out = capsys.readouterr().out
-    assert "mesh 4x1x1 = dp_replicate 4 x dp_shard 1 (ep 1), 4 device(s)" in out
+    assert "mesh 1x4x1 = dp_replicate 1 x dp_shard 4 (ep 1), 4 device(s)" in out  # the fastest that fits
     assert "context parallel" not in out and "CP " not in out
     for asked in (["parallel.cp=2"], ["--cp", "2"], ["--mesh", "4x1x1x2"], ["--mesh", "4x1x1", "parallel.cp=2"]):
         assert main([*asked, *recipe]) == 0, asked
         out = capsys.readouterr().out
-        assert "mesh 4x1x1x2 = dp_replicate 4 x dp_shard 1 (ep 1, cp 2)" in out, asked
+        assert re.search(r"^mesh (1x4x1x2|4x1x1x2) = dp_replicate \d x dp_shard \d \(ep 1, cp 2\)", out, re.M), asked
         assert "each row's 64 positions split over 2 ranks, 32 a rank" in out and "a global batch of 16 rows" in out
         assert "CP KDA state all-gather" in out and "CP MLA latent reduce-scatter" in out
     assert main(["--cp", "2", "--json", *recipe]) == 0

@@ -393,9 +393,14 @@ def _check_ranks(ranks: list[dict], overrides: list[str], mesh: Mesh, case: str)
 def test_the_cli_plans_a_pipeline(capsys: pytest.CaptureFixture) -> None:
     recipe = [*TINY, "parallel.pp=2", "train.gradient_accumulation_steps=4", "--gpus", "4", "--gpu", "h100"]
     assert main(recipe) == 0
+    out = capsys.readouterr().out  # the fastest that fits: each stage FSDP2 over its 2 ranks
+    assert "mesh 1x2x1x1x2 = pp 2 stages, each dp_replicate 1 x dp_shard 2 (ep 1), 4 device(s)" in out
+    assert "pipeline: 2 stages of layers 0-1, 2-3" in out and "bubble 0.200" in out
+    run = next(line for line in out.splitlines() if line.startswith("  torchrun --standalone --nproc_per_node=4 "))
+    assert " parallel.pp=2 " in run and " parallel=fsdp parallel.ep=1 parallel.cp=1 " in run
+    assert main([*recipe, "--mesh", "2x1x1x1x2"]) == 0  # DDP stages, as configured
     out = capsys.readouterr().out
     assert "mesh 2x1x1x1x2 = pp 2 stages, each dp_replicate 2 x dp_shard 1 (ep 1), 4 device(s)" in out
-    assert "pipeline: 2 stages of layers 0-1, 2-3" in out and "bubble 0.200" in out
     assert "PP gradients send" in out and "pipeline receive buffers" in out and "run it with" not in out
     assert main([*recipe[:-4], "--gpus", "8", "--mesh", "1x4x2x1x2", "--gpu", "h100"]) == 0
     out = capsys.readouterr().out  # pp with ep: runnable (the expert mesh carved out of each stage's ranks)

@@ -8,6 +8,7 @@ are the planner's own only if the printed overrides compose to the recipe that w
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import time
@@ -22,14 +23,29 @@ STEP = re.compile(r"^  step +([0-9.]+) s$", re.M)
 
 
 def listed(out: str) -> list[tuple[float, list[str]]]:
-    """(step seconds as listed, the printed command's arguments after `python -m k3train.plan`) per recipe."""
+    """(step seconds as listed, the printed planner command's arguments after `python -m k3train.plan`) per
+    recipe."""
     lines = out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("recipes that fit on "))
-    rows = []
-    for row, command in zip(lines[start:], lines[start + 1 :]):
-        if command.strip().startswith("python -m k3train.plan "):
-            rows.append((float(row.split()[0]), shlex.split(command)[3:]))
+    rows, step = [], None
+    for line in lines[start + 1 :]:
+        if re.match(r"^ +[0-9.]+  ", line):
+            step = float(line.split()[0])
+        elif line.strip().startswith("plan: python -m k3train.plan "):
+            rows.append((step, shlex.split(line)[4:]))
     return rows
+
+
+def run_commands(out: str) -> list[list[str]]:
+    """The overrides of each training command printed (the lead's, then each recipe's first `run:`), after
+    `-m k3train` or `python -m k3train`."""
+    commands = []
+    for line in out.splitlines():
+        command = line.strip().removeprefix("run:").strip()
+        if command.startswith(("torchrun ", "python -m k3train ")):
+            words = shlex.split(command)
+            commands.append(words[words.index("k3train") + 1 :])
+    return commands
 
 
 def assert_each_fits_as_listed(capsys: pytest.CaptureFixture, recipes: list[tuple[float, list[str]]]) -> None:
@@ -56,6 +72,20 @@ def test_the_recipes_listed_when_nothing_fits_each_fit_when_planned(capsys: pyte
         assert [a for a in argv if a.startswith("train.seq_len=")] == ["train.seq_len=4096"]
         assert value(argv, "train.batch_size", 64) * value(argv, "train.gradient_accumulation_steps", 1) == 64
     assert_each_fits_as_listed(capsys, recipes)
+    # what to train leads, and is the fastest recipe's; each recipe's training command trains what was listed
+    lead, *runs = run_commands(out)
+    assert out.splitlines()[5].startswith("the configured recipe fits on no mesh of 1; train the fastest recipe")
+    assert lead == runs[0] and len(runs) == len(recipes)
+    assert main([*SMALL, "train.batch_size=64", "train.seq_len=4096", "--gpus", "1", "--gpu", "h100", "--json"]) == 2
+    plan = json.loads(capsys.readouterr().out)
+    first = plan["search"]["fits"][0]
+    assert (
+        plan["run"] == first["run"] == {"overrides": lead, "launch": [shlex.join(["python", "-m", "k3train", *lead])]}
+    )
+    assert first["days_per_1e12_tokens"] == pytest.approx(1e12 / first["tokens_per_day"])
+    assert_each_fits_as_listed(
+        capsys, [(step, [*run, "--gpus", "1", "--gpu", "h100"]) for (step, _), run in zip(recipes, runs)]
+    )
 
 
 def test_rows_too_long_for_a_device_are_split_over_cp_and_the_commands_still_compose(
@@ -73,6 +103,30 @@ def test_rows_too_long_for_a_device_are_split_over_cp_and_the_commands_still_com
         assert cp > 1 and value(argv, "train.gradient_accumulation_steps", 1) == cp  # 1 row a cp group, cp times
         assert "parallel=fsdp" not in argv or not any(a.startswith("parallel.bucket_cap_mb") for a in argv)
     assert_each_fits_as_listed(capsys, recipes)
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["parallel.bucket_cap_mb=50", "--gpus", "4"],  # proposed: FSDP, DDP's key dropped
+        ["--gpus", "8", "--mesh", "2x4x2"],  # HSDP with ep
+        ["parallel.pp=2", "parallel.pp_schedule=gpipe", "train.gradient_accumulation_steps=4", "--gpus", "4"],
+        ["parallel=fsdp", "--cp", "2", "--gpus", "4"],
+    ],
+)
+def test_the_training_command_composes_to_the_plan_it_leads(capsys: pytest.CaptureFixture, args: list[str]) -> None:
+    """The lead's overrides, planned on the mesh shown, are the same plan: the same step and peak, and nothing left
+    for the config to change ("run it with" names what the config lacks for the mesh)."""
+    argv = [*TINY, "train.seq_len=64", *args, "--gpu", "h100"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    mesh = re.search(r"^mesh (\S+) = ", out, re.M).group(1)
+    devices = args[args.index("--gpus") + 1]
+    assert main([*run_commands(out)[0], "--gpus", devices, "--gpu", "h100", "--mesh", mesh]) == 0
+    again = capsys.readouterr().out
+    assert "run it with" not in again and f"mesh {mesh} = " in again
+    for pattern in (STEP, re.compile(r"^  peak .*$", re.M), re.compile(r"pipeline: .*$", re.M)):
+        assert [m.group(0) for m in pattern.finditer(again)] == [m.group(0) for m in pattern.finditer(out)]
 
 
 def test_without_gpus_the_fewest_devices_that_fit_and_half_as_many_do_not(capsys: pytest.CaptureFixture) -> None:
@@ -108,6 +162,7 @@ def test_a_mesh_without_gpus_plans_its_ranks(capsys: pytest.CaptureFixture) -> N
         (["--gpus", "0"], "k3train plan: error: --gpus must be >= 1"),
         (["--gpus", "many"], "k3train plan: error: argument --gpus: invalid int value: 'many'"),
         (["--cp", "0"], "k3train plan: error: --cp must be >= 1"),
+        (["--prefer", "fast"], "k3train plan: error: argument --prefer: invalid choice: 'fast'"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture, args: list[str], message: str) -> None:

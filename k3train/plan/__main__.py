@@ -3,11 +3,14 @@
 The overrides are `python -m k3train`'s: the config is composed by Hydra's compose API from the same conf/ and
 schema (what `python -m k3train OVERRIDES --cfg job` shows), the model is built on the meta device (no weight is
 allocated; model=k3 takes seconds). Prints memory per device, communication per step, step time and throughput for
-a mesh, the one given (--mesh) or the one proposed for N devices (splitting each row over --cp ranks, or the
-config's parallel.cp, when asked); exit 2 when nothing fits (or the given mesh does not), with what is too large.
+a mesh, the one given (--mesh) or the one proposed for N devices: the fastest that fits, or with --prefer memory the
+one with the smallest peak (splitting each row over --cp ranks, or the config's parallel.cp, when asked); exit 2
+when nothing fits (or the given mesh does not), with what is too large. It leads with the command that trains
+what it shows (python -m k3train, torchrun or srun, k3train/plan/command.py), and says so when train.seq_len is a
+quickstart's, far below the model's max_seq_len.
 
 When the configured recipe fits nowhere on N devices, the recipes that do follow, fastest step first, each with
-the command that plans it (its overrides are what `python -m k3train` runs): precision, activation checkpointing,
+the command that trains it and the one that plans it: precision, activation checkpointing,
 the micro-batch (with the accumulation that keeps the tokens a device trains on per step) and cp searched, on
 every mesh; train.seq_len, the model, the optimizer and the global batch held (k3train/plan/search.py).
 Without --gpus: the fewest devices, 1, 2, 4, ... up to 65,536 (a CPU: its cores), at which a recipe fits, planned;
@@ -28,11 +31,11 @@ from hydra.utils import instantiate  # noqa: E402
 
 from k3train.config import register_configs  # noqa: E402
 from k3train.plan.activations import cp_kda_refusal  # noqa: E402
-from k3train.plan.estimate import estimate, propose  # noqa: E402
+from k3train.plan.estimate import PREFER, estimate, propose  # noqa: E402
 from k3train.plan.hardware import CHOICES, lookup  # noqa: E402
 from k3train.plan.mesh import Mesh  # noqa: E402
 from k3train.plan.pipeline import plan_pipeline  # noqa: E402
-from k3train.plan.report import as_json, render, search_json, search_lines  # noqa: E402
+from k3train.plan.report import as_json, render, run_json, run_lines, search_json, search_lines  # noqa: E402
 from k3train.plan.search import Recipe, count_bound, overrides_for, search_recipes, smallest_count  # noqa: E402
 from k3train.plan.spec import build_spec, check_split  # noqa: E402
 
@@ -77,6 +80,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--mfu", type=float, default=0.4, help="fraction of the peak FLOP/s the matmuls reach")
     ap.add_argument(
         "--mesh", help="dp_replicate x dp_shard x ep [x cp] (e.g. 1x1024x64, 1x1024x64x8) instead of the proposal"
+    )
+    ap.add_argument(
+        "--prefer",
+        choices=PREFER,
+        default="step",
+        help="the mesh proposed among those that fit: the shortest step, or the smallest peak memory",
     )
     ap.add_argument("--cp", type=int, help="split each row's sequence over this many ranks (default: parallel.cp)")
     ap.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free")
@@ -186,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if devices is None:
         return plan_fewest(args, spec, hw, device_type, cp, cp_fixed)
     if mesh is None:
-        chosen, tried = propose(spec, devices, hw, args.mfu, args.headroom, device_type, cp)
+        chosen, tried = propose(spec, devices, hw, args.mfu, args.headroom, device_type, cp, args.prefer)
     else:
         tried = [estimate(spec, mesh, hw, args.mfu, args.headroom, device_type)]
         chosen = tried[0] if tried[0].fits else None
@@ -195,15 +204,35 @@ def main(argv: list[str] | None = None) -> int:
         search = search_recipes(spec, devices, hw, args.mfu, args.headroom, device_type, cp, cp_fixed, mesh)
     shown = chosen or min(tried, key=lambda e: e.memory.peak)
     notes = notes_for(shown.mesh, spec)
+    # what to run leads: this plan's command, else the fastest recipe that fits, else nothing
+    fit = search.fits[0] if search is not None and search.fits else None
+    if chosen is not None:
+        run = (spec, chosen.mesh)
+        title = f"train it (the plan below, {chosen.mesh}: {_pace(chosen)})"
+    elif fit is not None:
+        run = (fit.spec, fit.estimate.mesh)
+        title = (
+            f"the configured recipe fits on no mesh of {devices:,}; train the fastest recipe that does "
+            f"({fit.recipe.describe()}, {fit.estimate.mesh}: {_pace(fit.estimate)}; listed below)"
+        )
+    else:
+        run, title = None, None
     if args.json:
         plan = as_json(spec, hw, chosen, tried, args.mfu)
+        plan["prefer"] = args.prefer
+        plan["run"] = None if run is None else run_json(*run, devices, hw, args.overrides)
         if search is not None:
-            plan["search"] = search_json(search, spec, args.overrides)
+            plan["search"] = search_json(search, spec, args.overrides, hw)
         print(json.dumps(plan, indent=2))
     else:
-        text = render(spec, hw, devices, args.overrides, chosen, tried, args.mfu, mesh is None, notes)
+        lead = ["nothing fits: no command to run (below: the smallest peak and what is too large)"]
+        if run is not None:
+            lead = run_lines(title, *run, devices, hw, args.overrides)
+        text = render(
+            spec, hw, devices, args.overrides, chosen, tried, args.mfu, mesh is None, notes, lead, args.prefer
+        )
         if search is not None:
-            text += "\n" + "\n".join(search_lines(search, spec, args.overrides, planner_flags(args)))
+            text += "\n" + "\n".join(search_lines(search, spec, args.overrides, planner_flags(args), hw))
         print(text)
     if chosen is None:
         if search is None:
@@ -233,7 +262,7 @@ def plan_fewest(args: argparse.Namespace, spec, hw, device_type: str, cp: int, c
     fewer = f"; on {searches[-2].devices:,} none did" if len(searches) > 1 else ""
     lines = [f"fewest devices: {devices:,} x {hw.name}, the first of {counts} at which a recipe searched fits{fewer}"]
     if configured is not None:  # as --gpus N plans it: the proposal, its mesh and the meshes tried
-        chosen, tried = propose(spec, devices, hw, args.mfu, args.headroom, device_type, cp)
+        chosen, tried = propose(spec, devices, hw, args.mfu, args.headroom, device_type, cp, args.prefer)
         plan_spec, overrides, notes = spec, args.overrides, notes_for(chosen.mesh, spec)
     else:  # the configured recipe fits on no mesh here: the fastest recipe that does, as its command plans it
         best = found.fits[0]
@@ -246,15 +275,26 @@ def plan_fewest(args: argparse.Namespace, spec, hw, device_type: str, cp: int, c
         notes = []
     if args.json:
         plan = as_json(plan_spec, hw, chosen, tried, args.mfu)
-        plan.update(devices=devices, overrides=overrides, search=search_json(found, spec, args.overrides))
+        plan.update(devices=devices, overrides=overrides, search=search_json(found, spec, args.overrides, hw))
+        plan.update(prefer=args.prefer, run=run_json(plan_spec, chosen.mesh, devices, hw, args.overrides))
         print(json.dumps(plan, indent=2))
         return 0
+    title = f"train it (the plan below, {chosen.mesh}: {_pace(chosen)})"
+    lead = run_lines(title, plan_spec, chosen.mesh, devices, hw, args.overrides)
+    proposed = configured is not None
     text = [*lines, ""]
-    text.append(render(plan_spec, hw, devices, overrides, chosen, tried, args.mfu, configured is not None, notes))
+    text.append(render(plan_spec, hw, devices, overrides, chosen, tried, args.mfu, proposed, notes, lead, args.prefer))
     if configured is None:
-        text += search_lines(found, spec, args.overrides, planner_flags(args))
+        text += search_lines(found, spec, args.overrides, planner_flags(args), hw)
     print("\n".join(text))
     return 0
+
+
+def _pace(e) -> str:
+    """A plan's step and what it takes to train 1e12 tokens."""
+    return (
+        f"{e.step_s:,.3g} s a step, {e.tokens_per_day:.3e} tokens/day, {e.days_per_trillion:,.1f} days per 1e12 tokens"
+    )
 
 
 def configured_recipe(spec, cp: int) -> Recipe:

@@ -34,10 +34,11 @@ compute (recompute and QK-Clip included) stretched by the schedule's bubble, w /
 rank spends on Newton-Schulz and exposed communication (its sends included); the memory is the rank with the
 largest peak. The proposal keeps the configured pp and tries its meshes over world / pp ranks a stage.
 
-The proposal: one process for one device; otherwise DDP with the smallest ep (1, 2, 4, ...) that fits, else FSDP
-over all devices with the smallest ep that fits (k3train/plan/mesh.py: candidates), saying so when a larger ep
-fits and steps faster; refused when none fits. "Fits": the peak of every phase under (1 - headroom) of the device's
-memory (default 10% kept for the CUDA context, NCCL's buffers and the caching allocator's fragmentation).
+The proposal: one process for one device; otherwise every candidate (k3train/plan/mesh.py: DDP, then FSDP over all
+devices, ep = 1, 2, 4, ...) is planned and the fastest that fits is proposed (the shortest step, then the smallest
+peak), or with prefer="memory" the one with the smallest peak (then the shortest step), naming the other where it
+differs; refused when none fits. "Fits": the peak of every phase under (1 - headroom) of the device's memory
+(default 10% kept for the CUDA context, NCCL's buffers and the caching allocator's fragmentation).
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ class Estimate:
     @property
     def tokens_per_day(self) -> float:
         return self.tokens_per_s * DAY
+
+    @property
+    def days_per_trillion(self) -> float:
+        """Days to train 1e12 tokens at this throughput (K2 pre-trained on 15.5 of them: docs/plan.md)."""
+        return 1e12 / self.tokens_per_day
 
     def model_flops_per_s(self, spec: RunSpec) -> float:
         """Per device: the model's training FLOPs (recompute excluded) over the step."""
@@ -241,6 +247,9 @@ def _pipelined(spec: RunSpec, mesh: Mesh, hw: Hardware, mfu: float, headroom: fl
     )  # fmt: skip
 
 
+PREFER = ("step", "memory")  # what a proposal minimises first: the step time, or the peak memory
+
+
 def propose(
     spec: RunSpec,
     devices: int,
@@ -249,27 +258,41 @@ def propose(
     headroom: float = 0.1,
     device_type: str = "cuda",
     cp: int = 1,
+    prefer: str = "step",
 ) -> tuple[Estimate | None, list[Estimate]]:
-    """(the chosen estimate or None, every candidate in the order tried: the chosen is the first that fits); every
-    candidate splits rows over `cp` ranks (1 unless asked: --cp or the config's parallel.cp)."""
+    """(the chosen estimate or None, every candidate in the order tried); every candidate splits rows over `cp` ranks
+    (1 unless asked: --cp or the config's parallel.cp). Chosen: the fitting candidate with the shortest step (ties:
+    the smaller peak), or with prefer="memory" the smallest peak (ties: the shorter step)."""
     meshes = [Mesh()] if devices == 1 else candidates(devices, spec.model.n_routed_experts, cp, spec.pp)
     tried = [estimate(spec, mesh, hw, mfu, headroom, device_type) for mesh in meshes]
-    return next((e for e in tried if e.fits), None), tried
+    return best_fit(tried, prefer), tried
 
 
-def why(chosen: Estimate | None, tried: list[Estimate], spec: RunSpec) -> list[str]:
+def best_fit(tried: list[Estimate], prefer: str = "step") -> Estimate | None:
+    """The fitting estimate `prefer` ranks first (propose), or None."""
+    if prefer not in PREFER:
+        raise ValueError(f"prefer={prefer!r}: choose one of {', '.join(PREFER)}")
+    fits = [e for e in tried if e.fits]
+    if not fits:
+        return None
+    if prefer == "memory":
+        return min(fits, key=lambda e: (e.memory.peak, e.step_s))
+    return min(fits, key=lambda e: (e.step_s, e.memory.peak))
+
+
+def why(chosen: Estimate | None, tried: list[Estimate], spec: RunSpec, prefer: str = "step") -> list[str]:
     """A few lines on the choice, or on why nothing fits."""
     gb = 1e9
     lines = []
-    before = tried[: tried.index(chosen)] if chosen else tried
     for family, label in ((lambda m: m.dp_shard == 1, "DDP"), (lambda m: m.dp_shard > 1, "FSDP")):
-        failed = [e for e in before if family(e.mesh) and e.mesh.world > 1]
+        planned = [e for e in tried if family(e.mesh) and e.mesh.world > 1]
+        failed = [e for e in planned if not e.fits]
         if failed:
             best = min(failed, key=lambda e: e.memory.peak)
-            eps = f"ep {failed[0].mesh.ep}" + (f" to {failed[-1].mesh.ep}" if len(failed) > 1 else "")
             lines.append(
-                f"{label} with {eps} does not fit: at best {best.memory.peak / gb:,.1f} GB ({best.mesh}, "
-                f"{best.memory.peak_phase}) > {best.budget / gb:,.1f} GB usable"
+                f"{label} with {_eps([e.mesh.ep for e in failed], [e.mesh.ep for e in planned])} does not fit: at "
+                f"best {best.memory.peak / gb:,.1f} GB ({best.mesh}, {best.memory.peak_phase}) > "
+                f"{best.budget / gb:,.1f} GB usable"
             )
     if chosen is None:
         best = min(tried, key=lambda e: e.memory.peak)
@@ -281,20 +304,31 @@ def why(chosen: Estimate | None, tried: list[Estimate], spec: RunSpec) -> list[s
         return lines
     lines.append(
         f"{chosen.mesh.describe()} fits: peak {chosen.memory.peak / gb:,.1f} GB of {chosen.budget / gb:,.1f} GB "
-        f"usable ({chosen.memory.peak_phase})"
+        f"usable ({chosen.memory.peak_phase}), {chosen.step_s:,.3g} s a step"
     )
-    if chosen.mesh.ep > 1 and len(tried) > 1:  # a proposal's; a given mesh's ep was not chosen
+    fits = [e for e in tried if e.fits]
+    if len(fits) > 1:  # a proposal's choice among meshes that fit (a given mesh was not chosen)
+        other = best_fit(tried, "memory" if prefer == "step" else "step")
+        experts = spec.model.n_routed_experts // chosen.mesh.ep
         lines.append(
-            f"ep {chosen.mesh.ep}: {spec.model.n_routed_experts // chosen.mesh.ep} experts per rank, the smallest ep "
-            "whose gathered experts and transients fit"
+            f"the {'fastest' if prefer == 'step' else 'smallest peak'} of the {len(fits)} meshes that fit"
+            + (f" (ep {chosen.mesh.ep}: {experts} experts a rank)" if chosen.mesh.ep > 1 else "")
         )
-    fastest = min((e for e in tried if e.fits), key=lambda e: e.step_s)
-    if fastest is not chosen and fastest.step_s < 0.9 * chosen.step_s:
-        lines.append(
-            f"faster and fitting too: {fastest.mesh.describe()}, {fastest.step_s:,.1f} s a step against "
-            f"{chosen.step_s:,.1f} s (less gathered per step; --mesh {fastest.mesh} plans it)"
-        )
+        if other is not chosen:
+            lines.append(
+                f"{'smallest peak' if prefer == 'step' else 'fastest'}: {other.mesh.describe()}, "
+                f"{other.memory.peak / gb:,.1f} GB, {other.step_s:,.1f} s a step "
+                f"(--prefer {'memory' if prefer == 'step' else 'step'} proposes it; --mesh {other.mesh} plans it)"
+            )
     return lines
+
+
+def _eps(failed: list[int], planned: list[int]) -> str:
+    """'ep 1 to 128' where the eps that failed are a run of those planned, else each: 'ep 1, 4'."""
+    start = planned.index(failed[0])
+    if len(failed) > 1 and planned[start : start + len(failed)] == failed:
+        return f"ep {failed[0]} to {failed[-1]}"
+    return "ep " + ", ".join(map(str, failed))
 
 
 def _largest_items(memory: Memory, count: int = 4) -> list[tuple[str, float]]:

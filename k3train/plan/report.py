@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 
+from k3train.plan.command import launch, run_overrides, short_rows
 from k3train.plan.estimate import Estimate, why
 from k3train.plan.hardware import Hardware
 from k3train.plan.mesh import Mesh
@@ -44,7 +45,7 @@ def header(spec: RunSpec, hw: Hardware, devices: int, overrides: list[str], cp: 
         + f"{spec.precision}, checkpointing {spec.checkpointing}, {spec.optimizer}"
         + (f" (Newton-Schulz in {spec.ns_dtype})" if spec.ns_dtype else "")
         + f", configured parallel={spec.strategy}",
-    ]
+    ] + [f"  note: {line}" for line in [short_rows(spec)] if line]
 
 
 def table(e: Estimate, spec: RunSpec, mfu: float, hw: Hardware) -> list[str]:
@@ -116,7 +117,8 @@ def table(e: Estimate, spec: RunSpec, mfu: float, hw: Hardware) -> list[str]:
         f"  exposed comm {e.exposed_s:10.3f} s",
         f"  step         {e.step_s:10.3f} s",
         f"throughput: {e.tokens_per_s:,.0f} tokens/s ({e.tokens_per_s / e.mesh.world:,.1f} per device), "
-        f"{e.tokens_per_day:.3e} tokens/day; model {e.model_flops_per_s(spec) / 1e12:,.1f} TFLOP/s per device",
+        f"{e.tokens_per_day:.3e} tokens/day ({e.days_per_trillion:,.1f} days per 1e12 tokens); model "
+        f"{e.model_flops_per_s(spec) / 1e12:,.1f} TFLOP/s per device",
     ]
     return lines
 
@@ -149,19 +151,33 @@ def pipeline_lines(e: Estimate, spec: RunSpec) -> list[str]:
 def alternatives(tried: list[Estimate]) -> list[str]:
     if len(tried) < 2:
         return []
-    lines = ["", "meshes tried           peak GB  phase            step s   tokens/day  fits"]
+    lines = ["", "meshes tried           peak GB  phase            step s   tokens/day  days/1e12  fits"]
     for e in tried:
         lines.append(
             f"  {str(e.mesh):<18} {_gb(e.memory.peak):>10}  {e.memory.peak_phase:<15} {e.step_s:8.2f}  "
-            f"{e.tokens_per_day:11.3e}  {'yes' if e.fits else 'no'}"
+            f"{e.tokens_per_day:11.3e}  {e.days_per_trillion:9.1f}  {'yes' if e.fits else 'no'}"
         )
     return lines
 
 
-def render(spec, hw, devices, overrides, chosen, tried, mfu, proposed: bool, notes: list[str]) -> str:
+def run_lines(title: str, spec: RunSpec, mesh: Mesh, devices: int, hw: Hardware, given: list[str]) -> list[str]:
+    """`title:`, then the commands that train `spec` on `mesh` (k3train/plan/command.py)."""
+    return [f"{title}:"] + [f"  {line}" for line in launch(devices, hw, run_overrides(spec, mesh, given))]
+
+
+def run_json(spec: RunSpec, mesh: Mesh, devices: int, hw: Hardware, given: list[str]) -> dict:
+    overrides = run_overrides(spec, mesh, given)
+    return {"overrides": overrides, "launch": launch(devices, hw, overrides)}
+
+
+def render(
+    spec, hw, devices, overrides, chosen, tried, mfu, proposed: bool, notes: list[str], lead: list[str], prefer="step"
+) -> str:
+    """The plan as text: the header, then `lead` (what to run), the mesh and why, the table, the meshes tried."""
     shown = chosen or min(tried, key=lambda e: e.memory.peak)
-    lines = header(spec, hw, devices, overrides, shown.mesh.cp) + [""]
-    lines += [("proposed " if proposed else "") + "mesh, and why:"] + [f"  {line}" for line in why(chosen, tried, spec)]
+    lines = header(spec, hw, devices, overrides, shown.mesh.cp) + ["", *lead, ""]
+    lines += [("proposed " if proposed else "") + "mesh, and why:"]
+    lines += [f"  {line}" for line in why(chosen, tried, spec, prefer)]
     lines += [f"  note: {n}" for n in notes]
     lines += [""] + table(shown, spec, mfu, hw) + alternatives(tried)
     return "\n".join(lines)
@@ -225,6 +241,7 @@ def as_json(spec: RunSpec, hw: Hardware, chosen: Estimate | None, tried: list[Es
             "tokens_per_step": e.tokens_per_step,
             "tokens_per_s": e.tokens_per_s,
             "tokens_per_day": e.tokens_per_day,
+            "days_per_1e12_tokens": e.days_per_trillion,
             "model_tflops_per_device": e.model_flops_per_s(spec) / 1e12,
         }
 
@@ -232,14 +249,17 @@ def as_json(spec: RunSpec, hw: Hardware, chosen: Estimate | None, tried: list[Es
         "device": hw.name,
         "mfu": mfu,
         "flops_per_token": spec.flops_per_token,
+        "notes": [line for line in [short_rows(spec)] if line],
         "chosen": one(chosen) if chosen else None,
         "tried": [one(e) for e in tried],
     }
 
 
-def search_lines(search: Search, configured: RunSpec, given: list[str], flags: list[str], shown: int = 5) -> list[str]:
-    """The recipes that fit, fastest first, each with the command that plans it (its overrides are what
-    `python -m k3train` runs), then what was held and what searched. flags: the planner's own (--gpu, --mfu, ...)."""
+def search_lines(
+    search: Search, configured: RunSpec, given: list[str], flags: list[str], hw: Hardware, shown: int = 5
+) -> list[str]:
+    """The recipes that fit, fastest first, each with the commands that train it (run:) and plan it (plan:), then
+    what was held and what searched. flags: the planner's own (--gpu, --mfu, ...)."""
     n = search.devices
     lines = [
         "",
@@ -249,15 +269,20 @@ def search_lines(search: Search, configured: RunSpec, given: list[str], flags: l
     if not search.fits:
         lines.append("  none: no recipe searched fits")
     else:
-        lines.append(f"  {'step s':>8}  {'peak GB (phase)':<26} {'mesh':<14} {'tokens/day':>10}  recipe")
+        lines.append(
+            f"  {'step s':>8}  {'peak GB (phase)':<26} {'mesh':<14} {'tokens/day':>10} {'days/1e12':>9}  recipe"
+        )
     for fit in search.fits[:shown]:
         e = fit.estimate
         peak = f"{_gb(e.memory.peak)} ({e.memory.peak_phase})"
         lines.append(
-            f"  {e.step_s:8.2f}  {peak:<26} {str(e.mesh):<14} {e.tokens_per_day:10.3e}  {fit.recipe.describe()}"
+            f"  {e.step_s:8.2f}  {peak:<26} {str(e.mesh):<14} {e.tokens_per_day:10.3e} {e.days_per_trillion:9.1f}  "
+            f"{fit.recipe.describe()}"
         )
+        lines += [f"      run:  {line}" for line in launch(n, hw, run_overrides(fit.spec, e.mesh, given))]
         command = ["python", "-m", "k3train.plan", *overrides_for(fit, configured, given), "--gpus", str(n)]
-        lines.append("      " + " ".join(shlex.quote(word) for word in [*command, *flags, "--mesh", str(e.mesh)]))
+        words = [*command, *flags, "--mesh", str(e.mesh)]
+        lines.append("      plan: " + " ".join(shlex.quote(word) for word in words))
     if len(search.fits) > shown:
         lines.append(f"  ... and {len(search.fits) - shown} more recipes that fit (--json lists every one)")
     rows = configured.batch_size * configured.accumulation
@@ -301,7 +326,7 @@ def _meshes(meshes: list[Mesh]) -> str:
     return f"{' and '.join(families)}, ep {eps[0][0]} to {eps[0][-1]}"
 
 
-def search_json(search: Search, configured: RunSpec, given: list[str]) -> dict:
+def search_json(search: Search, configured: RunSpec, given: list[str], hw: Hardware) -> dict:
     return {
         "devices": search.devices,
         "held": {"seq_len": search.seq_len, "tokens_per_device_per_step": search.tokens_per_device},
@@ -323,6 +348,8 @@ def search_json(search: Search, configured: RunSpec, given: list[str]) -> dict:
                 "peak_bytes": fit.estimate.memory.peak,
                 "peak_phase": fit.estimate.memory.peak_phase,
                 "tokens_per_day": fit.estimate.tokens_per_day,
+                "days_per_1e12_tokens": fit.estimate.days_per_trillion,
+                "run": run_json(fit.spec, fit.estimate.mesh, search.devices, hw, given),
             }
             for fit in search.fits
         ],
