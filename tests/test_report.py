@@ -496,7 +496,7 @@ def test_report_on_a_four_job_sweep(run_cli, tmp_path, monkeypatch):
         ]
         final[job] = evals[-1]
     in_order = sorted(final, key=final.get)
-    table = (sweep / "sweep_summary.md").read_text().splitlines()[2:]
+    table = [line for line in (sweep / "sweep_summary.md").read_text().splitlines()[2:] if line.startswith("| ")]
     assert [line.split(" | ")[-1].rstrip(" |") for line in table] == in_order
     assert [float(line.split(" | ")[1]) for line in table] == pytest.approx(sorted(final.values()), abs=1e-4)
 

@@ -23,13 +23,16 @@ def notice(message: str) -> None:
 
 def first_on_this_node(message: str) -> bool:
     """Whether this rank is the first of its launch on this node to say `message`. torchrun's ranks share its agent
-    as their parent, and most refusals are every rank's alike (a bad setting): one copy a node is enough, and a
-    rank's own message (another text) still gets through. A marker file per (agent, message) in the temp
-    directory decides; anything unusual (one process, no /proc, a read-only temp dir) says it."""
+    as their parent and, unless it redirects them to a file each (--redirects, --log-dir), its stderr; most
+    refusals are every rank's alike (a bad setting): one copy on that shared stream is enough, and a rank's own
+    message (another text) still gets through. A marker file per (agent, message) in the temp directory decides;
+    anything unusual (one process, a stream of its own, no /proc, a read-only temp dir) says it."""
     if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) <= 1:
         return True
     try:  # the agent's pid and start time: unique to this launch, whatever the rendezvous id
         agent = os.getppid()
+        if not _shares_stderr_with(agent):
+            return True
         started = Path(f"/proc/{agent}/stat").read_text().rsplit(")", 1)[1].split()[19]
         key = hashlib.sha256(f"{agent} {started}\0{message}".encode()).hexdigest()[:24]
         os.close(os.open(Path(tempfile.gettempdir()) / f"k3train-said-{key}", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -38,3 +41,9 @@ def first_on_this_node(message: str) -> bool:
     except (OSError, IndexError):
         return True
     return True
+
+
+def _shares_stderr_with(pid: int) -> bool:
+    """Whether this process writes its stderr where process `pid` writes its own (the same terminal, pipe or file)."""
+    mine, theirs = os.fstat(2), os.stat(f"/proc/{pid}/fd/2")
+    return (mine.st_dev, mine.st_ino) == (theirs.st_dev, theirs.st_ino)
