@@ -17,7 +17,7 @@ from k3train.config import register_configs
 from k3train.run.override_keys import unknown_key_error
 from k3train.run.remembered import remember_run_overrides
 from k3train.runtime import distributed, signals
-from k3train.runtime.console import first_on_this_node
+from k3train.runtime.console import notice
 
 register_configs()
 _composed = False  # Hydra composed a config and called the task: a SystemExit(1) before that is a config error
@@ -52,8 +52,7 @@ def main() -> None:
     sys.argv, remembered = remember_run_overrides(sys.argv, world.size)
     problem = unknown_key_error(sys.argv)  # one line, before Hydra's advice to append a misspelt key with +
     if problem:
-        if first_on_this_node(f"error: {problem}"):  # every rank refuses the same key: once a node
-            print(f"k3train: error: {problem}", file=sys.stderr, flush=True)
+        notice(f"error: {problem}")  # every rank refuses the same key: said once where they share stderr
         sys.exit(2)
     if remembered is not None and world.is_main:
         print(remembered.describe(), flush=True)

@@ -16,8 +16,6 @@ bootstrap()  # before torch loads (runtime/bootstrap.py)
 import os
 import sys
 
-DEFAULT_BATCH_SIZE = 8  # rows a forward: k3train/inference/lm_eval.py's default
-
 
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -25,14 +23,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import lm_eval.__main__ as harness
 
-        import k3train.inference.lm_eval  # noqa: F401  registers the `k3train` model
+        import k3train.inference.lm_eval as adapter  # registers the `k3train` model
     except ImportError as exc:
         print(f"k3train.lm_eval: error: {exc}; install it with pip install 'k3train[eval]'", file=sys.stderr)
         return 2
     args = list(sys.argv[1:] if argv is None else argv)
     given = any(a in ("-b", "--batch_size") or a.startswith("--batch_size=") for a in args)
     if args[:1] == ["run"] and not given:  # lm_eval's CLI passes its own default, 1, over the adapter's 8
-        args += ["--batch_size", str(DEFAULT_BATCH_SIZE)]
+        args += ["--batch_size", str(adapter.DEFAULT_BATCH_SIZE)]
     sys.argv = ["lm_eval", *args]
     try:
         harness.cli_evaluate()

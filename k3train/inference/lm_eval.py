@@ -37,6 +37,7 @@ from k3train.inference.sampling import Sampler, generate
 from k3train.runtime.devices import parse_device
 
 DEFAULT_MAX_GEN_TOKS = 256
+DEFAULT_BATCH_SIZE = 8  # rows a forward, unless model_args or lm_eval's --batch_size says otherwise
 
 
 def token_logprobs(logits: torch.Tensor, targets: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +58,7 @@ class K3TrainLM(TemplateLM):
         self,
         path: str | Path | None = None,
         device: str | None = None,
-        batch_size: int | str | None = 8,
+        batch_size: int | str | None = DEFAULT_BATCH_SIZE,
         max_length: int | str | None = None,
         **_ignored,
     ) -> None:
@@ -73,7 +74,7 @@ class K3TrainLM(TemplateLM):
 
     @classmethod
     def from_model(
-        cls, model: nn.Module, tokenizer: Tokenizer, max_length: int | None = None, batch_size: int = 8
+        cls, model: nn.Module, tokenizer: Tokenizer, max_length: int | None = None, batch_size: int = DEFAULT_BATCH_SIZE
     ) -> K3TrainLM:
         """The adapter around a model in memory (in eval mode: the caller sets and restores its mode)."""
         self = cls.__new__(cls)
@@ -85,7 +86,7 @@ class K3TrainLM(TemplateLM):
         self.model, self.tok = model, tokenizer
         self._max_length = int(max_length) if max_length else int(model.config.max_seq_len)
         # lm_eval passes "auto" or "auto:N" for a batch size it should search; k3train takes a number
-        self.batch_size = int(batch_size) if str(batch_size).isdigit() and int(batch_size) > 0 else 8
+        self.batch_size = int(batch_size) if str(batch_size).isdigit() and int(batch_size) > 0 else DEFAULT_BATCH_SIZE
 
     # ---- what lm_eval asks of a TemplateLM -------------------------------------------------------------------
     @property

@@ -114,7 +114,7 @@ def _load_checkpoint(path: Path, device: torch.device) -> Loaded:
             f"model_type={fields.get('model_type')!r} is not one of {sorted(MODEL_TARGETS)}"
         )
     model = build_model(target, fields, device)
-    model.to(_weights_dtype(payload["model"].values()))  # a precision=fp64 run is read as it trained
+    model.to(_weights_dtype(t.dtype for t in payload["model"].values()))  # a precision=fp64 run is read as it trained
     model.load_state_dict(payload["model"])
     manifest = read_run_json(run_dir)
     data = (hydra_config or {}).get("data")
@@ -140,7 +140,7 @@ def _load_export(path: Path, device: torch.device) -> Loaded:
         raise SourceError(f"{path} has {EXPORT_CONFIG} but no {EXPORT_WEIGHTS}: export the run again")
     model = build_model(config["_target_"], config["model"], device)
     with safe_open(weights, framework="pt") as stored:
-        model.to(_weights_dtype(stored.get_slice(name) for name in stored.keys()))
+        model.to(_weights_dtype(stored.get_slice(name).get_dtype() for name in stored.keys()))
     load_model(model, weights)  # strict; a tied lm_head, stored once, is tied again
     tokenizer = config["tokenizer"]
     if tokenizer["name"] == "byte":
@@ -152,13 +152,10 @@ def _load_export(path: Path, device: torch.device) -> Loaded:
     return Loaded(model, tok, config["_target_"], config.get("data"), config.get("seq_len"), path, config.get("step"))
 
 
-def _weights_dtype(tensors) -> torch.dtype:
-    """fp64 where the stored weights are (a precision=fp64 run), else fp32: master weights are one or the other."""
-    for tensor in tensors:
-        dtype = tensor.get_dtype() if hasattr(tensor, "get_dtype") else getattr(tensor, "dtype", None)
-        if dtype in (torch.float64, "F64"):
-            return torch.float64
-    return torch.float32
+def _weights_dtype(dtypes) -> torch.dtype:
+    """fp64 where the stored weights are (a precision=fp64 run), else fp32: master weights are one or the other.
+    dtypes: torch's, or safetensors' names ("F64")."""
+    return torch.float64 if any(d in (torch.float64, "F64") for d in dtypes) else torch.float32
 
 
 def _load_hf(path: Path, device: torch.device) -> Loaded:

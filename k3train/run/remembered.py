@@ -111,7 +111,7 @@ def remember_run_overrides(argv: list[str], world_size: int = 1) -> tuple[list[s
         return argv, None
     given_lines = [replace.get(line, line) for line in args.overrides] + ([replace[""]] if "" in replace else [])
     given_keys = {override.key_or_group for override in given} | {"hydra.run.dir", "resume"}
-    layout = [line for line in recorded if _is_layout_key(_key(line))]
+    layout = layout_overrides(recorded)
     recorded_world = recorded_world_size(run_dir)
     keep_layout = bool(layout) and recorded_world == world_size and not any(map(_is_layout_key, given_keys))
     layout_note = ""
@@ -140,6 +140,11 @@ def remember_run_overrides(argv: list[str], world_size: int = 1) -> tuple[list[s
             layout_note=layout_note,
         ),
     )
+
+
+def layout_overrides(recorded: list[str]) -> list[str]:
+    """The recorded overrides that set the parallel layout (`parallel=...`, `parallel.*`)."""
+    return [line for line in recorded if _is_layout_key(_key(line))]
 
 
 def recorded_world_size(run_dir: Path) -> int | None:

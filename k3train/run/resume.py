@@ -11,7 +11,7 @@ from pathlib import Path
 from k3train.checkpoint.checkpointer import CheckpointError
 from k3train.checkpoint.latest import LATEST_NAMES, newest_checkpoint
 from k3train.observe.run_manifest import RUN_JSON
-from k3train.run.remembered import LAYOUT_KEY, recorded_overrides, started_with
+from k3train.run.remembered import layout_overrides, recorded_overrides, started_with
 from k3train.train.trainer import Trainer
 
 
@@ -69,7 +69,7 @@ def _how_it_was_started(run_dir: Path) -> str:
         f"; that run was started with: {started} (a resume in its directory composes these itself: give only what "
         "changes, or start a new run in another hydra.run.dir)"
     )
-    layout = [override for override in started_with(recorded) if override.startswith(f"{LAYOUT_KEY}")]
+    layout = layout_overrides(recorded)
     if layout:  # not composed where the processes differ: the one part a resume may have to give again
         line += f"; its layout was {' '.join(layout)}: give those overrides again to resume with it"
     return line

@@ -40,7 +40,7 @@ from k3train.run.remembered import config_changes
 from k3train.run.resume import RunFinished, resolve_resume, restore
 from k3train.run.rundir import RunDirError
 from k3train.runtime import distributed, slurm
-from k3train.runtime.console import first_on_this_node
+from k3train.runtime.console import notice
 from k3train.runtime.cpu import ThreadChoice, cpu_runtime, denormal_setting, malloc_setting
 from k3train.runtime.distributed import current_world, rank_zero_decides
 from k3train.runtime.signals import Interrupted
@@ -244,8 +244,7 @@ def _write_failed(exc: OSError, trainer: Trainer) -> str:
 
 
 def fail(message: str, status: int, multirun: bool) -> None:
-    if first_on_this_node(f"error: {message}"):  # every rank of a launch refuses a bad setting alike: once a node
-        print(f"k3train: error: {message}", file=sys.stderr, flush=True)
+    notice(f"error: {message}")  # every rank of a launch refuses a bad setting alike: once where they share stderr
     if multirun:
         raise RunFailed(message)
     sys.exit(status)

@@ -192,10 +192,10 @@ def _chunked(
     safe_targets = torch.where(kept, targets, 0)[:, None]  # any valid index: the ignored rows are masked out
     loss_sum = torch.zeros((), dtype=acc, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grads else None
-    # fp32 accumulator: summing the chunks' products in bf16 would round at every chunk; torch.empty, as the first
-    # chunk's addmm_ has beta=0 (it ignores what was there)
+    # an fp32 (fp64) accumulator: summing the chunks' products in bf16 would round at every chunk; torch.empty, as
+    # the first chunk's addmm_ has beta=0 (it ignores what was there)
     grad_weight = torch.empty_like(weight, dtype=acc) if with_grads else None
-    # One fp32 block reused by every chunk: a fresh [chunk, V] allocation per chunk costs page faults on CPU.
+    # One block (fp32, or fp64) reused by every chunk: a fresh [chunk, V] allocation per chunk costs page faults on CPU.
     block = torch.empty(min(chunk_size, hidden.shape[0]), weight.shape[0], dtype=acc, device=hidden.device)
     for start in range(0, hidden.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
