@@ -208,5 +208,6 @@ def test_a_pipelined_run_resumes_pipelined_with_resume_auto_alone_and_keeps_each
     train = {e["step"]: e["optimizer"] for e in read_metrics(run / "metrics.jsonl", final_only=True)
              if e["event"] == "train"}  # fmt: skip
     ortho = {k: v for k, v in train[1].items() if k.endswith("ns_orthogonality_error")}
-    assert ortho and all(k.startswith(("pp0/", "pp1/")) for k in ortho), sorted(ortho)
+    # a group whose figure both stages share exactly (an expert's rank-1 gradient: both 1.0) is reported once
+    assert {k.split("/")[0] for k in ortho} >= {"pp0", "pp1"}, sorted(ortho)
     assert {k: v for k, v in train[3].items() if k.endswith("ns_orthogonality_error")} == ortho  # after the resume

@@ -35,6 +35,7 @@ from torch import nn
 
 from k3train.models.common.attention import RotaryEmbedding, document_attention
 from k3train.models.common.documents import Documents
+from k3train.models.common.init import ONE, InitialWeights, Normal, Rule, fill
 from k3train.models.common.loss import linear_cross_entropy
 from k3train.models.common.norm import RMSNorm
 from k3train.models.common.swiglu import SwiGLU
@@ -140,24 +141,28 @@ class DenseTransformer(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self._init_weights()
+        if self.embed_tokens.weight.device.type != "meta":  # built whole here: drawn as any layout draws it
+            fill(self, InitialWeights(self.init_rules(), torch.initial_seed()))
 
     @classmethod
     def from_fields(cls, **fields) -> DenseTransformer:
         """The Hydra target: conf/model/dense_peer.yaml lists DenseConfig's fields flat."""
         return cls(DenseConfig(**fields))
 
-    @torch.no_grad()
-    def _init_weights(self) -> None:
+    def init_rules(self) -> dict[str, Rule]:
         """KimiK3's scheme (k3train/models/k3/model.py), so neither model starts from a better-scaled place:
         Normal(init_std) for the embedding and every linear map, init_std / sqrt(2 n_layers) for the projections
-        that write into the residual stream (o_proj, w_down; GPT-2); norms start at 1."""
+        that write into the residual stream (o_proj, w_down; GPT-2); norms start at 1. Drawn by counter, the same
+        under any layout (k3train/models/common/init.py)."""
         std = self.config.init_std
         residual_std = std / math.sqrt(2 * self.config.n_layers)
-        nn.init.normal_(self.embed_tokens.weight, std=std)
+        rules: dict[str, Rule] = {"embed_tokens.weight": Normal(std)}
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear) and module.weight is not self.embed_tokens.weight:
-                nn.init.normal_(module.weight, std=residual_std if name.endswith(("o_proj", "w_down")) else std)
+                rules[f"{name}.weight"] = Normal(residual_std if name.endswith(("o_proj", "w_down")) else std)
+            elif isinstance(module, nn.RMSNorm):
+                rules[f"{name}.weight"] = ONE
+        return rules
 
     def forward(
         self, x: torch.Tensor, targets: torch.Tensor | None = None, document_ids: torch.Tensor | None = None

@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from k3train.models.common.init import InitialWeights, Normal, fill
 from k3train.models.common.loss import record_target_losses, recording
 
 
@@ -39,8 +40,12 @@ class SmokeTestLM(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        nn.init.normal_(self.embed.weight, std=0.02)
-        nn.init.normal_(self.lm_head.weight, std=0.02)
+        if self.embed.weight.device.type != "meta":  # built whole here: drawn as any layout draws it
+            fill(self, InitialWeights(self.init_rules(), torch.initial_seed()))
+
+    def init_rules(self) -> dict[str, Normal]:
+        """Normal(0.02) for both tables, drawn by counter (k3train/models/common/init.py)."""
+        return {"embed.weight": Normal(0.02), "lm_head.weight": Normal(0.02)}
 
     @classmethod
     def from_fields(cls, **fields) -> SmokeTestLM:

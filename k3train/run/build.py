@@ -23,6 +23,7 @@ from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConf
 from k3train.data.context_slices import ContextSlices
 from k3train.inference.loading import load
 from k3train.models.common.context_parallel import ContextParallel, set_context_parallel
+from k3train.models.common.init import InitialWeights, WholeModel, materialise
 from k3train.models.layout import WHOLE, parameter_layouts
 from k3train.models.protocol import Pipelines, missing_members
 from k3train.observe.metrics import MetricsLogger, MetricsSink
@@ -77,9 +78,22 @@ def build_meta(
     }
 
 
-def initialise_from(model, source: str) -> None:
-    """Copy the weights at `source` (any format inference.loading.load reads) into `model`, after checking that
-    both configs describe the same architecture; ValueError names the first field that differs."""
+def initial_weights(cfg_model: DictConfig, model: nn.Module, train_cfg: TrainConfig, vocab: dict, resuming: bool):
+    """Where the weights of `model` (built on the meta device) come from, as a fill source
+    (k3train/models/common/init.py): train.init_from's weights unless `resuming` (whose weights are the
+    checkpoint's, restored over these), else the model's init rules drawn from train.seed, else (a model without
+    init_rules) the model built whole on the CPU by its own __init__."""
+    if train_cfg.init_from is not None and not resuming:
+        return weights_from(model, train_cfg.init_from)
+    if hasattr(model, "init_rules"):
+        return InitialWeights(model.init_rules(), train_cfg.seed)
+    with torch.device("cpu"):
+        return WholeModel(instantiate(cfg_model, **vocab))
+
+
+def weights_from(model, source: str) -> WholeModel:
+    """The weights at `source` (any format inference.loading.load reads) as a fill source for `model`, after
+    checking that both configs describe the same architecture; ValueError names the first field that differs."""
     loaded = load(source)
     mine, theirs = (getattr(m.config, "architecture", None) for m in (model, loaded.model))
     if mine is None or theirs is None:
@@ -91,20 +105,21 @@ def initialise_from(model, source: str) -> None:
                 f"train.init_from={source}: its model has {field}={theirs.get(field)!r}, this run's "
                 f"{mine.get(field)!r}; pick the model config it was trained with (model=... or model.{field}=...)"
             )
-    model.load_state_dict(loaded.model.state_dict())
+    return WholeModel(loaded.model)
 
 
 def set_up_process(
-    train_cfg: TrainConfig, world: World, launcher: dict | None = None
+    train_cfg: TrainConfig, world: World, launcher: dict | None = None, measuring_memory: bool = False
 ) -> tuple[torch.device, ThreadChoice]:
     """The process-wide state a run needs before anything is built: its device, torch's threads (`launcher`: a
-    multirun launcher's settings, which may say how many jobs share the CPUs), a CPU's memory and denormal settings,
-    determinism and the seed (before the model, whose initial weights it fixes)."""
+    multirun launcher's settings, which may say how many jobs share the CPUs), a CPU's memory and denormal settings
+    (`measuring_memory`: malloc left to return freed memory, so the resident peak is what was held), determinism
+    and the seed."""
     device = device_for_rank(train_cfg.device, world)
     threads = choose_threads(train_cfg.cpu_threads, launcher)
     apply_threads(threads)
     if device.type == "cpu":
-        prepare_cpu_training()
+        prepare_cpu_training(keep_freed=not measuring_memory)
     configure_determinism(train_cfg.deterministic)
     seed_everything(train_cfg.seed)
     return device, threads
@@ -143,7 +158,9 @@ def build_parts(
     data = instantiate(cfg.data)
     # vocab_size: null in a model YAML means "the data's"; a value the user set is kept, and check_data refuses a
     # mismatch.
-    model = instantiate(cfg.model, **({"vocab_size": data.vocab_size} if cfg.model.get("vocab_size") is None else {}))
+    vocab = {"vocab_size": data.vocab_size} if cfg.model.get("vocab_size") is None else {}
+    with torch.device("meta"):  # no rank ever holds the whole model: each allocates its part once cut and sharded
+        model = instantiate(cfg.model, **vocab)
     missing = missing_members(model)
     if missing:
         raise TypeError(
@@ -158,8 +175,7 @@ def build_parts(
                 "no checkpointing; use none"
             )
         model.set_activation_checkpointing(train_cfg.activation_checkpointing)
-    if train_cfg.init_from is not None and not resuming:
-        initialise_from(model, train_cfg.init_from)
+    weights = initial_weights(cfg.model, model, train_cfg, vocab, resuming)
     train_loader, val_loader = data.loaders(
         train_cfg.batch_size, train_cfg.seq_len, rank=dims.dp_rank, world_size=dims.dp_size
     )
@@ -176,15 +192,16 @@ def build_parts(
         val_sources = {name: ContextSlices(loader, dims.cp_rank, dims.cp) for name, loader in val_sources.items()}
         if not set_context_parallel(model, ContextParallel(dims.cp_group)):
             raise ValueError(f"parallel.cp={dims.cp}: {type(model).__name__} has no layer that splits its sequence")
-    model.to(device, precision.param_dtype)
+    model.to(precision.param_dtype)  # still on the meta device: the dtype each rank allocates
     pipeline = whole_optimizer = None
-    if dims.pp > 1:  # cut first: each rank spreads only its stages over their ranks
-        pipeline = _pipeline(model, parallel, dims, device, train_cfg)
+    if dims.pp > 1:  # cut first: each rank spreads only its stages over their ranks, then allocates them
+        pipeline = _pipeline(model, parallel, dims, device, train_cfg, weights)
         # the stages' optimizer, and the whole model's (no state: its layout is the checkpoint's format)
         optimizer = _build_optimizer(instantiate(cfg.optim), nn.ModuleList(pipeline.modules), dims)
         whole_optimizer = _build_optimizer(instantiate(cfg.optim), model, ParallelDims(device_type=device.type))
     else:
         model = parallel.shard(model, device, dims)  # before the optimizer: FSDP2 replaces the parameters
+        materialise(model, device, weights)
         optimizer = _build_optimizer(instantiate(cfg.optim), model, dims)
     callbacks = _build_named(cfg.callbacks, Callback, "callbacks")
     if device.type == "cpu" and str(train_cfg.cpu_threads) == "adaptive" and threads.threads > 1:
@@ -249,9 +266,10 @@ def _check_pipelined(train_cfg: TrainConfig, precision) -> None:
         )
 
 
-def _pipeline(model, parallel, dims: ParallelDims, device: torch.device, train_cfg: TrainConfig) -> Pipeline:
-    """This rank's stages of `model`, each spread over its ranks by the parallel strategy, and their schedule
-    (k3train/train/pipeline.py), for updates of batch_size x gradient_accumulation_steps rows."""
+def _pipeline(model, parallel, dims: ParallelDims, device: torch.device, train_cfg: TrainConfig, weights) -> Pipeline:
+    """This rank's stages of `model` (on the meta device), each spread over its ranks by the parallel strategy and
+    allocated and filled from `weights`, and their schedule (k3train/train/pipeline.py), for updates of
+    batch_size x gradient_accumulation_steps rows."""
     settings = parallel.pipeline
     if not isinstance(model, Pipelines):
         raise ValueError(
@@ -268,7 +286,7 @@ def _pipeline(model, parallel, dims: ParallelDims, device: torch.device, train_c
         device,
         n,
         (rows // n, train_cfg.seq_len // dims.cp),  # a micro-batch's rows, and this rank's slice of their sequence
-        parallelize=lambda stage: parallel.shard(stage, device, dims),
+        parallelize=lambda stage: materialise(parallel.shard(stage, device, dims), device, weights),
     )
 
 

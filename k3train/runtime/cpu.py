@@ -166,11 +166,13 @@ def denormal_setting() -> str:
     return _denormals
 
 
-def prepare_cpu_training() -> dict[str, str]:
-    """What a CPU training run sets up before its first torch op that runs in parallel: malloc keeps freed memory,
-    denormals flush (on every thread only if no parallel op ran yet). Returns {"malloc", "denormals"}: what was done.
-    build_parts calls it; so do the benchmarks, to time what training runs."""
-    return {"malloc": keep_freed_memory(), "denormals": flush_denormals()}
+def prepare_cpu_training(keep_freed: bool = True) -> dict[str, str]:
+    """What a CPU training run sets up before its first torch op that runs in parallel: malloc keeps freed memory
+    (unless not `keep_freed`: a process whose resident peak is the measurement, a dry run), denormals flush (on
+    every thread only if no parallel op ran yet). Returns {"malloc", "denormals"}: what was done. build_parts calls
+    it; so do the benchmarks, to time what training runs."""
+    malloc = keep_freed_memory() if keep_freed else "glibc's defaults (freed memory returned: peaks measured)"
+    return {"malloc": malloc, "denormals": flush_denormals()}
 
 
 # ---- threads --------------------------------------------------------------------------------------------------

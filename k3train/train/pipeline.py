@@ -119,20 +119,6 @@ def stages_of(pp_rank: int, settings: PipelineSettings) -> list[int]:
     return [pp_rank + k * pp for k in range(v)]
 
 
-def release_other_stages(model: nn.Module, stages: list[nn.Module]) -> None:
-    """Every parameter and buffer of `model` that none of `stages` holds moved to the meta device: its memory
-    freed, its name, shape and dtype kept (the checkpoint's order, the whole model's optimizer layout, the
-    parameter counts). Built whole first, so that each stage's weights are drawn as one process draws them."""
-    held = {id(t) for stage in stages for t in (*stage.parameters(), *stage.buffers())}
-    for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None and id(p) not in held:
-                module._parameters[name] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
-        for name, b in list(module._buffers.items()):
-            if b is not None and id(b) not in held:
-                module._buffers[name] = torch.empty_like(b, device="meta")
-
-
 def owner_of(stage: int, settings: PipelineSettings) -> int:
     """The pp rank that holds `stage` (stages_of's inverse)."""
     return next(r for r in range(settings.pp) if stage in stages_of(r, settings))
@@ -159,7 +145,6 @@ class Pipeline:
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.stage_ids = stages_of(pp_rank, settings)
         self.modules = [model.pipeline_stage(*bounds[s]) for s in self.stage_ids]
-        release_other_stages(model, self.modules)
         for module in self.modules:  # spread over the stage's ranks (FSDP2: each stage its own root), then staged
             if parallelize is not None:
                 parallelize(module)

@@ -28,11 +28,24 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()
-        inv_freq = theta ** (-torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-        angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)  # [T_max, dr/2]
+        self.dim, self.max_seq_len, self.theta = dim, max_seq_len, theta
+        cos, sin = self._angles()
         # Non-persistent: derived from the config, so not part of a checkpoint.
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _angles(self) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = self.theta ** (-torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim)
+        angles = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float32), inv_freq)  # [T_max, dr/2]
+        return angles.cos(), angles.sin()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """cos and sin computed again (on the CPU in fp32, as __init__ does), for a module built on the meta device
+        and allocated after (k3train/models/common/init.py's materialise)."""
+        cos, sin = self._angles()
+        self.cos.copy_(cos)
+        self.sin.copy_(sin)
 
     def forward(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
         """x [B, T, H, dr] -> same shape, x[:, t] rotated as position start + t."""

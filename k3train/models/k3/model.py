@@ -54,6 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3train.models.common.context_parallel import ContextParallel
 from k3train.models.common.documents import Documents
+from k3train.models.common.init import ONE, ZERO, InitialWeights, Normal, Rule, declared_rules, fill
 from k3train.models.common.loss import linear_cross_entropy
 from k3train.models.common.norm import RMSNorm
 from k3train.models.common.swiglu import SwiGLU
@@ -253,7 +254,8 @@ class KimiK3(nn.Module):
         if config.attn_res_block_size is not None:  # the mix before the final norm (the released names)
             self.output_attn_res_norm = RMSNorm(config.d_model, eps=config.norm_eps)
             self.output_attn_res_proj = nn.Linear(config.d_model, 1, bias=False)
-        self._init_weights()
+        if self.embed_tokens.weight.device.type != "meta":  # built whole here: drawn as any layout draws it
+            fill(self, InitialWeights(self.init_rules(), torch.initial_seed()))
 
     def pipeline_stage(self, first: int, last: int) -> KimiK3Stage:
         """Layers [first, last) as a pipeline stage (k3train/models/k3/pipeline.py; the Pipelines protocol)."""
@@ -277,30 +279,35 @@ class KimiK3(nn.Module):
         """The Hydra target: conf/model/k3_*.yaml list KimiK3Config's fields flat."""
         return cls(KimiK3Config(**fields))
 
-    @torch.no_grad()
-    def _init_weights(self) -> None:
-        """Normal(init_std) for embeddings and linear maps (as nanoGPT and FLA's models do); the projections that
-        write into the residual stream (attention outputs, FFN down projections) get init_std / sqrt(2 n_layers) so
-        the residual's variance does not grow with depth (GPT-2). Norms start at 1. KDA's own parameters that are
-        not linear maps (A_log, dt_bias, convolutions) keep the initialisation its layer gives them. The attention
-        residuals' [1, d] query projections (`*_res_proj`) are linear maps too: Normal(init_std), as the reference
-        initialises them (not zeros, which would start every mix uniform); their norms start at 1.
+    def init_rules(self) -> dict[str, Rule]:
+        """How every tensor of the state dict starts (drawn by counter, the same under any layout:
+        k3train/models/common/init.py). Normal(init_std) for embeddings and linear maps (as nanoGPT and FLA's models
+        do); the projections that write into the residual stream (attention outputs, FFN down projections) get
+        init_std / sqrt(2 n_layers) so the residual's variance does not grow with depth (GPT-2). Norms start at 1,
+        biases and the MoE's balancing bias at 0. KDA's own parameters that are not linear maps (A_log, dt_bias,
+        the short convolutions) start as its layer draws them (its init_rules). The attention residuals' [1, d]
+        query projections (`*_res_proj`) are linear maps too: Normal(init_std), as the reference initialises them
+        (not zeros, which would start every mix uniform).
         https://github.com/karpathy/nanoGPT/blob/3adf61e154c3fe3fca428ad6bc3818b27a3b8291/model.py
         https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/models/kda/modeling_kda.py
         """
         std = self.config.init_std
         residual_std = std / math.sqrt(2 * self.config.n_layers)
-        nn.init.normal_(self.embed_tokens.weight, std=std)
+        rules: dict[str, Rule] = {"embed_tokens.weight": Normal(std)}
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear) and module.weight is not self.embed_tokens.weight:
                 is_residual = name.endswith(("o_proj", "w_down", "latent_up"))
-                nn.init.normal_(module.weight, std=residual_std if is_residual else std)
+                rules[f"{name}.weight"] = Normal(residual_std if is_residual else std)
                 if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+                    rules[f"{name}.bias"] = ZERO
             elif isinstance(module, RoutedExperts):
-                nn.init.normal_(module.w_gate, std=std)
-                nn.init.normal_(module.w_up, std=std)
-                nn.init.normal_(module.w_down, std=residual_std)
+                rules |= {f"{name}.w_gate": Normal(std), f"{name}.w_up": Normal(std)}
+                rules[f"{name}.w_down"] = Normal(residual_std)
+            elif isinstance(module, nn.RMSNorm):
+                rules[f"{name}.weight"] = ONE
+            elif isinstance(module, MoE):
+                rules[f"{name}.expert_bias"] = ZERO
+        return rules | declared_rules(self)  # KDA's own
 
     def forward(
         self, x: torch.Tensor, targets: torch.Tensor | None = None, document_ids: torch.Tensor | None = None

@@ -19,6 +19,7 @@ from torch.autograd.function import once_differentiable
 from k3train.models.common.context_parallel import ContextParallel
 from k3train.models.common.documents import Documents
 from k3train.models.common.fla import fla_runs_on
+from k3train.models.common.init import Rule, Uniform, conv_default
 from k3train.models.common.norm import RMSNorm, l2_normalize_eps
 from k3train.models.kda.chunk import chunk_kda
 from k3train.models.kda.context_parallel import IMPLEMENTATIONS as CONTEXT_PARALLEL_IMPLEMENTATIONS
@@ -43,6 +44,13 @@ OUTPUT_GATES = ("low_rank", "full_rank")
 # (lower_bound, 0), FLA's `lower_bound` (its default too); the layer's `gate_lower_bound` sets it:
 # https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/ops/kda/gate.py
 SIGMOID_GATE_LOWER_BOUND = -5.0
+CONVS = ("q_conv", "k_conv", "v_conv")
+
+
+def _dt_bias(log_dt: Tensor) -> Tensor:
+    """dt_bias from log dt: softplus^-1(dt), dt kept >= 1e-4."""
+    dt = log_dt.exp().clamp(min=1e-4)
+    return dt + torch.log(-torch.expm1(-dt))
 
 
 class KimiDeltaAttention(nn.Module):
@@ -131,9 +139,11 @@ class KimiDeltaAttention(nn.Module):
         self.f_b_proj = nn.Linear(head_dim, n_value_heads * head_dim, bias=False)
         self.b_proj = nn.Linear(d_model, n_value_heads, bias=False)
         # Decay rates A in [1, 16] per head; dt_bias puts softplus(dt_bias) = dt log-uniform in [1e-3, 1e-1].
-        self.A_log = nn.Parameter(torch.empty(n_value_heads).uniform_(1, 16).log())
-        dt = torch.empty(n_value_heads * head_dim).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp(min=1e-4)
-        self.dt_bias = nn.Parameter(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        self.A_log = nn.Parameter(torch.empty(n_value_heads))
+        self.dt_bias = nn.Parameter(torch.empty(n_value_heads * head_dim))
+        for name, rule in self.init_rules().items():
+            if "." not in name:
+                rule.fill(getattr(self, name).data, None)
         if output_gate == "low_rank":
             self.g_a_proj = nn.Linear(d_model, head_dim, bias=False)
             self.g_b_proj = nn.Linear(head_dim, value_dim, bias=output_gate_bias)
@@ -141,6 +151,17 @@ class KimiDeltaAttention(nn.Module):
             self.g_proj = nn.Linear(d_model, value_dim, bias=False)
         self.o_norm = RMSNorm(head_dim, eps=norm_eps)
         self.o_proj = nn.Linear(value_dim, d_model, bias=False)
+
+    def init_rules(self) -> dict[str, Rule]:
+        """How this layer's own parameters start (k3train/models/common/init.py; the model draws its linear maps):
+        A_log = log U(1, 16), dt_bias = softplus^-1 of a log-uniform dt in [1e-3, 1e-1], the short convs as
+        nn.Conv1d starts them."""
+        convs = {f"{name}.weight": conv_default(tuple(getattr(self, name).weight.shape)) for name in CONVS}
+        return {
+            "A_log": Uniform(1.0, 16.0, torch.log),
+            "dt_bias": Uniform(math.log(1e-3), math.log(1e-1), _dt_bias),
+            **convs,
+        }
 
     def param_layouts(self) -> dict[str, ParamLayout]:
         """Muon may orthogonalise per head (k3train/models/layout.py): rows per head of q, k, v and the full-rank
