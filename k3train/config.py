@@ -141,6 +141,26 @@ class PathsConfig:
 
 
 @dataclass
+class DryRunConfig:
+    """`python -m k3train dry_run.world_size=N dry_run.rank=R`: build and step rank R of an N-rank run in one process
+    on torch's fake process group (k3train/run/dry_run.py); null: a real run."""
+
+    world_size: int | None = None
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.world_size is None:
+            return
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"dry_run.world_size={self.world_size!r} must be a positive integer (the run's ranks)")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"dry_run.rank={self.rank} is not a rank of dry_run.world_size={self.world_size}: choose 0 to "
+                f"{self.world_size - 1}"
+            )
+
+
+@dataclass
 class Config:
     model: Any = MISSING
     optim: Any = MISSING
@@ -153,6 +173,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
+    dry_run: DryRunConfig = field(default_factory=DryRunConfig)
     # null: a fresh run | auto: continue from this output directory's checkpoint if there is one | a path
     resume: str | None = None
 

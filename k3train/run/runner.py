@@ -34,7 +34,7 @@ from k3train.models.protocol import takes_document_ids
 from k3train.observe.metrics import MetricsLogger
 from k3train.observe.run_manifest import RunManifest, environment, read_run_json
 from k3train.optim.summary import format_param_groups, summarize_param_groups
-from k3train.run import rundir
+from k3train.run import dry_run, rundir
 from k3train.run.build import build_parts, set_up_process
 from k3train.run.remembered import config_changes
 from k3train.run.resume import RunFinished, resolve_resume, restore
@@ -65,6 +65,8 @@ class NotOwner:
 
 
 def run(cfg: DictConfig) -> str | None:
+    if cfg.dry_run.world_size is not None:  # one rank of a larger run, on a fake process group
+        return _dry_run(cfg)
     # A submitit job's tasks run this function directly (not __main__.main): start their process group here.
     own_group = not distributed.several_ranks() and distributed.init_from_env().distributed
     os.environ["K3TRAIN_CACHE"] = str(cfg.paths.cache)  # one cache root for the data, the MFU peaks and children
@@ -85,6 +87,17 @@ def run(cfg: DictConfig) -> str | None:
     finally:
         if own_group:
             distributed.close(wait_for_others=clean)
+
+
+def _dry_run(cfg: DictConfig) -> str | None:
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    try:
+        return dry_run.run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except BaseException as exc:
+        cause = exc.__cause__ if isinstance(exc, InstantiationException) else exc
+        if not isinstance(cause, (*USER_ERRORS, MissingMandatoryValue)) or os.environ.get("HYDRA_FULL_ERROR") == "1":
+            raise
+        return fail(describe_error(cause), 2, multirun)
 
 
 def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bool) -> str | None:

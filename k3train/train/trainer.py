@@ -111,6 +111,8 @@ class Trainer:
         self.profile = profile or ProfileConfig()
         self.state = TrainState()
         self.session_start_step = 0
+        # False: step on a non-finite loss or norm too (a dry run, whose fake collectives leave values meaningless)
+        self.skip_non_finite = True
         self.signals = StopSignals()  # the runner installs it around fit(); the loop only reads the flag
         self.label = model.log_label
         # Global: every rank's rows of the batch (the loaders' data-parallel view), so plans and logs are per run.
@@ -241,7 +243,7 @@ class Trainer:
         self.scaler.unscale_(self.optimizer)
         grad_norm = global_grad_norm(self.params, self.dims, self.expert_shards)
         result = {"loss": loss, "grad_norm": grad_norm, "lr_factor": lr_factor}
-        if math.isfinite(loss) and math.isfinite(grad_norm):
+        if not self.skip_non_finite or (math.isfinite(loss) and math.isfinite(grad_norm)):
             if self.config.clip_norm is not None:
                 clip_gradients(self.params, self.config.clip_norm, grad_norm)
             self.scaler.step(self.optimizer)

@@ -80,6 +80,8 @@ class AllToAllDispatch:
         self.ep = dist.get_world_size(group)
         self.per_rank = n_experts // self.ep
         self.first_local_expert = dist.get_rank(group) * self.per_rank
+        # MoE.route_evenly (a dry run): every rank routes alike, so each sends this rank what it sends itself
+        self.evenly = False
 
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> Dispatched:
         group, ep, per_rank = self.group, self.ep, self.per_rank
@@ -88,8 +90,12 @@ class AllToAllDispatch:
         order = torch.argsort(flat, stable=True)  # slots by expert, hence by the rank that holds it
         token_of_slot = order // k
         counts = expert_counts(flat, self.n_experts)  # [E] slots this rank sends each expert
-        received = torch.empty_like(counts)  # [ep * per_rank]: for each source rank, its slots for each local expert
-        dist.all_to_all_single(received, counts, group=group)
+        if self.evenly:  # a fake process group's exchange would leave the counts undefined
+            mine = counts.view(ep, per_rank)[self.first_local_expert // per_rank]
+            received = mine.repeat(ep)
+        else:
+            received = torch.empty_like(counts)  # [ep * per_rank]: each source rank's slots for each local expert
+            dist.all_to_all_single(received, counts, group=group)
         send_splits = counts.view(ep, per_rank).sum(1).tolist()
         recv_splits = received.view(ep, per_rank).sum(1).tolist()
 

@@ -139,6 +139,16 @@ class MoE(nn.Module):
         self.experts.keep_shard(rank, ep, group)
         self.use_dispatcher(AllToAllDispatch(group, self.n_experts))
 
+    def route_evenly(self) -> None:
+        """From now on token i chooses experts (i k + j) mod n, j < k, whatever its scores: every expert receives the
+        same number of slots (to one), and an expert-parallel rank takes the counts it receives as what it sends,
+        without exchanging them. A dry run's routing (k3train/run/dry_run.py): the sizes a balanced run moves, not
+        those of the meaningless values a fake process group leaves (Automodel's fake balanced gate does the
+        same)."""
+        self.router.evenly = True
+        if isinstance(self.dispatcher, AllToAllDispatch):
+            self.dispatcher.evenly = True
+
     @contextlib.contextmanager
     def replaying(self, routes: dict) -> Iterator[None]:
         """Within: record the experts chosen in `routes`, or, once they are there, route by them and leave the bias

@@ -27,6 +27,8 @@ class Router(nn.Linear):
     def __init__(self, d_model: int, n_experts: int, k: int, scaling_factor: float = 1.0) -> None:
         super().__init__(d_model, n_experts, bias=False)
         self.k, self.scaling_factor = k, scaling_factor
+        # MoE.route_evenly (a dry run): token i chooses experts (i k + j) mod n, j < k, whatever its scores
+        self.evenly = False
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """x [N, d] -> router logits [N, n] in fp32 (float64 for float64 x), whatever autocast is on: the router
@@ -44,6 +46,9 @@ class Router(nn.Linear):
         """scores [N, n], bias [n] -> the k chosen experts of each token [N, k]: the top-k of scores + bias. Detached:
         indices carry no gradient, and a graph node here would be one a checkpointed recompute (which replays the
         choice instead) lacks."""
+        if self.evenly:
+            slots = torch.arange(scores.shape[0] * self.k, device=scores.device).view(-1, self.k)
+            return slots % scores.shape[-1]
         return torch.topk((scores + bias).detach(), self.k, dim=-1).indices
 
     def gate_weights(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
