@@ -61,7 +61,12 @@ SMALL = [
     "train.seq_len=32",
     "train.batch_size=1",
 ]
-FSDP_CASES = {"none, 1 micro-batch": ("none", 1), "block, 2 micro-batches": ("block", 2)}
+# (checkpointing, micro-batches, precision): under bf16 FSDP2 gathers bf16 and reduce-scatters fp32 (fsdp_policy)
+FSDP_CASES = {
+    "none, 1 micro-batch": ("none", 1, "fp32"),
+    "block, 2 micro-batches": ("block", 2, "fp32"),
+    "bf16, block, 2 micro-batches": ("block", 2, "bf16"),
+}
 
 
 def spec_of(*overrides: str, device: str = "cpu"):
@@ -361,10 +366,17 @@ def count_collectives(monkeypatch_targets: dict) -> tuple[dict, dict]:
 
 
 def _train_step(
-    overrides: list[str], mode: str, accumulation: int, rank: int, strategy: str, world: int = 2, replicas: int = 1
+    overrides: list[str],
+    mode: str,
+    accumulation: int,
+    rank: int,
+    strategy: str,
+    world: int = 2,
+    replicas: int = 1,
+    precision: str = "fp32",
 ) -> dict:
-    """One optimizer step of the SMALL model on this rank under k3train's FSDP (HSDP: `replicas` > 1) or DDP; the
-    bytes per kind."""
+    """One optimizer step of the SMALL model on this rank under k3train's FSDP (HSDP: `replicas` > 1) or DDP, in
+    `precision` (autocast, and FSDP2's MixedPrecisionPolicy under bf16); the bytes per kind."""
     from k3train.runtime.parallel_dims import ParallelDims
     from k3train.train.parallel import DDP, FSDP
 
@@ -374,12 +386,12 @@ def _train_step(
     for (owner, name), wrapper in targets.items():
         setattr(owner, name, wrapper)
     try:
-        cfg = composed(*overrides, f"train.activation_checkpointing={mode}")
+        cfg = composed(*overrides, f"train.activation_checkpointing={mode}", f"precision={precision}")
         torch.manual_seed(0)
         model = instantiate(cfg.model).train()
         model.set_activation_checkpointing(mode)
         dims = ParallelDims.for_strategy(strategy, world, rank, "cpu", dp_replicate=replicas)
-        parallel = FSDP(dp_replicate=replicas) if strategy == "fsdp" else DDP()
+        parallel = FSDP(dp_replicate=replicas, mixed_precision=precision) if strategy == "fsdp" else DDP()
         model = parallel.shard(model, torch.device("cpu"), dims)
         optimizer = instantiate(cfg.optim)(model, process_group=dims.dp_group)
         wrapped = parallel.wrap(model, torch.device("cpu"), dims)
@@ -395,7 +407,8 @@ def _train_step(
         for i in range(accumulation):
             x = torch.randint(0, 257, (1, 32), generator=g)
             with parallel.no_sync(wrapped) if i < accumulation - 1 else nullcontext():
-                _, loss = wrapped(x, targets=x)
+                with instantiate(cfg.precision).autocast(torch.device("cpu")):
+                    _, loss = wrapped(x, targets=x)
                 (loss / accumulation).backward()
         optimizer.step()
         return dict(counts)
@@ -405,7 +418,10 @@ def _train_step(
 
 
 def _collectives_rank_main(rank: int, world_size: int) -> dict:
-    out = {name: _train_step(SMALL, mode, acc, rank, "fsdp") for name, (mode, acc) in FSDP_CASES.items()}
+    out = {
+        name: _train_step(SMALL, mode, acc, rank, "fsdp", precision=dtype)
+        for name, (mode, acc, dtype) in FSDP_CASES.items()
+    }
     out["ddp"] = _train_step(SMALL, "none", 1, rank, "ddp")
     return out
 
@@ -460,12 +476,20 @@ def test_collective_bytes_equal_a_two_rank_gloo_run(two_rank_counts: list[dict],
     all-gathers (forward and backward, every micro-batch) and reduce-scatter (once), DDP's buckets, Muon's gathers
     of the orthogonalised updates (DDP) and its owners' all-to-alls (FSDP2: the busiest rank's), Quantile
     Balancing's gathers."""
-    mode, accumulation = FSDP_CASES.get(case, ("none", 1))
+    mode, accumulation, precision = FSDP_CASES.get(case, ("none", 1, "fp32"))
     spec = spec_of(
-        *SMALL, f"train.activation_checkpointing={mode}", f"train.gradient_accumulation_steps={accumulation}"
+        *SMALL,
+        f"train.activation_checkpointing={mode}",
+        f"train.gradient_accumulation_steps={accumulation}",
+        f"precision={precision}",
     )
     mesh = Mesh(1, 2, 1) if case in FSDP_CASES else Mesh(2, 1, 1)
     want = planned(spec, mesh)
+    if precision == "bf16":  # half the fp32 gathers' bytes, the same fp32 reduce-scatter
+        fp32 = planned(spec_of(*SMALL, f"train.activation_checkpointing={mode}",
+                               f"train.gradient_accumulation_steps={accumulation}"), mesh)  # fmt: skip
+        assert want["FSDP all-gather"] == fp32["FSDP all-gather"] / 2
+        assert want["FSDP reduce-scatter"] == fp32["FSDP reduce-scatter"]
     # Muon's owners send different bytes (each its own matrices' updates): the plan's payload is the busiest rank's
     # per group, and its shares say what each rank sends
     shares = [s for group in muon_groups(spec) for s in muon_shares(spec, mesh, group) if s.how == "owners"]
@@ -828,12 +852,12 @@ def test_launch_forms_and_the_overrides_that_realise_a_mesh() -> None:
 
 @pytest.mark.slow  # 10 s: K3 planned on the meta device
 def test_k3_at_4096_token_rows_fits_first_on_1024_h200s_at_its_fastest_mesh(capsys: pytest.CaptureFixture) -> None:
-    """The README's planner example: its first answer fits, at the fastest mesh (ep 128, 24.4 s a step), where the
-    smallest ep that fits (ep 16) steps in 58.1 s."""
+    """The README's planner example: its first answer fits, at the fastest mesh (ep 128, 18.1 s a step with bf16
+    gathers), where ep 16 steps in 40.0 s (the smallest ep that fits is 4 now: 120.0 s)."""
     recipe = ["precision=bf16", "train.seq_len=4096", "train.activation_checkpointing=block", "train.batch_size=1"]
     assert main(["model=k3", *recipe, "--gpus", "1024", "--gpu", "h200"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[5].startswith("train it (the plan below, 1x1024x128: 24.4 s a step") and "quickstart" not in lines[4]
+    assert lines[5].startswith("train it (the plan below, 1x1024x128: 18.1 s a step") and "quickstart" not in lines[4]
     assert lines[6].startswith("  torchrun --nnodes=128 --nproc_per_node=8 ") and lines[7].startswith("  srun ")
     assert lines[6].endswith(" parallel=fsdp parallel.ep=128 parallel.cp=1")
     tried = {line.split()[0]: float(line.split()[-4]) for line in lines if re.match(r"^  1x1024x\d+ ", line)}

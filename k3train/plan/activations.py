@@ -62,7 +62,12 @@ until the layer's backward; torch's autocast caches the cast of a leaf weight un
 or not (measured: a checkpointed stack of Linear layers held its bf16 casts until autocast exited), while the KDA
 fused projection (a torch.cat of six weights) and the routed experts (cast inside GroupedSwiGLU, the local E / ep
 of them) are copies only the saving op keeps. In fp32 the fused projection and convolution weights are kept as
-concatenated fp32 copies. Not counted: tensors of a few values per layer, the autograd graph itself.
+concatenated fp32 copies. Under FSDP2's MixedPrecisionPolicy (precision bf16 / fp16 over dp_shard > 1 ranks:
+k3train/train/precision.py's fsdp_policy) the weights a unit gathers are already bf16, so autocast casts none of them
+and keeps no copy (half_weights: no leaf copy, saved or cached; the matmuls save the gathered weight itself, which
+FSDP2 frees after the forward and gathers again for the backward); the routed experts' cast goes too where FSDP2
+gathers them (half_experts: expert_shard > 1; with expert_shard 1 FSDP2 ignores them and they stay fp32); KDA's
+concatenations are still made, in bf16. Not counted: tensors of a few values per layer, the autograd graph itself.
 """
 
 from __future__ import annotations
@@ -122,11 +127,14 @@ def layer_activations(
     local_experts: int,
     context: ContextSlice | None = None,
     documents: bool = False,
+    half_weights: bool = False,
+    half_experts: bool = False,
 ) -> LayerActivations:
     """The bytes layer `layer` keeps for `tokens` tokens (batch x seq_len) under checkpointing `mode`, activation
     bytes `act` (2 or 4), on `device_type` ("cpu" pads MLA's narrower heads), holding `local_experts` experts.
     With `context`, the rows are split over ranks and seq_len is this rank's slice of them; `documents`: document
-    masking on."""
+    masking on; half_weights / half_experts: FSDP2 gathers the weights / the routed experts in bf16 (the module
+    docstring's weight copies)."""
     autocast = act < F32
     moe = c.is_moe_layer(layer)
     if _kind(c, layer) == "mla":
@@ -156,7 +164,7 @@ def layer_activations(
         )
     else:
         raise ValueError(f"activation checkpointing {mode!r} must be none, block or selective")
-    saved_copies, cached_copies = _weight_copies(c, layer, act, mode, local_experts)
+    saved_copies, cached_copies = _weight_copies(c, layer, act, mode, local_experts, half_weights, half_experts)
     return LayerActivations(saved, full, saved_copies, cached_copies)
 
 
@@ -341,7 +349,9 @@ def _moe_selective(c, act: int) -> float:
     return per_token
 
 
-def _weight_copies(c, layer: int, act: int, mode: str, local_experts: int) -> tuple[float, float]:
+def _weight_copies(
+    c, layer: int, act: int, mode: str, local_experts: int, half_weights: bool = False, half_experts: bool = False
+) -> tuple[float, float]:
     """(kept until the layer's backward, held by autocast's cache until the forward ends) in bytes."""
     d = c.d_model
     leaf = 0.0  # nn.Linear weights: autocast casts them through its cache
@@ -376,6 +386,10 @@ def _weight_copies(c, layer: int, act: int, mode: str, local_experts: int) -> tu
         ffn_leaf += 3 * d * c.dense_ffn_dim
     if act == F32:  # no autocast: only the fp32 concatenations, kept where the mixer is not recomputed
         return (own_f32 * F32 if mode == "none" and mixer_own else 0.0), 0.0
+    if half_weights:  # gathered in bf16: nothing for autocast to cast (module docstring)
+        leaf = ffn_leaf = shared_leaf = 0.0
+    if half_experts:
+        own_experts = 0
     all_leaf = (leaf + ffn_leaf + shared_leaf) * act
     if mode == "none":
         return all_leaf + (own + own_experts) * act + conv * F32, 0.0

@@ -6,13 +6,14 @@ and the bytes one rank sends on the wire, ring algorithms assumed: (G - 1) / G o
 a reduce-scatter over G ranks, twice that for an all-reduce, and for an all-to-all the (G - 1) / G of its own
 tokens that leave it.
 
-- FSDP all-gather: every unit (each transformer block, then the root) gathered in fp32 (k3train's FSDP sets no
-  MixedPrecisionPolicy: the gathered parameters are the fp32 master weights, which autocast casts after the
-  gather), padded to dp_shard rows: forward, and again in the backward with reshard_after_forward (the default,
-  the root included, as k3train passes True explicitly); every micro-batch. The routed experts of a unit over the
-  dp_shard / ep ranks that share them, E / ep of them.
+- FSDP all-gather: every unit (each transformer block, then the root) gathered in the compute dtype: bf16 under
+  precision=bf16 (fp16 under fp16), k3train's FSDP passing MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32) to every fully_shard (k3train/train/precision.py's fsdp_policy), else fp32 (the master
+  weights themselves), padded to dp_shard rows: forward, and again in the backward with reshard_after_forward
+  (the default, the root included, as k3train passes True explicitly); every micro-batch. The routed experts of a
+  unit over the dp_shard / ep ranks that share them, E / ep of them.
 - FSDP reduce-scatter: the gradients of every unit once per step (no_sync holds them for the earlier
-  micro-batches), fp32; frozen parameters have none.
+  micro-batches), fp32 under every precision (the policy's reduce_dtype); frozen parameters have none.
 - DDP all-reduce: all gradients once per step (no_sync), fp32.
 - HSDP all-reduce (dp_replicate x dp_shard): after each unit's reduce-scatter within a replica group, its padded
   gradient shard all-reduced across the dp_replicate groups, once per step, fp32 (FSDP2 over a 2-D mesh).
@@ -58,7 +59,7 @@ import math
 from dataclasses import dataclass
 
 from k3train.plan.activations import F32
-from k3train.plan.memory import shard_bytes
+from k3train.plan.memory import gather_bytes, shard_bytes
 from k3train.plan.mesh import Mesh, rank_rows
 from k3train.plan.muon import muon_groups, muon_shares
 from k3train.plan.spec import RunSpec
@@ -80,16 +81,18 @@ def ring(payload: float, ranks: int, factor: float = 1.0) -> float:
 
 
 def fsdp_gather_payload(spec: RunSpec, mesh: Mesh, trainable_only: bool = False) -> tuple[float, float]:
-    """(dense, routed) bytes of one pass of every FSDP unit's all-gather (or reduce-scatter: trainable_only), as
-    FSDP2 pads them: ranks x the padded shard."""
+    """(dense, routed) bytes of one pass of every FSDP unit's all-gather (in the gathered dtype: bf16 under
+    precision=bf16) or reduce-scatter (trainable_only: fp32, MixedPrecisionPolicy's reduce_dtype), as FSDP2 pads
+    them: ranks x the padded shard."""
+    element = F32 if trainable_only else gather_bytes(spec, mesh)
     dense = routed = 0.0
     for p in spec.params:
         if trainable_only and p.kind == "frozen":
             continue
         if p.routed:
-            routed += mesh.expert_shard * shard_bytes(p, mesh)
+            routed += mesh.expert_shard * shard_bytes(p, mesh, element)
         else:
-            dense += mesh.dp_shard * shard_bytes(p, mesh)
+            dense += mesh.dp_shard * shard_bytes(p, mesh, element)
     return dense, routed
 
 

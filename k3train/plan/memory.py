@@ -68,6 +68,23 @@ class Memory:
         return max(self.phases, key=self.phases.get)
 
 
+HALF = ("bf16", "fp16")
+
+
+def gather_bytes(spec: RunSpec, mesh: Mesh) -> int:
+    """The element FSDP2 gathers (and computes with): bf16 / fp16 under precision bf16 / fp16 over dp_shard > 1
+    ranks (MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): k3train/train/precision.py's fsdp_policy),
+    else the fp32 master weights themselves."""
+    return spec.act_bytes if spec.precision in HALF and mesh.dp_shard > 1 else F32
+
+
+def half_gathers(spec: RunSpec, mesh: Mesh) -> tuple[bool, bool]:
+    """(the FSDP units' weights, the routed experts') gathered in bf16 / fp16: the experts only where FSDP2 shards
+    them (expert_shard > 1; otherwise it ignores them and they stay fp32 for autocast to cast)."""
+    half = gather_bytes(spec, mesh) < F32
+    return half, half and mesh.expert_shard > 1
+
+
 def shard_bytes(p: Param, mesh: Mesh, element: int = F32) -> float:
     """Bytes of `p` one rank stores: FSDP2's dim-0 shard, padded to a whole row per rank. The routed experts are
     first split over ep; when fewer local experts remain than ranks to shard them over, dim 1 is split instead (as
@@ -86,13 +103,13 @@ def local_bytes(p: Param, mesh: Mesh, element: int = F32) -> float:
     return p.numel * element / (mesh.ep if p.routed else 1)
 
 
-def unit_bytes(spec: RunSpec, mesh: Mesh, trainable_only: bool = False) -> dict[str, float]:
-    """Each FSDP unit's parameters as gathered on one rank (fp32), in one pass over the parameters (a unit at a time
-    is units x parameters: a tenth of a second for K3, which the recipe search pays per plan)."""
+def unit_bytes(spec: RunSpec, mesh: Mesh, trainable_only: bool = False, element: int = F32) -> dict[str, float]:
+    """Each FSDP unit's parameters as gathered on one rank (`element` bytes each), in one pass over the parameters
+    (a unit at a time is units x parameters: a tenth of a second for K3, which the recipe search pays per plan)."""
     out = dict.fromkeys(spec.units, 0.0)
     for p in spec.params:
         if not (trainable_only and p.kind == "frozen"):
-            out[p.unit] += local_bytes(p, mesh)
+            out[p.unit] += local_bytes(p, mesh, element)
     return out
 
 
@@ -160,10 +177,11 @@ def planned_layers(spec: RunSpec, mesh: Mesh, device_type: str) -> list[LayerAct
     """What each layer planned (spec.layer_ids) keeps for one micro-batch on one rank."""
     tokens, length, context = rank_slice(spec, mesh)
     local_experts = spec.model.n_routed_experts // mesh.ep
+    half_weights, half_experts = half_gathers(spec, mesh)
     return [
         layer_activations(
             spec.model, i, tokens, length, spec.checkpointing, spec.act_bytes, device_type, local_experts, context,
-            spec.documents,
+            spec.documents, half_weights, half_experts,
         )
         for i in spec.layer_ids
     ]  # fmt: skip
@@ -226,8 +244,8 @@ def forward_transients(spec: RunSpec, mesh: Mesh, device_type: str) -> dict[str,
 
 def fsdp_gathered(spec: RunSpec, mesh: Mesh) -> float:
     """FSDP2's gathered parameters at once: the root's (gathered for the whole forward and the whole backward: it
-    wraps them) and two blocks' (the current one and the next, prefetched)."""
-    gathered = unit_bytes(spec, mesh)
+    wraps them) and two blocks' (the current one and the next, prefetched), in the gathered dtype (gather_bytes)."""
+    gathered = unit_bytes(spec, mesh, element=gather_bytes(spec, mesh))
     return gathered["root"] + 2 * max(b for unit, b in gathered.items() if unit != "root")
 
 
@@ -265,7 +283,7 @@ def backward_peak(
         work = la.full  # the gradients of what it saved
         if recomputes:
             work += la.full - la.saved
-            work += _recompute_copies(spec, i, act, device, local_experts)
+            work += _recompute_copies(spec, mesh, i, act, device, local_experts)
         held = below + la.saved + la.copies_saved + work + done + fsdp + (loss_backward if i == last else 0)
         peak = max(peak, held)
         done += grads_by_unit.get(f"layers.{i}", 0.0)
@@ -276,9 +294,10 @@ def backward_peak(
     return peak
 
 
-def _recompute_copies(spec: RunSpec, layer: int, act: int, device: str, local_experts: int) -> float:
+def _recompute_copies(spec: RunSpec, mesh: Mesh, layer: int, act: int, device: str, local_experts: int) -> float:
     """The weight copies a recomputed layer makes again (its none-mode copies; no per-token part, so no slice)."""
-    la = layer_activations(spec.model, layer, 1, spec.seq_len, "none", act, device, local_experts)
+    half = half_gathers(spec, mesh)
+    la = layer_activations(spec.model, layer, 1, spec.seq_len, "none", act, device, local_experts, None, False, *half)
     return la.copies_saved
 
 

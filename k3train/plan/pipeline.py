@@ -32,7 +32,8 @@ accumulation), run m times an update. What pipelining adds to that plan:
   the reduce-scatter, HSDP's all-reduce). So a unit is gathered only when it is sharded at one of its stage's
   forwards or backwards (fsdp_gathers: every forward before the first backward, a backward after a forward; with
   reshard_after_forward, a forward reshards it again), and from a backward to the update's end the stage's whole
-  parameters are gathered (fp32) beside its whole gradients: the backward phase holds them (pipeline_gathered).
+  parameters are gathered (fp32; bf16 under precision=bf16's MixedPrecisionPolicy) beside its whole gradients:
+  the backward phase holds them (pipeline_gathered).
   Measured on 4 gloo ranks, pp 2 x FSDP2 2, 1f1b (tests/test_plan_pp.py).
 - Expert parallelism within a stage (the run carves the expert mesh out of each stage's ranks: ep consecutive ranks
   of a stage split its MoE layers' routed experts, and the stage's ranks / ep at the same place in their groups hold
@@ -61,7 +62,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from k3train.plan.activations import F32, root_activations
 from k3train.plan.comm import Collective, fsdp_gather_payload, plan_comm, ring
-from k3train.plan.memory import Memory, fsdp_gathered, planned_layers, rank_slice, unit_bytes
+from k3train.plan.memory import Memory, fsdp_gathered, gather_bytes, planned_layers, rank_slice, unit_bytes
 from k3train.plan.mesh import Mesh
 from k3train.plan.spec import RunSpec
 from k3train.train.pipeline import SCHEDULES, PipelineSettings, owner_of, stage_bounds, stages_of
@@ -394,7 +395,7 @@ def rank_memory(
     cached = sum(la.copies_cached for la in layers.values())
     gathered = more = 0.0
     if mesh.dp_shard > 1:  # PipelineStage keeps the stages' units gathered from a backward to the update's end
-        gathered = sum(unit_bytes(spec, mesh).values())
+        gathered = sum(unit_bytes(spec, mesh, element=gather_bytes(spec, mesh)).values())
         more = max(0.0, gathered - fsdp_gathered(spec, mesh))  # beyond FSDP's own root and two blocks
     phases = dict(memory.phases)
     phases["forward end"] += extra + buffers + (0.0 if spec.reshard_after_forward else more)

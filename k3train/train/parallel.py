@@ -31,6 +31,7 @@ from k3train.models.layout import expert_shards
 from k3train.models.protocol import Parallelizes
 from k3train.runtime.parallel_dims import ParallelDims
 from k3train.train.pipeline import PipelineSettings
+from k3train.train.precision import Precision
 
 
 @runtime_checkable
@@ -185,6 +186,10 @@ class FSDP:
     With dp_replicate = R > 1 (HSDP, conf/parallel/hsdp.yaml) the slices are 1/(N/R), each replica group of N/R
     consecutive ranks holding the whole model, and gradients are averaged across the groups too (FSDP2 over the
     2-D ParallelDims.shard_mesh).
+    mixed_precision: the run's precision.dtype (conf/parallel/fsdp.yaml interpolates it from the precision group):
+    under bf16 / fp16 every fully_shard gets Precision.fsdp_policy()'s MixedPrecisionPolicy (gathers in that
+    dtype, gradients reduced in fp32; parameters and optimizer state fp32), pipeline stages' included; under fp32 and
+    fp64 none (the gathered weights are the master weights).
     """
 
     name = "fsdp"
@@ -199,14 +204,16 @@ class FSDP:
         pp_schedule: str = "1f1b",
         pp_virtual_stages: int = 1,
         pp_microbatches: int | None = None,
+        mixed_precision: str = "fp32",
     ):
         self.reshard_after_forward = reshard_after_forward
+        self.mp_policy = Precision(dtype=mixed_precision).fsdp_policy()
         self.ep, self.cp, self.dp_replicate = ep, cp, dp_replicate
         self.pipeline = PipelineSettings(pp, pp_schedule, pp_virtual_stages, pp_microbatches)
         self.model_layouts: dict = {}  # the model's own sharded-checkpoint layouts: set by shard()
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
-        self.model_layouts = parallelize(model, dims, FullyShard(self.reshard_after_forward))
+        self.model_layouts = parallelize(model, dims, FullyShard(self.reshard_after_forward, self.mp_policy))
         return model
 
     def shard_layouts(self, dims: ParallelDims) -> dict:

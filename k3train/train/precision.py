@@ -1,4 +1,5 @@
-"""Mixed precision: autocast dtype per run, and the fp16 GradScaler. Master weights stay fp32."""
+"""Mixed precision: autocast dtype per run, FSDP2's MixedPrecisionPolicy, and the fp16 GradScaler. Master weights
+stay fp32."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from k3train.runtime.console import first_on_this_node
 from k3train.runtime.cpu import cpu_description, matmul_slowdown
@@ -60,6 +62,25 @@ class Precision:
         if first_on_this_node(warning):
             print(warning, file=sys.stderr, flush=True)
         return warning
+
+    def fsdp_policy(self) -> MixedPrecisionPolicy | None:
+        """FSDP2's MixedPrecisionPolicy for this precision, or None (fp32 and fp64: the gathered weights are the
+        master weights). bf16 and fp16: param_dtype the half dtype, so every all-gather moves half the bytes and the
+        forward and backward compute with the gathered half-precision weights; reduce_dtype fp32, so the gradients
+        are cast to fp32 before their reduce-scatter (and HSDP's all-reduce) and summed there, as the fp32 shards
+        FSDP2 keeps for the optimizer (parameters and optimizer state stay fp32: the sharded parameters are not
+        touched). torchtitan's and Megatron's (bf16 params gathered, fp32 grad reduction) recipe.
+
+        Autocast stays on beside it (autocast()): the gathered weights are already bf16, so autocast's casts of
+        them are no-ops and it holds no copy of them beside the fp32 masters (its weight cache keeps only casts of
+        fp32 parameters, and FSDP2's unsharded parameters are bf16 already); what it still
+        does is choose the dtype per op, as in one process: matmuls in bf16, softmax, norms and the loss in fp32 on
+        the inputs it upcasts. cast_forward_inputs is off: a block's input (the residual stream, fp32 under
+        autocast) is not cast to bf16 at each block, so the stream stays fp32 as in one process and the only new
+        rounding is of the few weights autocast would have left fp32 (norm gains, the embedding table)."""
+        if self.dtype not in ("bf16", "fp16"):
+            return None
+        return MixedPrecisionPolicy(param_dtype=self.torch_dtype, reduce_dtype=torch.float32, cast_forward_inputs=False)
 
     def autocast(self, device: torch.device):
         if self.dtype in ("fp32", "fp64"):

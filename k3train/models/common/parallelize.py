@@ -13,14 +13,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 
 @dataclass(frozen=True)
 class FullyShard:
-    """FSDP2's options, as conf/parallel/fsdp.yaml sets them, handed to a model's parallelize."""
+    """FSDP2's options, as conf/parallel/fsdp.yaml sets them, handed to a model's parallelize: every fully_shard
+    call of a model (blocks, root, KimiK3's routed-expert units) passes `kwargs`."""
 
     reshard_after_forward: bool = True
+    # precision=bf16 / fp16: gathers in that dtype, gradients reduced in fp32 (Precision.fsdp_policy); None: fp32
+    mp_policy: MixedPrecisionPolicy | None = None
+
+    @property
+    def kwargs(self) -> dict:
+        """fully_shard's keyword arguments for these options (mp_policy only when one is set: FSDP2's default)."""
+        out: dict = {"reshard_after_forward": self.reshard_after_forward}
+        if self.mp_policy is not None:
+            out["mp_policy"] = self.mp_policy
+        return out
 
 
 def fully_shard_blocks(model: nn.Module, mesh, options: FullyShard, ignored_params: set | None = None) -> None:
@@ -29,7 +40,7 @@ def fully_shard_blocks(model: nn.Module, mesh, options: FullyShard, ignored_para
     blocks = [block for module in model.modules() if isinstance(module, nn.ModuleList) for block in module]
     blocks += [block for module in model.modules() if isinstance(module, nn.ModuleDict) for block in module.values()]
     for unit in (*blocks, model):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=options.reshard_after_forward, ignored_params=ignored_params)
+        fully_shard(unit, mesh=mesh, ignored_params=ignored_params, **options.kwargs)
 
 
 def parallelize_blocks(model: nn.Module, dims, fully_shard: FullyShard | None) -> dict:

@@ -61,8 +61,8 @@ def _fully_shard(model, moes: list[MoE], dims, options: FullyShard):
             fully_shard(
                 moe.experts,
                 mesh=dims.expert_fsdp_mesh,
-                reshard_after_forward=options.reshard_after_forward,
                 shard_placement_fn=lambda p, placement=placement: placement,
+                **options.kwargs,
             )
             moe.experts.set_gradient_divide_factor(float(dims.stage_world))
             if dims.device_type == "cpu":  # gloo has no PREMUL_SUM: a sum, divided after
