@@ -15,7 +15,7 @@ from k3train.models.common.init import (
     Uniform,
     draw,
     materialise,
-    rows_per_block,
+    runs,
 )
 from k3train.models.k3 import KimiK3
 
@@ -27,7 +27,7 @@ def tiny_k3_config():
     return KimiK3.config_class(**TINY)
 
 
-@pytest.mark.parametrize("shape", [(7,), (3000, 700), (2100, 1), (5, 3, 400000), ()])
+@pytest.mark.parametrize("shape", [(7,), (3000, 70), (2100, 1), (5, 30, 1000), ()])
 @pytest.mark.parametrize("rule", [Normal(0.02), Uniform(1.0, 16.0, torch.log), Constant(1.0)])
 def test_any_region_drawn_alone_equals_that_region_of_the_whole(shape, rule):
     whole = draw(rule, 1337, "layers.0.w", shape)
@@ -35,13 +35,25 @@ def test_any_region_drawn_alone_equals_that_region_of_the_whole(shape, rule):
     if not shape:
         return
     rows = shape[0]
-    per = rows_per_block(shape)
-    # regions that start and end inside, at and across block boundaries, and cut the other dims too
-    for first, stop in {(0, rows), (1, rows - 1 or 1), (per - 1, min(rows, per + 2)), (rows - 1, rows)}:
-        if not 0 <= first < stop <= rows:
-            continue
-        region = (slice(first, stop), *(slice(n // 3, n - n // 5) for n in shape[1:]))
-        assert torch.equal(draw(rule, 1337, "layers.0.w", shape, region), whole[region])
+    per = max(1, BLOCK_VALUES // max(1, whole[0].numel()))  # rows a block holds
+    # dim-0 shards starting and ending inside, at and across block boundaries; a dim-1 shard (stacked experts);
+    # a region cutting every dim
+    regions = [
+        (slice(a, b), *(slice(0, n) for n in shape[1:]))
+        for a, b in [(0, rows), (1, max(rows - 1, 1)), (per - 1, per + 2), (rows - 1, rows)]
+        if 0 <= a < b <= rows
+    ]
+    if len(shape) > 1:
+        regions.append((slice(1, rows), slice(shape[1] // 4, shape[1] // 2), *(slice(0, n) for n in shape[2:])))
+        regions.append(tuple(slice(n // 3, n - n // 5) for n in shape))
+    for region in regions:
+        assert torch.equal(draw(rule, 1337, "layers.0.w", shape, region), whole[region]), region
+
+
+def test_the_runs_of_a_shard_are_what_it_holds():
+    assert list(runs((10, 4), (slice(2, 5), slice(0, 4)))) == [(8, 20)]  # whole rows: one run
+    assert list(runs((3, 10, 4), (slice(0, 3), slice(5, 10), slice(0, 4)))) == [(20, 40), (60, 80), (100, 120)]
+    assert list(runs((3, 10, 4), (slice(1, 2), slice(0, 10), slice(0, 4)))) == [(40, 80)]
 
 
 def test_the_draw_depends_on_the_seed_and_the_name_only():

@@ -50,7 +50,7 @@ def built_run(monkeypatch, run_dir, data_dir, *overrides: str, model: str = "smo
         return_hydra_config=True,
     )
     monkeypatch.setattr(build, "apply_threads", lambda choice: None)
-    monkeypatch.setattr(build, "prepare_cpu_training", lambda: {})
+    monkeypatch.setattr(build, "prepare_cpu_training", lambda keep_freed=True: {})
     world = World()
     device, threads = build.set_up_process(OmegaConf.to_object(cfg.train), world)
     return cfg, build.build_parts(cfg, run_dir, device, world, threads, resuming=False)

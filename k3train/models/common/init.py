@@ -3,14 +3,14 @@ any source of whole-model values, each rank only the part it holds.
 
 A model declares how each of its tensors starts (`init_rules()`: {name: Normal(std) | Constant(value) |
 Uniform(low, high, then)}, the names those of its state_dict), and every random value is drawn by counter: a
-tensor's rows (its dim 0) are cut into blocks of a fixed number of rows (about BLOCK_VALUES values, at least one
-row: a function of the tensor's whole shape alone), and block k of tensor `name` is drawn by its own generator,
-seeded with a hash of (seed, name, k). A rank that holds part of a tensor (FSDP2's dim-0 or dim-1 shard, an
-expert-parallel slice, a pipeline stage's layers) draws only the blocks its rows fall in and keeps its part: the
-same values, bit for bit, that one process holding the whole model draws, under any layout. torch's own generator
-cannot do this: one stream per tensor, whose values depend on how many were drawn before. (torchtitan gets
-layout-free draws from DTensor's offset-based Philox RNG, which exists on CUDA only.) Draws are made on the CPU in
-fp32 and cast to the tensor's dtype and device, as `nn.init` on a CPU-built fp32 model followed by `.to()` gave.
+tensor's values, in row-major order, are cut into blocks of BLOCK_VALUES, and block k of tensor `name` is drawn by
+its own generator, seeded with a hash of (seed, name, k). A rank that holds part of a tensor (FSDP2's dim-0 or
+dim-1 shard, an expert-parallel slice, a pipeline stage's layers) draws only the blocks its part falls in (its
+part's contiguous runs: one for a dim-0 shard, one an expert for a dim-1 shard of stacked experts) and keeps its
+values: the same, bit for bit, that one process holding the whole model draws, under any layout. torch's own
+generator cannot do this: one stream per tensor, whose values depend on how many were drawn before. (torchtitan
+gets layout-free draws from DTensor's offset-based Philox RNG, which exists on CUDA only.) Draws are made on the CPU
+in fp32 and cast to the tensor's dtype and device, as `nn.init` on a CPU-built fp32 model followed by `.to()` gave.
 
 `fill(module, source)` writes every parameter and persistent buffer of `module` from `source(name, whole_shape,
 region)`, a callable giving the values of `region` (a slice per dim) of the whole tensor `name`: InitialWeights
@@ -25,8 +25,9 @@ with non-persistent buffers derived from their config (RotaryEmbedding) recomput
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -37,9 +38,10 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from k3train.models.layout import WHOLE, parameter_layouts
 
-# Values per block of rows drawn by one generator (4 MiB in fp32): small enough that a rank holding a few rows of a
-# large tensor draws little beyond them, large enough that seeding a generator per block costs nothing measurable.
-BLOCK_VALUES = 1 << 20
+# Values a generator draws at a time (256 KiB in fp32): small enough that a rank holding two rows of a [7168, 7168]
+# weight (K3 over 4,096 ranks) draws under 5x what it keeps, large enough that seeding a generator per block costs
+# little beside the draw.
+BLOCK_VALUES = 1 << 16
 
 Region = tuple[slice, ...]
 Source = Callable[[str, tuple[int, ...], Region], torch.Tensor]
@@ -104,8 +106,27 @@ def _generator(seed: int, name: str, block: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-def rows_per_block(shape: tuple[int, ...]) -> int:
-    return max(1, BLOCK_VALUES // max(1, math.prod(shape[1:])))
+def runs(shape: tuple[int, ...], region: Region) -> Iterator[tuple[int, int]]:
+    """The [start, stop) ranges of row-major flat indices that `region` of a tensor of `shape` covers, in order,
+    adjacent ones merged: one for a whole tensor or a slice of whole rows; one a leading index otherwise."""
+    partial = [d for d, s in enumerate(region) if (s.start, s.stop) != (0, shape[d])]
+    if not partial:
+        yield 0, math.prod(shape)
+        return
+    k = partial[-1]  # the dims after it are whole: each index of the dims before it is one contiguous run
+    inner = math.prod(shape[k + 1 :])
+    strides = [math.prod(shape[d + 1 :]) for d in range(k)]
+    length = (region[k].stop - region[k].start) * inner
+    run = None
+    for index in itertools.product(*(range(s.start, s.stop) for s in region[:k])):
+        start = sum(i * stride for i, stride in zip(index, strides)) + region[k].start * inner
+        if run is not None and run[1] == start:
+            run = (run[0], start + length)
+            continue
+        if run is not None:
+            yield run
+        run = (start, start + length)
+    yield run
 
 
 def draw(rule: Rule, seed: int, name: str, shape: tuple[int, ...], region: Region | None = None) -> torch.Tensor:
@@ -118,18 +139,18 @@ def draw(rule: Rule, seed: int, name: str, shape: tuple[int, ...], region: Regio
         return out
     if out.numel() == 0:  # an empty shard (FSDP2's last ranks of a short dim 0)
         return out
-    if not shape:  # a scalar: one block of one value
-        block = torch.empty(())
-        rule.fill(block, _generator(seed, name, 0))
-        return out.copy_(block)
-    first, stop = region[0].start, region[0].stop
-    per = rows_per_block(shape)
-    for k in range(first // per, (stop - 1) // per + 1):
-        lo, hi = k * per, min((k + 1) * per, shape[0])
-        block = torch.empty((hi - lo, *shape[1:]))
-        rule.fill(block, _generator(seed, name, k))
-        a, b = max(lo, first), min(hi, stop)
-        out[a - first : b - first] = block[(slice(a - lo, b - lo), *region[1:])]
+    total, flat, written = math.prod(shape), out.view(-1), 0
+    drawn_k, block = None, None
+    for start, stop in runs(shape, region):
+        for k in range(start // BLOCK_VALUES, (stop - 1) // BLOCK_VALUES + 1):
+            lo, hi = k * BLOCK_VALUES, min((k + 1) * BLOCK_VALUES, total)
+            if k != drawn_k:  # consecutive runs (an expert's rows, the next expert's) may share a block
+                block = torch.empty(hi - lo)
+                rule.fill(block, _generator(seed, name, k))
+                drawn_k = k
+            a, b = max(lo, start), min(hi, stop)
+            flat[written : written + b - a] = block[a - lo : b - lo]
+            written += b - a
     return out
 
 
@@ -151,7 +172,7 @@ class WholeModel:
     starts from, so that every rank still takes its part of the same weights."""
 
     def __init__(self, model: nn.Module) -> None:
-        self.state = model.state_dict()
+        self.model, self.state = model, model.state_dict()
 
     def __call__(self, name: str, shape: tuple[int, ...], region: Region) -> torch.Tensor:
         return self.state[name][region]
