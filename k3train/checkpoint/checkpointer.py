@@ -60,15 +60,17 @@ def save_checkpoint(path: Path, payload: dict) -> int:
     return write_atomic(path, lambda f: torch.save(payload, f))
 
 
-def load_checkpoint(path: Path, make_shard: MakeShard | None = None, keep: Callable[[str], bool] | None = None) -> dict:
-    """A checkpoint file, or a sharded checkpoint directory (dcp.py) whose sharded tensors
-    `make_shard(shape, dtype, mesh)` allocates (whole plain tensors by default: any number of processes can read it),
-    those whose key `keep` refuses left out (None)."""
+def load_checkpoint(
+    path: Path, make_shard: MakeShard | None = None, keep: Callable[[str], bool] | None = None, mmap: bool = False
+) -> dict:
+    """A checkpoint file (`mmap`: memory-mapped, its tensors' pages read when touched), or a sharded checkpoint
+    directory (dcp.py) whose sharded tensors `make_shard(shape, dtype, mesh)` allocates (whole plain tensors by
+    default: any number of processes can read it), those whose key `keep` refuses left out (None)."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist: check the resume= path")
     try:
-        payload = read_sharded(path, make_shard or whole_tensor, keep) if path.is_dir() else safe_load(path)
+        payload = read_sharded(path, make_shard or whole_tensor, keep) if path.is_dir() else safe_load(path, mmap)
     except CodeRefused as exc:  # not "cannot be read": it can, and must not be
         raise CheckpointError(f"checkpoint {exc}") from None
     except Exception as exc:  # torch raises several types for truncated or foreign files

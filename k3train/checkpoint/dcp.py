@@ -65,14 +65,15 @@ _TORCH_GLOBAL = re.compile(r"GLOBAL (\S+?) (?:whose|was)")
 _TORCH_ADVICE = ("Weights only load failed", "Please file an issue", "Check the documentation", "In PyTorch 2.6")
 
 
-def safe_load(path: Path) -> Any:
-    """torch.load(path, weights_only=True), on the CPU. A file naming a global outside torch's allow-list raises
-    CodeRefused; any other refusal of the weights-only unpickler raises pickle.UnpicklingError with torch's reason
-    alone (not its advice to load with weights_only=False, which would run the file's code)."""
+def safe_load(path: Path, mmap: bool = False) -> Any:
+    """torch.load(path, weights_only=True), on the CPU (`mmap`: memory-mapped, a tensor's pages read when
+    touched). A file naming a global outside torch's allow-list raises CodeRefused; any other refusal of the
+    weights-only unpickler raises pickle.UnpicklingError with torch's reason alone (not its advice to load with
+    weights_only=False, which would run the file's code)."""
     try:
         with warnings.catch_warnings():  # "Detected pickle protocol 4": a foreign pickle, refused just below
             warnings.filterwarnings("ignore", "Detected pickle protocol", UserWarning)
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         found = _TORCH_GLOBAL.search(str(exc))
         name = found.group(1) if found else None

@@ -58,14 +58,14 @@ def read_hf(
     except (OSError, ValueError) as exc:
         raise HFFormatError(f"{path / CONFIG}: cannot read it as JSON ({exc})") from None
     layout, fields = adapter.from_hf_config(config)
-    _check_quantization(config, layout)
+    check_quantization(config, layout)
     _check_fits(adapter, fields, torch.device(device))
     reader = ShardedSafetensors(path)
     with torch.device(device):
         model = adapter.build(fields)
     state = model.state_dict()
     plan = adapter.hf_names(model, layout)
-    skipped = _check_names(reader.keys(), plan, adapter, model, layout)
+    skipped = check_names(reader.keys(), plan, adapter, model, layout)
     pending: dict[str, torch.Tensor] = {}  # one half of an MXFP4 pair, until its other half is read
     with torch.no_grad():
         for name, tensor in reader.items():
@@ -115,7 +115,7 @@ def _memory_bytes(device: torch.device) -> int | None:
         return None
 
 
-def _check_quantization(config: dict[str, Any], layout: str) -> None:
+def check_quantization(config: dict[str, Any], layout: str) -> None:
     quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     if quant is None:
         return
@@ -129,7 +129,7 @@ def _check_quantization(config: dict[str, Any], layout: str) -> None:
         )
 
 
-def _check_names(keys: list[str], plan: dict[str, Slot], adapter: HFAdapter, model: nn.Module, layout: str) -> set[str]:
+def check_names(keys: list[str], plan: dict[str, Slot], adapter: HFAdapter, model: nn.Module, layout: str) -> set[str]:
     """The keys outside the model (to skip); HFFormatError for any other key the model lacks or any the checkpoint
     lacks, listing the first five."""
     skipped = {k for k in keys if adapter.outside_model(k, layout)}

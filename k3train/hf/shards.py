@@ -245,6 +245,12 @@ class ShardedSafetensors:
                 self._checked.add(file)
             yield f
 
+    @contextlib.contextmanager
+    def open_for(self, name: str) -> Iterator:
+        """The open shard that holds tensor `name` (its keys checked on first opening), to read slices of it."""
+        with self._open(self.shard_of(name)) as f:
+            yield f
+
     def get(self, name: str) -> torch.Tensor:
         """One tensor, read on its own (opens its shard for the one read)."""
         file = self.shard_of(name)

@@ -66,7 +66,7 @@ def load(source: str | Path, device: torch.device | str = "cpu") -> Loaded:
     elif (path / EXPORT_CONFIG).is_file():
         loaded = _load_export(path, device)
     else:
-        loaded = _load_checkpoint(_checkpoint_file(path), device)
+        loaded = _load_checkpoint(checkpoint_file(path), device)
     loaded.model.to(device).eval()
     return loaded
 
@@ -86,7 +86,7 @@ def hf_adapter_for(model: nn.Module) -> HFAdapter:
     raise ValueError(f"a {type(model).__name__} has no Hugging Face format: export --format hf writes {writes}")
 
 
-def _checkpoint_file(path: Path) -> Path:
+def checkpoint_file(path: Path) -> Path:
     if path.is_file():
         return path
     if not path.is_dir():

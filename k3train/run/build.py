@@ -21,7 +21,7 @@ from torch import nn
 from k3train.checkpoint.checkpointer import Checkpointer, GatheredCheckpointer, ShardedCheckpointer
 from k3train.config import RESUME_MAY_CHANGE_MODEL, RESUME_MUST_MATCH, TrainConfig
 from k3train.data.context_slices import ContextSlices
-from k3train.inference.loading import load
+from k3train.inference.slices import weights_by_slice
 from k3train.models.common.context_parallel import ContextParallel, set_context_parallel
 from k3train.models.common.init import InitialWeights, WholeModel, materialise
 from k3train.models.layout import WHOLE, parameter_layouts
@@ -81,31 +81,14 @@ def build_meta(
 def initial_weights(cfg_model: DictConfig, model: nn.Module, train_cfg: TrainConfig, vocab: dict, resuming: bool):
     """Where the weights of `model` (built on the meta device) come from, as a fill source
     (k3train/models/common/init.py): train.init_from's weights unless `resuming` (whose weights are the
-    checkpoint's, restored over these), else the model's init rules drawn from train.seed, else (a model without
-    init_rules) the model built whole on the CPU by its own __init__."""
+    checkpoint's, restored over these), read by slice (k3train/inference/slices.py), else the model's init rules
+    drawn from train.seed, else (a model without init_rules) the model built whole on the CPU by its own __init__."""
     if train_cfg.init_from is not None and not resuming:
-        return weights_from(model, train_cfg.init_from)
+        return weights_by_slice(train_cfg.init_from, model)
     if hasattr(model, "init_rules"):
         return InitialWeights(model.init_rules(), train_cfg.seed)
     with torch.device("cpu"):
         return WholeModel(instantiate(cfg_model, **vocab))
-
-
-def weights_from(model, source: str) -> WholeModel:
-    """The weights at `source` (any format inference.loading.load reads) as a fill source for `model`, after
-    checking that both configs describe the same architecture; ValueError names the first field that differs."""
-    loaded = load(source)
-    mine, theirs = (getattr(m.config, "architecture", None) for m in (model, loaded.model))
-    if mine is None or theirs is None:
-        raise ValueError(f"train.init_from={source}: only KimiK3 models start from other weights")
-    mine, theirs = mine(), theirs()
-    for field in sorted(set(mine) | set(theirs)):
-        if mine.get(field) != theirs.get(field):
-            raise ValueError(
-                f"train.init_from={source}: its model has {field}={theirs.get(field)!r}, this run's "
-                f"{mine.get(field)!r}; pick the model config it was trained with (model=... or model.{field}=...)"
-            )
-    return WholeModel(loaded.model)
 
 
 def set_up_process(

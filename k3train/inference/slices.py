@@ -1,0 +1,169 @@
+"""Saved weights as a fill source (k3train/models/common/init.py): each rank reads only the regions of the tensors
+it holds, never the whole model (train.init_from).
+
+    weights_by_slice(source, model)   the source for `model` (built on the meta device), after checking that the
+                                      saved model is the same architecture; what it reads by slice:
+        a Hugging Face directory      safetensors' slices of each tensor (the released K3's MXFP4 experts: the rows
+                                      asked for, decoded; a stacked [E, out, in] weight expert by expert)
+        an export directory           model.safetensors' slices
+        a checkpoint file (.pt)       memory-mapped (torch.load(mmap=True, weights_only=True)): the pages a region
+                                      touches are read
+        a sharded checkpoint (.dcp)   read whole, as inference.loading.load does (not yet by slice)
+
+A rank's peak is then its shard plus the largest single region being read (an expert's rows decoded from MXFP4 in
+fp32). The values are those a one-process load copies in, bit for bit: the same stored numbers, cast once to the
+parameter's dtype by the copy, the MXFP4 decode exact in fp32 (hf/mxfp4.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from k3train.checkpoint.checkpointer import CheckpointError, load_checkpoint
+from k3train.hf import HFFormatError
+from k3train.hf.adapter import HFAdapter
+from k3train.hf.mxfp4 import decode_mxfp4
+from k3train.hf.read import CONFIG, PACKED, SCALE, check_names, check_quantization, hf_model_type
+from k3train.hf.shards import ShardedSafetensors
+from k3train.inference.loading import (
+    EXPORT_CONFIG,
+    EXPORT_WEIGHTS,
+    HF_ADAPTERS,
+    MODEL_TARGETS,
+    build_model,
+    checkpoint_file,
+    load,
+)
+from k3train.models.common.init import Region, WholeModel
+
+
+def weights_by_slice(source: str, model: nn.Module):
+    """The weights at `source` as a fill source for `model` (on the meta device); ValueError, naming the first field
+    that differs, when they are not the same architecture."""
+    path = Path(source).expanduser()
+    if hf_model_type(path) in HF_ADAPTERS:
+        weights = HFSlices(path, HF_ADAPTERS[hf_model_type(path)])
+    elif (path / EXPORT_CONFIG).is_file():
+        weights = ExportSlices(path)
+    else:
+        file = checkpoint_file(path)
+        weights = WholeModel(load(file).model) if file.is_dir() else CheckpointSlices(file)
+    check_same_architecture(model, weights.model, source)
+    return weights
+
+
+def check_same_architecture(model: nn.Module, saved: nn.Module, source: str) -> None:
+    mine, theirs = (getattr(m.config, "architecture", None) for m in (model, saved))
+    if mine is None or theirs is None:
+        raise ValueError(f"train.init_from={source}: only KimiK3 models start from other weights")
+    mine, theirs = mine(), theirs()
+    for field in sorted(set(mine) | set(theirs)):
+        if mine.get(field) != theirs.get(field):
+            raise ValueError(
+                f"train.init_from={source}: its model has {field}={theirs.get(field)!r}, this run's "
+                f"{mine.get(field)!r}; pick the model config it was trained with (model=... or model.{field}=...)"
+            )
+
+
+def _check_shape(name: str, stored: list[int], shape: tuple[int, ...], where: Path) -> None:
+    if tuple(stored) != tuple(shape):
+        raise HFFormatError(f"{where}: {name} has shape {list(stored)}; this run's model needs {list(shape)}")
+
+
+class HFSlices:
+    """A Hugging Face directory, read region by region (module docstring). `model`: the saved model built on the meta
+    device from its config.json."""
+
+    def __init__(self, path: Path, adapter: HFAdapter) -> None:
+        try:
+            config = json.loads((path / CONFIG).read_text())
+        except (OSError, ValueError) as exc:
+            raise HFFormatError(f"{path / CONFIG}: cannot read it as JSON ({exc})") from None
+        self.path, self.adapter = path, adapter
+        self.layout, fields = adapter.from_hf_config(config)
+        check_quantization(config, self.layout)
+        with torch.device("meta"):
+            self.model = adapter.build(fields)
+        self.reader = ShardedSafetensors(path)
+        plan = adapter.hf_names(self.model, self.layout)
+        skipped = check_names(self.reader.keys(), plan, adapter, self.model, self.layout)
+        self.slots = {}  # (model name, expert or None) -> (its Slot, {"plain" | "packed" | "scale": file key})
+        for key in self.reader.keys():
+            if key in skipped:
+                continue
+            name = adapter.canonical(key, plan)
+            part = "packed" if name.endswith(PACKED) else "scale" if name.endswith(SCALE) else "plain"
+            base = name.removesuffix(PACKED).removesuffix(SCALE) + ".weight" if part != "plain" else name
+            slot = plan[base]
+            self.slots.setdefault((slot.name, slot.expert), (slot, base, {}))[2][part] = key
+
+    def __call__(self, name: str, shape: tuple[int, ...], region: Region) -> torch.Tensor:
+        if (name, None) in self.slots:
+            return self._read(name, None, shape, region)
+        experts = range(region[0].start, region[0].stop)  # a stacked [E, ...] weight: one stored tensor an expert
+        parts = [self._read(name, e, shape[1:], region[1:]) for e in experts]
+        return torch.stack(parts) if parts else torch.empty([0, *(s.stop - s.start for s in region[1:])])
+
+    def _read(self, name: str, expert: int | None, shape: tuple[int, ...], region: Region) -> torch.Tensor:
+        slot, hf_name, keys = self.slots[(name, expert)]
+        if "packed" in keys:  # MXFP4 [out, in]: the rows asked for, decoded, then their columns
+            rows = region[0]
+            packed, scale = (self._slice(keys[k], (rows,)) for k in ("packed", "scale"))
+            return decode_mxfp4(packed, scale, dtype=torch.float32)[(slice(None), *region[1:])]
+        key = keys["plain"]
+        with self.reader.open_for(key) as f:
+            stored = f.get_slice(key)
+            if tuple(stored.get_shape()) != tuple(shape):  # transformed on the way in (the released A_log): whole
+                target = torch.empty(shape, device="meta")
+                whole = self.adapter.from_hf(slot, hf_name, f.get_tensor(key), target, self.layout)
+                _check_shape(hf_name, list(whole.shape), shape, self.path)
+                return whole[region]
+            return stored[region]
+
+    def _slice(self, key: str, region: Region) -> torch.Tensor:
+        with self.reader.open_for(key) as f:
+            return f.get_slice(key)[region]
+
+
+class ExportSlices:
+    """A k3train export (config.json and model.safetensors), read region by region."""
+
+    def __init__(self, path: Path) -> None:
+        config = json.loads((path / EXPORT_CONFIG).read_text())
+        self.file = path / EXPORT_WEIGHTS
+        if not self.file.is_file():
+            raise CheckpointError(f"{path} has {EXPORT_CONFIG} but no {EXPORT_WEIGHTS}: export the run again")
+        with torch.device("meta"):
+            self.model = build_model(config["_target_"], config["model"], torch.device("meta"))
+
+    def __call__(self, name: str, shape: tuple[int, ...], region: Region) -> torch.Tensor:
+        with safe_open(self.file, framework="pt") as f:
+            stored = f.get_slice(name)
+            _check_shape(name, stored.get_shape(), shape, self.file)
+            return stored[region]
+
+
+class CheckpointSlices:
+    """A k3train checkpoint file, memory-mapped: a region reads the pages it touches."""
+
+    def __init__(self, file: Path) -> None:
+        payload = load_checkpoint(file, mmap=True)
+        self.state = payload["model"]
+        fields = dict(payload["meta"]["model_config"])
+        target = MODEL_TARGETS.get(fields.get("model_type"))
+        if target is None:
+            raise CheckpointError(
+                f"{file}: model_type={fields.get('model_type')!r} is not one of {sorted(MODEL_TARGETS)}"
+            )
+        with torch.device("meta"):
+            self.model = build_model(target, fields, torch.device("meta"))
+
+    def __call__(self, name: str, shape: tuple[int, ...], region: Region) -> torch.Tensor:
+        stored = self.state[name]
+        _check_shape(name, list(stored.shape), shape, Path("checkpoint"))
+        return stored[region]
