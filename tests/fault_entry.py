@@ -14,6 +14,9 @@ handshake files:
                    1): one rank of a multi-process run dies
   pause_build:1    when the runner starts building the run (the directory claimed, .hydra/ written, nothing
                    trained), create <dir>/paused-build-1 and wait until <dir>/go-build-1 exists: start-up
+  pause_materialise:N  half-way through the N-th allocation of the model's part (run/build.py's materialise: the
+                   memory allocated, half its tensors filled), create <dir>/paused-materialise-N and wait until
+                   <dir>/go-materialise-N exists: a kill here lands while the weights are being drawn or read
 """
 
 import errno
@@ -47,7 +50,7 @@ def _is_checkpoint_temp(path) -> bool:
 def install(faults: dict[str, int]) -> None:
     from k3train.observe import metrics
 
-    counts = {"replace": 0, "save": 0}
+    counts = {"replace": 0, "save": 0, "materialise": 0}
 
     if "pause_step" in faults:
         log = metrics.MetricsLogger.log
@@ -81,6 +84,24 @@ def install(faults: dict[str, int]) -> None:
             return build_parts(*args, **kwargs)
 
         runner.build_parts = pause_then_build
+
+    if "pause_materialise" in faults:
+        from k3train.run import build
+
+        def materialise_then_pause(module, device, source):
+            counts["materialise"] += 1
+            calls = iter(range(10**9))
+            half = len(list(module.parameters())) // 2
+
+            def pausing_source(name, shape, region):
+                if next(calls) == half and counts["materialise"] == faults["pause_materialise"]:
+                    _pause("materialise", counts["materialise"])
+                return source(name, shape, region)
+
+            return real_materialise(module, device, pausing_source)
+
+        real_materialise = build.materialise
+        build.materialise = materialise_then_pause
 
     if "pause_replace" in faults:
         replace = os.replace

@@ -82,3 +82,23 @@ def test_ctrl_c_during_start_up_ends_at_once_and_leaves_nothing(tmp_path, k3_cac
     assert "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1] == "k3train: interrupted by Ctrl-C; checkpoints already written are kept"
     assert not run_dir.exists()
+
+
+def test_a_kill_while_the_model_is_allocated_leaves_nothing_and_resume_auto_starts_cleanly(tmp_path, k3_cache):
+    """SIGKILL half-way through drawing the model's weights (run/build.py's materialise): nothing but the config
+    Hydra wrote is left (no checkpoint, metrics or temporary file), and resume=auto then trains from step 0 to the
+    end, as a fresh run does."""
+    import signal
+
+    run_dir, handshake = tmp_path / "run", tmp_path / "handshake"
+    handshake.mkdir()
+    args = [*fh.command("k3_tiny", 4), f"hydra.run.dir={run_dir}"]
+    proc = fh.Proc(args, tmp_path / "logs" / "killed", k3_cache, fault="pause_materialise:1", handshake=handshake)
+    assert fh.wait_until(lambda: (handshake / "paused-materialise-1").exists(), proc), proc.stderr()
+    proc.popen.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    assert [p.name for p in run_dir.iterdir() if not p.name.startswith(".")] == []  # .hydra/ and the lock file
+    assert not fh.temp_files(run_dir)
+    resumed = fh.run([f"hydra.run.dir={run_dir}", "resume=auto"], tmp_path / "logs" / "resumed", k3_cache)
+    assert resumed.wait() == 0, resumed.stderr()
+    assert sorted(fh.final_losses(run_dir)) == list(range(1, fh.MAX_STEPS + 1))
