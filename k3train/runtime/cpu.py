@@ -101,12 +101,28 @@ MALLOC_OPTIONS = {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 2**31 - 1, M_TOP
 _malloc_setting = "not configured"
 
 
+# What return_freed_memory() sets instead, for a process whose resident peak is the measurement (a dry run): a
+# fixed mmap threshold of 64 KiB (glibc otherwise raises it to the largest block freed, after which such blocks come
+# from the heap and stay resident when freed) and trimming past 128 KiB, so resident memory follows what is held.
+RETURN_OPTIONS = {M_MMAP_THRESHOLD: 64 << 10, M_TRIM_THRESHOLD: 128 << 10, M_TOP_PAD: 0}
+
+
 def keep_freed_memory() -> str:
     """Have glibc's malloc keep freed memory for reuse (see the module docstring); returns what was done.
 
     Left alone where the user tuned malloc already (MALLOC_* variables or GLIBC_TUNABLES) or where the C library
     is not glibc. Takes effect for later allocations: callable any time.
     """
+    return _set_malloc(MALLOC_OPTIONS, "keeps freed memory for reuse (mmap threshold 32 MiB, no trimming below 2 GiB)")
+
+
+def return_freed_memory() -> str:
+    """Have glibc's malloc return freed blocks of 64 KiB or more to the system at once (RETURN_OPTIONS), so that the
+    process's resident memory is what it holds; returns what was done (as keep_freed_memory)."""
+    return _set_malloc(RETURN_OPTIONS, "returns freed memory (mmap threshold fixed at 64 KiB, trimming past 128 KiB)")
+
+
+def _set_malloc(options: dict[int, int], says: str) -> str:
     global _malloc_setting
     tuned = sorted(k for k in os.environ if k.startswith("MALLOC_"))
     if tuned or "glibc.malloc" in os.environ.get("GLIBC_TUNABLES", ""):
@@ -117,8 +133,8 @@ def keep_freed_memory() -> str:
         import ctypes
 
         libc = ctypes.CDLL(None)
-        if all(libc.mallopt(option, value) == 1 for option, value in MALLOC_OPTIONS.items()):
-            _malloc_setting = "glibc, keeps freed memory for reuse (mmap threshold 32 MiB, no trimming below 2 GiB)"
+        if all(libc.mallopt(option, value) == 1 for option, value in options.items()):
+            _malloc_setting = f"glibc, {says}"
         else:
             _malloc_setting = "glibc's default (mallopt refused the settings)"
     return _malloc_setting
@@ -168,10 +184,10 @@ def denormal_setting() -> str:
 
 def prepare_cpu_training(keep_freed: bool = True) -> dict[str, str]:
     """What a CPU training run sets up before its first torch op that runs in parallel: malloc keeps freed memory
-    (unless not `keep_freed`: a process whose resident peak is the measurement, a dry run), denormals flush (on
-    every thread only if no parallel op ran yet). Returns {"malloc", "denormals"}: what was done. build_parts calls
-    it; so do the benchmarks, to time what training runs."""
-    malloc = keep_freed_memory() if keep_freed else "glibc's defaults (freed memory returned: peaks measured)"
+    (unless not `keep_freed`: then it returns it, for a process whose resident peak is the measurement), denormals
+    flush (on every thread only if no parallel op ran yet). Returns {"malloc", "denormals"}: what was done.
+    build_parts calls it; so do the benchmarks, to time what training runs."""
+    malloc = keep_freed_memory() if keep_freed else return_freed_memory()
     return {"malloc": malloc, "denormals": flush_denormals()}
 
 
