@@ -12,8 +12,10 @@ GIB = 2**30
 
 
 @pytest.mark.slow
-def test_a_k3_small_rank_of_64_builds_only_its_part_and_measures_what_the_planner_plans(k3_cache, tmp_path):
-    run = tmp_path / "run"
+def test_a_k3_small_rank_of_64_builds_only_its_part_and_measures_what_the_planner_plans(
+    k3_cache, builtin_data, tmp_path
+):
+    run = tmp_path / "run"  # builtin_data: the corpus prepared before, so its preparation is not in the peak
     args = [*SMALL, "parallel.ep=64", "dry_run.world_size=64", "dry_run.rank=63", f"hydra.run.dir={run}"]
     proc = launch(k3_cache, *args, ranks=None)
     assert proc.returncode == 0, proc.stderr

@@ -185,7 +185,9 @@ class K3TrainLM(TemplateLM):
                     break
                 new.append(int(token[0]))
                 text = self.tok.decode(new)
-                if any(stop in text for stop in until):
+                # a trailing U+FFFD may be a character whose bytes have not all come yet (the next token completes
+                # it): stop strings are looked for before it, or a stop containing U+FFFD would match too early
+                if any(stop in text.rstrip("\ufffd") for stop in until):
                     break
             for stop in until:
                 text = text.split(stop)[0]
