@@ -145,7 +145,9 @@ class Pipeline:
         self.dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
         self.stage_ids = stages_of(pp_rank, settings)
         self.modules = [model.pipeline_stage(*bounds[s]) for s in self.stage_ids]
-        for module in self.modules:  # spread over the stage's ranks (FSDP2: each stage its own root), then staged
+        # spread over the stage's ranks (FSDP2: each stage its own root) and allocated (a run's `parallelize` does
+        # both: k3train/run/build.py), then staged
+        for module in self.modules:
             if parallelize is not None:
                 parallelize(module)
         # each rank's own routed experts (expert parallelism): averaged apart, by the strategy's finish_gradients

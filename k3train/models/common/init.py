@@ -14,8 +14,8 @@ in fp32 and cast to the tensor's dtype and device, as `nn.init` on a CPU-built f
 
 `fill(module, source)` writes every parameter and persistent buffer of `module` from `source(name, whole_shape,
 region)`, a callable giving the values of `region` (a slice per dim) of the whole tensor `name`: InitialWeights
-(the rules above), a Hugging Face directory or checkpoint read slice by slice (k3train/hf/read.py,
-k3train/checkpoint/), or a model already built whole (WholeModel: a model without init rules). Where a tensor sits in
+(the rules above), a Hugging Face directory, export or checkpoint read slice by slice (k3train/inference/slices.py:
+train.init_from), or a model already built whole (WholeModel: a model without init rules). Where a tensor sits in
 its whole comes from the tensor (a DTensor's mesh and placements) and from the layout table
 (k3train/models/layout.py: an expert-parallel slice's group). `materialise(module, device, source)` allocates a
 module built on the meta device (every rank builds the model there, then cuts and shards it) and fills it; modules
