@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import resource
 import time
 from pathlib import Path
 
@@ -148,14 +147,16 @@ def _bytes(tensors) -> float:
     return float(sum(storages.values()))
 
 
-def _resident_bytes() -> float:
+def _resident_bytes(field: str = "VmRSS:") -> float:
     with open("/proc/self/status") as status:
-        kb = next(line.split()[1] for line in status if line.startswith("VmRSS:"))
+        kb = next(line.split()[1] for line in status if line.startswith(field))
     return float(kb) * 1024
 
 
 def _peak_resident_bytes() -> float:
-    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
+    """This process's resident peak since it started this program: VmHWM, not getrusage's ru_maxrss, which keeps
+    the high-water mark of the image before exec (a forked parent's: a test runner's gigabytes)."""
+    return _resident_bytes("VmHWM:")
 
 
 def _print(report: dict, run_dir: Path) -> None:
