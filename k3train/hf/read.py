@@ -53,10 +53,7 @@ def read_hf(
     adapter: HFAdapter, path: str | Path, device: torch.device | str = "cpu", say: Callable[[str], None] = print
 ) -> HFModel:
     path = Path(path)
-    try:
-        config = json.loads((path / CONFIG).read_text())
-    except (OSError, ValueError) as exc:
-        raise HFFormatError(f"{path / CONFIG}: cannot read it as JSON ({exc})") from None
+    config = read_config(path)
     layout, fields = adapter.from_hf_config(config)
     check_quantization(config, layout)
     _check_fits(adapter, fields, torch.device(device))
@@ -73,7 +70,7 @@ def read_hf(
                 continue
             name = adapter.canonical(name, plan)
             if name.endswith((PACKED, SCALE)):
-                base = name.removesuffix(PACKED).removesuffix(SCALE) + ".weight"
+                base = mxfp4_weight(name)
                 other = base.removesuffix(".weight") + (SCALE if name.endswith(PACKED) else PACKED)
                 if other not in pending:
                     pending[name] = tensor
@@ -84,6 +81,19 @@ def read_hf(
     if skipped:
         say(f"skipped {len(skipped)} tensors outside the text model (e.g. {sorted(skipped)[0]})")
     return HFModel(model.eval(), layout, config, len(skipped))
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """config.json of the Hugging Face directory `path`; HFFormatError when it cannot be read as JSON."""
+    try:
+        return json.loads((path / CONFIG).read_text())
+    except (OSError, ValueError) as exc:
+        raise HFFormatError(f"{path / CONFIG}: cannot read it as JSON ({exc})") from None
+
+
+def mxfp4_weight(name: str) -> str:
+    """The weight an MXFP4 half (`<base>.weight_packed` or `<base>.weight_scale`) decodes to: `<base>.weight`."""
+    return name.removesuffix(PACKED).removesuffix(SCALE) + ".weight"
 
 
 def _check_fits(adapter: HFAdapter, fields: dict[str, Any], device: torch.device) -> None:
@@ -138,7 +148,7 @@ def check_names(keys: list[str], plan: dict[str, Slot], adapter: HFAdapter, mode
         if key in skipped:
             continue
         key = adapter.canonical(key, plan)
-        base = key.removesuffix(PACKED).removesuffix(SCALE) + ".weight" if key.endswith((PACKED, SCALE)) else key
+        base = mxfp4_weight(key) if key.endswith((PACKED, SCALE)) else key
         if base in plan:
             present.add(base)
         else:

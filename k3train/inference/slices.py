@@ -28,7 +28,7 @@ from k3train.checkpoint.checkpointer import CheckpointError, load_checkpoint
 from k3train.hf import HFFormatError
 from k3train.hf.adapter import HFAdapter
 from k3train.hf.mxfp4 import decode_mxfp4
-from k3train.hf.read import CONFIG, PACKED, SCALE, check_names, check_quantization, hf_model_type
+from k3train.hf.read import PACKED, SCALE, check_names, check_quantization, hf_model_type, mxfp4_weight, read_config
 from k3train.hf.shards import ShardedSafetensors
 from k3train.inference.loading import (
     EXPORT_CONFIG,
@@ -80,10 +80,7 @@ class HFSlices:
     device from its config.json."""
 
     def __init__(self, path: Path, adapter: HFAdapter) -> None:
-        try:
-            config = json.loads((path / CONFIG).read_text())
-        except (OSError, ValueError) as exc:
-            raise HFFormatError(f"{path / CONFIG}: cannot read it as JSON ({exc})") from None
+        config = read_config(path)
         self.path, self.adapter = path, adapter
         self.layout, fields = adapter.from_hf_config(config)
         check_quantization(config, self.layout)
@@ -98,7 +95,7 @@ class HFSlices:
                 continue
             name = adapter.canonical(key, plan)
             part = "packed" if name.endswith(PACKED) else "scale" if name.endswith(SCALE) else "plain"
-            base = name.removesuffix(PACKED).removesuffix(SCALE) + ".weight" if part != "plain" else name
+            base = mxfp4_weight(name) if part != "plain" else name
             slot = plan[base]
             self.slots.setdefault((slot.name, slot.expert), (slot, base, {}))[2][part] = key
 
@@ -152,6 +149,7 @@ class CheckpointSlices:
     """A k3train checkpoint file, memory-mapped: a region reads the pages it touches."""
 
     def __init__(self, file: Path) -> None:
+        self.file = file
         payload = load_checkpoint(file, mmap=True)
         self.state = payload["model"]
         fields = dict(payload["meta"]["model_config"])
@@ -165,5 +163,5 @@ class CheckpointSlices:
 
     def __call__(self, name: str, shape: tuple[int, ...], region: Region) -> torch.Tensor:
         stored = self.state[name]
-        _check_shape(name, list(stored.shape), shape, Path("checkpoint"))
+        _check_shape(name, list(stored.shape), shape, self.file)
         return stored[region]
