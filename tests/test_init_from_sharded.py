@@ -1,8 +1,10 @@
 """train.init_from read by slice (k3train/inference/slices.py): a release-shaped Kimi K3 directory (bf16, MXFP4
 routed experts, sharded safetensors) read into FSDP2 x ep 2 on 2 gloo ranks, each rank reading only the regions it
-holds, equals the one-process load (hf/read.py) bit for bit; the same from a k3train checkpoint file."""
+holds, equals the one-process load (hf/read.py) bit for bit; the same from a k3train checkpoint file, and from a
+sharded checkpoint (.dcp) written by FSDP2 on 2 ranks and read into FSDP2 x ep 2."""
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,3 +86,40 @@ def test_a_checkpoint_file_read_by_slice_equals_its_weights(tmp_path):
     for name, t in model.state_dict().items():
         region = tuple(slice(n // 3, n) for n in t.shape)
         assert torch.equal(slices(name, tuple(t.shape), region), t[region]), name
+
+
+def _save_sharded(directory: str, rank: int, world: int) -> dict:
+    """On each rank: the random model, sharded by FSDP2 over the 2 ranks and saved as k3train's sharded checkpoint."""
+    from k3train.checkpoint.checkpointer import FORMAT_VERSION
+    from k3train.checkpoint.dcp import write_sharded
+    from k3train.models.common.parallelize import FullyShard
+    from k3train.runtime.parallel_dims import ParallelDims
+
+    model = model_with_every_weight_random(K3)
+    model.parallelize(ParallelDims.for_strategy("fsdp", world, rank, "cpu", 1, 1, 1, 1), FullyShard())
+    meta = {"format_version": FORMAT_VERSION, "model_config": {**K3, "model_type": "kimi_k3"}}
+    write_sharded(Path(directory), {"meta": meta, "model": model.state_dict()}, writer=rank == 0)
+    return {}
+
+
+@pytest.mark.parametrize("ranks, layout", [(1, "fsdp"), (2, "fsdp_ep")])
+def test_a_sharded_checkpoint_read_by_slice_in_another_layout_equals_its_weights(tmp_path, ranks, layout):
+    """Read in one process, each region spans both saved shards; on FSDP2 x ep 2, an expert's rows are one's part."""
+    model = model_with_every_weight_random(K3)
+    whole = model.state_dict()
+    saved = tmp_path / "last.dcp"
+    (tmp_path / "save").mkdir(), (tmp_path / "read").mkdir()
+    spawn_ranks(functools.partial(_save_sharded, str(saved)), tmp_path / "save")
+    assert (saved / ".metadata").is_file()
+    read = spawn_ranks(functools.partial(_read_by_slice, str(saved), layout), tmp_path / "read", nprocs=ranks)
+    held = 0
+    for rank in read:
+        for name, (region, local) in rank["parts"].items():
+            assert torch.equal(local, whole[name][tuple(slice(a, b) for a, b in region)]), name
+            held += local.numel()
+        for name, buffer in rank["buffers"].items():
+            if name in whole:
+                assert torch.equal(buffer, whole[name]), name
+        buffers = sum(b.numel() for n, b in rank["buffers"].items() if n in whole)
+        assert rank["total"] == sum(local.numel() for _, local in rank["parts"].values()) + buffers
+    assert held == sum(p.numel() for p in model.parameters())

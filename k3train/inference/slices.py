@@ -8,10 +8,12 @@ it holds, never the whole model (train.init_from).
         an export directory           model.safetensors' slices
         a checkpoint file (.pt)       memory-mapped (torch.load(mmap=True, weights_only=True)): the pages a region
                                       touches are read
-        a sharded checkpoint (.dcp)   read whole, as inference.loading.load does (not yet by slice)
+        a sharded checkpoint (.dcp)   torch.distributed.checkpoint's reads of the saved chunks a region overlaps
+                                      (dcp.load with a planner asking for that region alone, in this process)
 
 A rank's peak is then its shard plus the largest single region being read (an expert's rows decoded from MXFP4 in
-fp32). The values are those a one-process load copies in, bit for bit: the same stored numbers, cast once to the
+fp32; from a .dcp, also the saved chunks it overlaps, each one saving rank's shard, which DCP's reader reads whole).
+The values are those a one-process load copies in, bit for bit: the same stored numbers, cast once to the
 parameter's dtype by the copy, the MXFP4 decode exact in fp32 (hf/mxfp4.py).
 """
 
@@ -21,10 +23,16 @@ import json
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from k3train.checkpoint.checkpointer import CheckpointError, load_checkpoint
+from k3train.checkpoint.dcp import EXTRA, PLACEHOLDER, SafeFileSystemReader, safe_load
 from k3train.hf import HFFormatError
 from k3train.hf.adapter import HFAdapter
 from k3train.hf.mxfp4 import decode_mxfp4
@@ -37,9 +45,8 @@ from k3train.inference.loading import (
     MODEL_TARGETS,
     build_model,
     checkpoint_file,
-    load,
 )
-from k3train.models.common.init import Region, WholeModel
+from k3train.models.common.init import Region
 
 
 def weights_by_slice(source: str, model: nn.Module):
@@ -52,7 +59,7 @@ def weights_by_slice(source: str, model: nn.Module):
         weights = ExportSlices(path)
     else:
         file = checkpoint_file(path)
-        weights = WholeModel(load(file).model) if file.is_dir() else CheckpointSlices(file)
+        weights = ShardedCheckpointSlices(file) if file.is_dir() else CheckpointSlices(file)
     check_same_architecture(model, weights.model, source)
     return weights
 
@@ -145,6 +152,16 @@ class ExportSlices:
             return stored[region]
 
 
+def _saved_model(file: Path, meta: dict) -> nn.Module:
+    """The model a checkpoint's meta describes, on the meta device."""
+    fields = dict(meta["model_config"])
+    target = MODEL_TARGETS.get(fields.get("model_type"))
+    if target is None:
+        raise CheckpointError(f"{file}: model_type={fields.get('model_type')!r} is not one of {sorted(MODEL_TARGETS)}")
+    with torch.device("meta"):
+        return build_model(target, fields, torch.device("meta"))
+
+
 class CheckpointSlices:
     """A k3train checkpoint file, memory-mapped: a region reads the pages it touches."""
 
@@ -152,16 +169,55 @@ class CheckpointSlices:
         self.file = file
         payload = load_checkpoint(file, mmap=True)
         self.state = payload["model"]
-        fields = dict(payload["meta"]["model_config"])
-        target = MODEL_TARGETS.get(fields.get("model_type"))
-        if target is None:
-            raise CheckpointError(
-                f"{file}: model_type={fields.get('model_type')!r} is not one of {sorted(MODEL_TARGETS)}"
-            )
-        with torch.device("meta"):
-            self.model = build_model(target, fields, torch.device("meta"))
+        self.model = _saved_model(file, payload["meta"])
 
     def __call__(self, name: str, shape: tuple[int, ...], region: Region) -> torch.Tensor:
         stored = self.state[name]
         _check_shape(name, list(stored.shape), shape, self.file)
         return stored[region]
+
+
+class ShardedCheckpointSlices:
+    """A k3train sharded checkpoint (a .dcp directory, checkpoint/dcp.py): the model's sharded tensors read region by
+    region through torch.distributed.checkpoint, which reads the saved chunks a region overlaps (whichever ranks and
+    layout wrote them) and copies their overlap in; the tensors rank 0 kept whole in extra.pt sliced from there."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        meta = load_checkpoint(directory, keep=lambda key: False)["meta"]  # checked, no sharded tensor read
+        self.state = safe_load(directory / EXTRA)["model"]  # placeholders, and the tensors kept whole
+        self.model = _saved_model(directory, meta)
+        self.reader = SafeFileSystemReader(directory)
+        self.metadata = self.reader.read_metadata()
+        self.reader.read_metadata = lambda *args, **kwargs: self.metadata  # read once, not once a region
+
+    def __call__(self, name: str, shape: tuple[int, ...], region: Region) -> torch.Tensor:
+        stored = self.state[name]
+        if isinstance(stored, torch.Tensor):
+            _check_shape(name, list(stored.shape), shape, self.directory)
+            return stored[region]
+        _check_shape(name, stored["shape"], shape, self.directory)
+        out = torch.empty([s.stop - s.start for s in region], dtype=getattr(torch, stored["dtype"]))
+        if out.numel() == 0:  # a rank holding no rows of a short tensor: nothing to read
+            return out
+        offsets = [s.start for s in region]
+        planner = _RegionPlanner(stored[PLACEHOLDER], offsets, out)
+        dcp.load({stored[PLACEHOLDER]: out}, storage_reader=self.reader, planner=planner, no_dist=True)
+        return out
+
+
+class _RegionPlanner(DefaultLoadPlanner):
+    """DCP's load planner asking for one region of one saved tensor (`out`, at `offsets` in it), as it would for a
+    DTensor's local shard there."""
+
+    def __init__(self, key: str, offsets: list[int], out: torch.Tensor) -> None:
+        super().__init__()
+        self.key, self.offsets, self.out = key, offsets, out
+
+    def create_local_plan(self) -> LoadPlan:
+        wanted = ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.out.shape)
+        md = self.metadata.state_dict_metadata[self.key]
+        return LoadPlan(create_read_items_for_chunk_list(self.key, md, [wanted]))
+
+    def lookup_tensor(self, index) -> torch.Tensor:
+        return self.out
