@@ -97,7 +97,8 @@ def _one_process(m: int, updates: int) -> list[float]:
 
 
 def _rank(rank: int, world: int, init: str, out: str, cases: list, updates: int) -> None:
-    from k3train.train.pipeline import Pipeline, PipelineSettings
+    from k3train.runtime.parallel_layout import PipelineSettings
+    from k3train.train.pipeline import Pipeline
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world,

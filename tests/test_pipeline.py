@@ -15,7 +15,8 @@ from k3train.models.common.init import InitialWeights, materialise
 from k3train.models.common.parallelize import FullyShard
 from k3train.optim.build import muon_adamw
 from k3train.runtime.parallel_dims import ParallelDims
-from k3train.train.pipeline import Pipeline, PipelineSettings, stage_bounds, stages_of
+from k3train.runtime.parallel_layout import PipelineSettings, stage_bounds, stages_of
+from k3train.train.pipeline import Pipeline
 
 from helpers.config import composed
 from helpers.spawn import spawn_ranks

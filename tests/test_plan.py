@@ -39,7 +39,8 @@ from k3train.plan.__main__ import main
 from k3train.plan.activations import F32, I64, ContextSlice, layer_activations, root_activations
 from k3train.plan.comm import plan_comm
 from k3train.plan.command import launch, run_overrides, short_rows
-from k3train.plan.estimate import context_flops_per_token, estimate, propose, qk_clip_flops
+from k3train.plan.estimate import estimate, propose
+from k3train.plan.extra_flops import context_flops_per_token, qk_clip_flops
 from k3train.plan.hardware import GPUS, lookup
 from k3train.plan.memory import plan_memory
 from k3train.plan.mesh import Mesh, candidates

@@ -45,7 +45,7 @@ from k3train.plan.pipeline import (
     simulate,
     stage_spec,
 )
-from k3train.train.pipeline import PipelineSettings
+from k3train.runtime.parallel_layout import PipelineSettings
 
 from helpers.all_to_all_bytes import AllToAllBytes
 from helpers.config import composed

@@ -1,9 +1,9 @@
 """Pipeline parallelism planned (parallel.pp; the run: k3train/train/pipeline.py, k3train/models/k3/pipeline.py).
 
-The run's own rules, imported rather than restated: PipelineSettings (the schedules, virtual stages, the
-micro-batches an update splits into and the refusals), stage_bounds (the layers of each stage, as even as they
-split, the first stages taking the extra) and stages_of (the stages each pp rank holds: one; v loop-style for the
-interleaved schedules; two V-shaped for zbv_zero_bubble).
+The run's own rules (k3train/runtime/parallel_layout.py), imported rather than restated: PipelineSettings (the
+schedules, virtual stages, the micro-batches an update splits into and the refusals), stage_bounds (the layers of
+each stage, as even as they split, the first stages taking the extra) and stages_of (the stages each pp rank holds:
+one; v loop-style for the interleaved schedules; two V-shaped for zbv_zero_bubble).
 
 A pp rank is planned as a run of its own stages (stage_spec): the parameters of its layers, with the embedding on the
 first stage and the final norm, head and loss on the last (the rest of the model is on the meta device there), over
@@ -62,10 +62,11 @@ from torch.distributed.pipelining import schedules as torch_schedules
 
 from k3train.plan.activations import F32, root_activations
 from k3train.plan.comm import Collective, fsdp_gather_payload, plan_comm, ring
+from k3train.plan.extra_flops import recompute_flops_per_token
 from k3train.plan.memory import Memory, fsdp_gathered, gather_bytes, planned_layers, rank_slice, unit_bytes
 from k3train.plan.mesh import Mesh
 from k3train.plan.spec import RunSpec
-from k3train.train.pipeline import SCHEDULES, PipelineSettings, owner_of, stage_bounds, stages_of
+from k3train.runtime.parallel_layout import SCHEDULES, PipelineSettings, owner_of, stage_bounds, stages_of
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,6 @@ def plan_pipeline(spec: RunSpec) -> PipelinePlan:
 
 def _selective_share(spec: RunSpec) -> float:
     """What selective checkpointing recomputes, in forwards (estimate's recompute over the forward)."""
-    from k3train.plan.estimate import recompute_flops_per_token
-
     return recompute_flops_per_token(spec) / spec.flops_per_token["forward"]
 
 

@@ -30,7 +30,7 @@ from k3train.models.common.parallelize import FullyShard, parallelize_blocks
 from k3train.models.layout import expert_shards
 from k3train.models.protocol import Parallelizes
 from k3train.runtime.parallel_dims import ParallelDims
-from k3train.train.pipeline import PipelineSettings
+from k3train.runtime.parallel_layout import PipelineSettings
 from k3train.train.precision import Precision
 
 
@@ -43,7 +43,7 @@ class ParallelStrategy(Protocol):
     ep: int  # expert-parallel degree (parallel.ep)
     cp: int  # context-parallel degree (parallel.cp)
     dp_replicate: int  # FSDP2's replica groups (HSDP when > 1); 1 under DDP, where every rank is a replica
-    pipeline: PipelineSettings  # parallel.pp and its schedule (k3train/train/pipeline.py)
+    pipeline: PipelineSettings  # parallel.pp and its schedule (k3train/runtime/parallel_layout.py)
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module: ...
 

@@ -1,9 +1,6 @@
 """Pipeline parallelism (parallel.pp): the model cut by block into stages over pp ranks, micro-batches run through
 them by one of torch.distributed.pipelining's schedules (an existing engine: PipelineStage and its schedules).
 
-    stage_bounds(n_layers, S)   the layers of each of S stages, as even as they split (the first get the extra)
-    stages_of(rank, pp, ...)    which stages a rank holds: one; v of them, loop-style (rank, rank + pp, ...) for the
-                                interleaved schedules; two, V-shaped (rank, 2 pp - 1 - rank), for zero-bubble V
     Pipeline                    this rank's stage modules (model.pipeline_stage: the Pipelines protocol), their
                                 PipelineStages and the schedule; step(x, y, document_ids) runs one update's
                                 forward and backward
@@ -11,13 +8,13 @@ them by one of torch.distributed.pipelining's schedules (an existing engine: Pip
 A step takes the update's rows (gradient_accumulation_steps x batch_size of them) as one batch and splits them into
 n_microbatches; the last stage's loss_fn divides each micro-batch's mean loss by n_microbatches before its backward,
 as the Trainer divides by gradient_accumulation_steps, and gradients are not scaled again (scale_grads=False), so a
-pipelined update sums what an accumulating one does. The schedules: https://docs.pytorch.org/docs/stable/distributed.pipelining.html
+pipelined update sums what an accumulating one does. The geometry (PipelineSettings, stage_bounds, stages_of,
+owner_of) is k3train/runtime/parallel_layout.py's, which the planner shares. The schedules: https://docs.pytorch.org/docs/stable/distributed.pipelining.html
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,101 +24,7 @@ from torch.distributed.pipelining.schedules import get_schedule_class
 from torch.distributed.tensor import DTensor
 
 from k3train.models.layout import expert_shards
-
-# parallel.pp_schedule -> torch's schedule name, and whether a rank holds several stages (the virtual ones)
-SCHEDULES = {
-    "gpipe": ("GPipe", False),
-    "1f1b": ("1F1B", False),
-    "interleaved_1f1b": ("Interleaved1F1B", True),
-    "interleaved_zero_bubble": ("InterleavedZeroBubble", True),
-    "zbv_zero_bubble": ("ZBVZeroBubble", True),  # exactly 2 stages a rank, V-shaped
-    "dualpipev": ("DualPipeV", True),  # DeepSeek's DualPipe in torch's V form: 2 stages a rank, V-shaped
-}
-V_SHAPED = ("zbv_zero_bubble", "dualpipev")
-
-
-@dataclass(frozen=True)
-class PipelineSettings:
-    """parallel.pp, pp_schedule, pp_virtual_stages (stages a rank holds under an interleaved schedule) and
-    pp_microbatches (None: the update's gradient_accumulation_steps)."""
-
-    pp: int = 1
-    schedule: str = "1f1b"
-    virtual_stages: int = 1
-    microbatches: int | None = None
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.pp, int) or self.pp < 1:
-            raise ValueError(f"parallel.pp={self.pp!r} must be a positive integer")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(
-                f"parallel.pp_schedule={self.schedule!r} is not a schedule; choose one of {', '.join(SCHEDULES)}"
-            )
-        multi = SCHEDULES[self.schedule][1]
-        if self.schedule in V_SHAPED and self.virtual_stages != 2:
-            raise ValueError(
-                f"parallel.pp_schedule={self.schedule} holds 2 stages a rank (a V); got pp_virtual_stages="
-                f"{self.virtual_stages}: set parallel.pp_virtual_stages=2"
-            )
-        if not multi and self.virtual_stages != 1:
-            raise ValueError(
-                f"parallel.pp_schedule={self.schedule} holds one stage a rank; pp_virtual_stages="
-                f"{self.virtual_stages} needs an interleaved schedule (interleaved_1f1b, interleaved_zero_bubble)"
-            )
-        if multi and self.virtual_stages < 2:
-            raise ValueError(
-                f"parallel.pp_schedule={self.schedule} interleaves several stages a rank: set "
-                "parallel.pp_virtual_stages to 2 or more"
-            )
-
-    @property
-    def n_stages(self) -> int:
-        return self.pp * self.virtual_stages
-
-    def n_microbatches(self, rows: int, accumulation: int) -> int:
-        """The micro-batches an update's `rows` split into; refused when they do not divide the rows, or are too
-        few to fill the pipeline's schedule."""
-        n = accumulation if self.microbatches is None else self.microbatches
-        if not isinstance(n, int) or n < 1 or rows % n:
-            raise ValueError(
-                f"parallel.pp_microbatches={n!r} must divide the update's {rows} rows a rank "
-                "(train.batch_size x train.gradient_accumulation_steps); choose a divisor"
-            )
-        if self.pp > 1 and self.schedule != "gpipe" and n < self.pp:
-            raise ValueError(
-                f"parallel.pp_schedule={self.schedule} needs at least pp={self.pp} micro-batches an update, got {n}: "
-                "raise train.gradient_accumulation_steps or parallel.pp_microbatches"
-            )
-        return n
-
-
-def stage_bounds(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
-    """[first, last) layers of each stage: n_layers split as evenly as they go, the first stages taking the extra."""
-    if n_stages > n_layers:
-        raise ValueError(
-            f"{n_stages} pipeline stages (parallel.pp x pp_virtual_stages) for {n_layers} layers: every stage needs "
-            "a layer; lower parallel.pp or pp_virtual_stages"
-        )
-    per, extra = divmod(n_layers, n_stages)
-    bounds, first = [], 0
-    for s in range(n_stages):
-        last = first + per + (1 if s < extra else 0)
-        bounds.append((first, last))
-        first = last
-    return bounds
-
-
-def stages_of(pp_rank: int, settings: PipelineSettings) -> list[int]:
-    """The stage indices rank `pp_rank` of the pipeline holds, in the order its schedule wants them."""
-    pp, v = settings.pp, settings.virtual_stages
-    if settings.schedule in V_SHAPED:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(v)]
-
-
-def owner_of(stage: int, settings: PipelineSettings) -> int:
-    """The pp rank that holds `stage` (stages_of's inverse)."""
-    return next(r for r in range(settings.pp) if stage in stages_of(r, settings))
+from k3train.runtime.parallel_layout import SCHEDULES, PipelineSettings, owner_of, stage_bounds, stages_of
 
 
 class Pipeline:

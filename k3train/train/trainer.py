@@ -38,12 +38,13 @@ from k3train.observe.progress import Progress, Window, peak_memory_mb
 from k3train.runtime.console import say
 from k3train.runtime.distributed import any_across_ranks, mean_across_ranks
 from k3train.runtime.parallel_dims import ParallelDims
+from k3train.runtime.parallel_layout import owner_of
 from k3train.runtime.signals import StopSignals
 from k3train.train.callbacks import Callback
 from k3train.train.eval_tasks import TaskEval
 from k3train.train.evaluate import evaluate
 from k3train.train.parallel import DDP, clip_gradients, global_grad_norm
-from k3train.train.pipeline import Pipeline, owner_of
+from k3train.train.pipeline import Pipeline
 from k3train.train.pipeline_state import PipelineModel, PipelineOptimizer, merge_stage_figures
 from k3train.train.plan import TrainingPlan
 from k3train.train.precision import Precision
