@@ -28,9 +28,9 @@ https://github.com/NVIDIA-NeMo/Automodel/blob/00ef9ca241e8b06fb7f59eb70b1cad1cc5
 
 Activation checkpointing (KimiK3.set_activation_checkpointing; train.activation_checkpointing): "block" keeps only
 each Block's inputs and recomputes the Block in the backward; "selective" recomputes only the attention core (the
-mixer) and the routed experts (MoE.checkpoint_experts; the dense FFN whole), keeping the norms, mixes and routing.
-The MoE's routing changes its bias in a training forward, so a recomputed Block replays the experts its forward
-chose and leaves the bias alone (MoE.route): the recompute is the forward, bit for bit.
+mixer) and the routed experts (MoE's checkpoint_experts argument; the dense FFN whole), keeping the norms, mixes
+and routing. The MoE's routing changes its bias in a training forward, so a recomputed Block replays the experts its
+forward chose and leaves the bias alone (MoE.route): the recompute is the forward, bit for bit.
 
 Document masking (forward's document_ids, k3train/models/common/documents.py): each row may hold several documents, and
 only the mixers read across positions, so only they take the boundaries: KDA restarts its state and short convs at
@@ -218,8 +218,11 @@ class Block(nn.Module):
         return s + self._ffn(self.ffn_norm(self._mix(blocks + (s,), self.mlp_res_norm, self.mlp_res_proj)))
 
     def _ffn(self, x: torch.Tensor) -> torch.Tensor:
-        """The FFN; a dense one recomputed whole under selective checkpointing (a MoE checkpoints its own experts)."""
-        if self.checkpointing == "selective" and not isinstance(self.ffn, MoE) and torch.is_grad_enabled():
+        """The FFN under selective checkpointing: a dense one recomputed whole, a MoE's routed experts alone."""
+        selective = self.checkpointing == "selective"
+        if isinstance(self.ffn, MoE):
+            return self.ffn(x, checkpoint_experts=selective)
+        if selective and torch.is_grad_enabled():
             return checkpoint(self.ffn, x, use_reentrant=False)
         return self.ffn(x)
 
@@ -271,8 +274,6 @@ class KimiK3(nn.Module):
             raise ValueError(f"activation checkpointing {mode!r} must be one of {CHECKPOINTING}")
         for layer in self.layers:
             layer.checkpointing = mode
-            if isinstance(layer.ffn, MoE):
-                layer.ffn.checkpoint_experts = mode == "selective"
 
     @classmethod
     def from_fields(cls, **fields) -> KimiK3:

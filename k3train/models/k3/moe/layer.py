@@ -20,8 +20,8 @@ What the code around a MoE may change, each through a method of the MoE:
   use_dispatcher(d) installs any other dispatcher.
 - replaying(routes): a checkpointed Block's forward records the experts chosen, its recompute routes by them
   (replayed_routes).
-- checkpoint_experts (a flag the model sets from its activation-checkpointing mode): recompute the routed experts in
-  the backward.
+And forward(x, checkpoint_experts=True) (the block's choice under selective checkpointing) recomputes the routed
+experts in the backward.
 """
 
 from __future__ import annotations
@@ -92,7 +92,6 @@ class MoE(nn.Module):
         self.latent_up = nn.Linear(latent_dim, d_model, bias=False) if latent_dim is not None else None
         self.register_buffer("expert_bias", torch.zeros(n_routed_experts))  # persistent: in state_dict
         self.dispatcher: Dispatcher = LocalDispatch(n_routed_experts)
-        self.checkpoint_experts = False  # recompute the routed experts in the backward (selective checkpointing)
         # Under a checkpointed Block (replaying): {} while its forward runs, then {"experts": ...} for the recompute
         # to route the same way. None: no checkpointed Block around this pass.
         self.routes: dict | None = None
@@ -161,11 +160,12 @@ class MoE(nn.Module):
 
     # --- the forward ---------------------------------------------------------------------------------------------
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, checkpoint_experts: bool = False) -> torch.Tensor:
+        """x [B, T, d] -> [B, T, d]; checkpoint_experts: the routed experts recomputed in the backward."""
         B, T, d = x.shape
         x_flat = x.reshape(B * T, d)
         weights, experts = self.route(self.router_logits(x_flat))  # [N, k], [N, k]
-        if self.checkpoint_experts and torch.is_grad_enabled():
+        if checkpoint_experts and torch.is_grad_enabled():
             out = checkpoint(self.routed, x_flat, weights, experts, use_reentrant=False)
         else:
             out = self.routed(x_flat, weights, experts)
