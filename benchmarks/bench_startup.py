@@ -10,8 +10,10 @@ Each way runs in fresh processes (a peak of resident memory is a process's), FSD
 malloc returning freed memory (as a dry run sets it): per rank the seconds to build and the peak resident memory
 added over the process's baseline, beside its share of the model and the whole model's fp32 bytes. The K3 rank is
 `python -m k3train ... dry_run.world_size=4096 dry_run.rank=0` with the planner's fitting recipe for 4,096 H200s
-(FSDP2 x ep 128, bf16, block checkpointing; train.seq_len 8 and the byte vocabulary: the built-in corpus must hold one
-global batch of 4,096 rows), its dry_run.json read back. Writes benchmarks/results/startup.json (or --out) with the
+(FSDP2 x ep 128, bf16, block checkpointing; train.seq_len 8: the built-in corpus must hold one global batch of 4,096
+rows), on the built-in corpus tokenised by a byte-level tokenizer.json with the release's 163,840 ids (256 bytes, an
+end-of-document token, the rest reserved), so the embedding and head are the released model's; its dry_run.json read
+back. Writes benchmarks/results/startup.json (or --out) with the
 CPU, torch's SIMD level and the load average.
 """
 
@@ -36,8 +38,9 @@ from results_file import write_unless_quick  # benchmarks/, beside this script
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "startup.json"
 GIB = 2**30
+K3_VOCAB = 163_840  # the release's (conf/model/k3.yaml)
 K3_DRY_RUN = [
-    "model=k3", "model.vocab_size=null", "precision=bf16", "train.seq_len=8", "train.batch_size=1",
+    "model=k3", "precision=bf16", "train.seq_len=8", "train.batch_size=1",
     "train.activation_checkpointing=block", "parallel=fsdp", "parallel.ep=128", "train.max_steps=1",
     "dry_run.world_size=4096", "dry_run.rank=0",
 ]  # fmt: skip
@@ -100,11 +103,27 @@ def build_both_ways(model_name: str, layers: int, world: int) -> dict:
     return out
 
 
+def released_vocabulary_tokenizer(path: Path) -> list[str]:
+    """A byte-level BPE tokenizer.json with K3_VOCAB ids (no merges: text is its bytes), and the data overrides that
+    tokenise the built-in corpus with it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["<|endoftext|>"] = len(vocab)
+    vocab |= {f"<|reserved_{i}|>": len(vocab) + i for i in range(K3_VOCAB - len(vocab))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.save(str(path))
+    return [f"data.tokenizer={path}", "data.eod_token='<|endoftext|>'"]
+
+
 def k3_dry_run() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
+        data = released_vocabulary_tokenizer(Path(tmp, "tokenizer.json"))
         start = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "k3train", *K3_DRY_RUN, f"hydra.run.dir={tmp}/run"],
+            [sys.executable, "-m", "k3train", *K3_DRY_RUN, *data, f"hydra.run.dir={tmp}/run"],
             cwd=REPO, capture_output=True, text=True,
         )  # fmt: skip
         wall = time.perf_counter() - start
