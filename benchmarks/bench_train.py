@@ -42,7 +42,8 @@ from k3train.run.build import _build_named, build_meta
 from k3train.runtime.cpu import prepare_cpu_training
 from k3train.runtime.distributed import current_world
 from k3train.train.callbacks import Callback
-from k3train.train.trainer import Trainer
+from k3train.train.step import DataParallelStep
+from k3train.train.trainer import Loaders, Trainer
 
 RESULTS = Path(__file__).resolve().parent / "results" / "train.json"
 
@@ -67,14 +68,11 @@ def build_trainer(cfg: DictConfig, run_dir: Path, data: TokenData, device: torch
     run_dir.mkdir(parents=True, exist_ok=True)
     meta = build_meta(model, optimizer, train_cfg, precision, data, current_world())
     return Trainer(
-        model=model,
+        step=DataParallelStep(model, precision, device),
         optimizer=optimizer,
         schedule_factory=instantiate(cfg.schedule),
-        precision=precision,
-        train_loader=train_loader,
-        val_loader=val_loader,
+        loaders=Loaders(train_loader, val_loader),
         config=train_cfg,
-        device=device,
         metrics=MetricsLogger(run_dir / "metrics.jsonl"),
         checkpointer=Checkpointer(run_dir, meta, train_cfg.keep_last_k),
         callbacks=_build_named(cfg.callbacks, Callback, "callbacks"),

@@ -37,7 +37,8 @@ from k3train.train.eval_tasks import TaskEval
 from k3train.train.parallel import strategy_missing
 from k3train.train.pipeline import Pipeline
 from k3train.train.rng import configure_determinism, seed_everything
-from k3train.train.trainer import Trainer
+from k3train.train.step import DataParallelStep, PipelineStep, UpdateStep
+from k3train.train.trainer import Loaders, Trainer
 
 
 def build_meta(
@@ -113,12 +114,54 @@ def build_parts(
 ) -> dict:
     """Every part of the run from its composed config, writing nothing (no Hydra state needed): the data, the model
     (sharded by the parallel strategy; from train.init_from's weights unless `resuming`, whose weights are the
-    checkpoint's), the optimizer, schedule, callbacks, metrics sinks, Checkpointer and Trainer. A refusal here leaves
-    no trace; the runner reports it. Restoring the checkpoint is the caller's (run/resume.py)."""
+    checkpoint's), the optimizer, update step, schedule, callbacks, metrics sinks, Checkpointer and Trainer. A refusal
+    here leaves no trace; the runner reports it. Restoring the checkpoint is the caller's (run/resume.py)."""
     train_cfg: TrainConfig = OmegaConf.to_object(cfg.train)
-    profile_cfg = OmegaConf.to_object(cfg.profile)
     precision = instantiate(cfg.precision)
     precision.check_device(device)
+    parallel, dims = _parallel(cfg, world, device)
+    if dims.pp > 1:
+        _check_pipelined(train_cfg, precision)
+    data = instantiate(cfg.data)
+    # vocab_size: null in a model YAML means "the data's"; a value the user set is kept, and check_data refuses a
+    # mismatch.
+    vocab = {"vocab_size": data.vocab_size} if cfg.model.get("vocab_size") is None else {}
+    model = _model_on_meta(cfg, vocab, data, train_cfg)
+    weights = initial_weights(cfg.model, model, train_cfg, vocab, resuming)
+    loaders = _loaders(data, train_cfg, dims, model)
+    model.to(precision.param_dtype)  # still on the meta device: the dtype each rank allocates
+    held, optimizer, whole_optimizer = _allocate(cfg, model, parallel, dims, device, train_cfg, weights)
+    callbacks = _build_named(cfg.callbacks, Callback, "callbacks")
+    if device.type == "cpu" and str(train_cfg.cpu_threads) == "adaptive" and threads.threads > 1:
+        governor = CpuThreads.for_this_process(threads.threads)  # fewer threads while other processes need the CPUs
+        if governor is not None:
+            callbacks["cpu_threads"] = governor
+    sinks = _build_named(cfg.logger, MetricsSink, "logger", run_dir=str(run_dir))
+    task_eval = None
+    if train_cfg.eval_tasks:  # found and their data read now: a missing task or file is refused before any write
+        include, limit = train_cfg.eval_tasks_include_path, train_cfg.eval_tasks_limit
+        task_eval = TaskEval(train_cfg.eval_tasks, include, limit, data.tokenizer(), dims)
+    # The log file is opened at its first event, after all checks.
+    metrics = MetricsLogger(run_dir / "metrics.jsonl", sinks=list(sinks.values()), enabled=world.is_main)
+    meta = build_meta(model, whole_optimizer, train_cfg, precision, data, world, dims)
+    checkpointer = checkpointer_for(run_dir, meta, train_cfg, parallel, dims, world)
+    trainer = Trainer(
+        step=build_step(held, model, whole_optimizer, precision, device, parallel, dims, train_cfg),
+        optimizer=optimizer,
+        schedule_factory=instantiate(cfg.schedule),
+        loaders=loaders,
+        config=train_cfg,
+        metrics=metrics,
+        checkpointer=checkpointer,
+        callbacks=callbacks,
+        profile=OmegaConf.to_object(cfg.profile),
+        task_eval=task_eval,
+    )
+    return {"trainer": trainer, "metrics": metrics, "data": data}
+
+
+def _parallel(cfg: DictConfig, world: World, device: torch.device):
+    """The parallel strategy (parallel=...) and the run's ParallelDims on this world."""
     parallel = instantiate(cfg.parallel)
     lacking = strategy_missing(parallel)
     if lacking:
@@ -126,23 +169,17 @@ def build_parts(
             f"parallel {cfg.parallel.get('_target_')} built a {type(parallel).__name__}, which lacks "
             f"{', '.join(lacking)}: a strategy implements k3train/train/parallel.py's ParallelStrategy"
         )
+    pp = parallel.pipeline.pp
     dims = ParallelDims.for_strategy(
-        parallel.name,
-        world.size,
-        world.rank,
-        device.type,
-        parallel.ep,
-        parallel.cp,
-        parallel.dp_replicate,
-        parallel.pipeline.pp,
+        parallel.name, world.size, world.rank, device.type, parallel.ep, parallel.cp, parallel.dp_replicate, pp
     )
-    if dims.pp > 1:
-        _check_pipelined(train_cfg, precision)
-    data = instantiate(cfg.data)
-    # vocab_size: null in a model YAML means "the data's"; a value the user set is kept, and check_data refuses a
-    # mismatch.
-    vocab = {"vocab_size": data.vocab_size} if cfg.model.get("vocab_size") is None else {}
-    with torch.device("meta"):  # no rank ever holds the whole model: each allocates its part once cut and sharded
+    return parallel, dims
+
+
+def _model_on_meta(cfg: DictConfig, vocab: dict, data, train_cfg: TrainConfig) -> nn.Module:
+    """The model on the meta device (no rank ever holds the whole model: each allocates its part once cut and
+    sharded), checked against the data and set to train.activation_checkpointing."""
+    with torch.device("meta"):
         model = instantiate(cfg.model, **vocab)
     missing = missing_members(model)
     if missing:
@@ -158,82 +195,71 @@ def build_parts(
                 "no checkpointing; use none"
             )
         model.set_activation_checkpointing(train_cfg.activation_checkpointing)
-    weights = initial_weights(cfg.model, model, train_cfg, vocab, resuming)
-    train_loader, val_loader = data.loaders(
-        train_cfg.batch_size, train_cfg.seq_len, rank=dims.dp_rank, world_size=dims.dp_size
+    return model
+
+
+def _loaders(data, train_cfg: TrainConfig, dims: ParallelDims, model: nn.Module) -> Loaders:
+    """This rank's loaders (its data-parallel rows; under cp its slice of their sequence, the model set to exchange
+    the rest), and a mixture's sources each validated alone too (data=mixture: val/<source>/loss)."""
+    shape = (train_cfg.batch_size, train_cfg.seq_len)
+    train_loader, val_loader = data.loaders(*shape, rank=dims.dp_rank, world_size=dims.dp_size)
+    val_sources = (
+        data.val_loaders(*shape, rank=dims.dp_rank, world_size=dims.dp_size) if hasattr(data, "val_loaders") else {}
     )
-    # a mixture's sources each validated alone too (data=mixture: val/<source>/loss)
-    val_sources = {}
-    if hasattr(data, "val_loaders"):
-        val_sources = data.val_loaders(
-            train_cfg.batch_size, train_cfg.seq_len, rank=dims.dp_rank, world_size=dims.dp_size
-        )
-    if dims.cp > 1:  # each rank of a group keeps its slice of the rows' sequence, the model exchanges the rest
+    if dims.cp > 1:
         train_loader, val_loader = (
             ContextSlices(loader, dims.cp_rank, dims.cp) for loader in (train_loader, val_loader)
         )
         val_sources = {name: ContextSlices(loader, dims.cp_rank, dims.cp) for name, loader in val_sources.items()}
         if not set_context_parallel(model, ContextParallel(dims.cp_group)):
             raise ValueError(f"parallel.cp={dims.cp}: {type(model).__name__} has no layer that splits its sequence")
-    model.to(precision.param_dtype)  # still on the meta device: the dtype each rank allocates
-    pipeline = whole_optimizer = None
-    if dims.pp > 1:  # cut first: each rank spreads only its stages over their ranks, then allocates them
-        pipeline = _pipeline(model, parallel, dims, device, train_cfg, weights)
-        # the stages' optimizer, and the whole model's (no state: its layout is the checkpoint's format)
-        optimizer = _build_optimizer(instantiate(cfg.optim), nn.ModuleList(pipeline.modules), dims)
-        whole_optimizer = _build_optimizer(instantiate(cfg.optim), model, ParallelDims(device_type=device.type))
-    else:
+    return Loaders(train_loader, val_loader, val_sources)
+
+
+def _allocate(cfg: DictConfig, model, parallel, dims: ParallelDims, device, train_cfg: TrainConfig, weights):
+    """This rank's part of `model` (on the meta device) spread over its ranks, then allocated and filled from
+    `weights`, and its optimizer: (what this rank holds, the optimizer, the optimizer whose layout the checkpoint
+    records). Under pp, cut first: each rank spreads only its stages, then allocates them; the whole model's
+    optimizer, without state, is the checkpoint's layout."""
+    if dims.pp == 1:
         model = parallel.shard(model, device, dims)  # before the optimizer: FSDP2 replaces the parameters
         materialise(model, device, weights)
         optimizer = _build_optimizer(instantiate(cfg.optim), model, dims)
-    callbacks = _build_named(cfg.callbacks, Callback, "callbacks")
-    if device.type == "cpu" and str(train_cfg.cpu_threads) == "adaptive" and threads.threads > 1:
-        governor = CpuThreads.for_this_process(threads.threads)  # fewer threads while other processes need the CPUs
-        if governor is not None:
-            callbacks["cpu_threads"] = governor
-    sinks = _build_named(cfg.logger, MetricsSink, "logger", run_dir=str(run_dir))
-    task_eval = None
-    if train_cfg.eval_tasks:  # found and their data read now: a missing task or file is refused before any write
-        include, limit = train_cfg.eval_tasks_include_path, train_cfg.eval_tasks_limit
-        task_eval = TaskEval(train_cfg.eval_tasks, include, limit, data.tokenizer(), dims)
+        return model, optimizer, optimizer
+    pipeline = _pipeline(model, parallel, dims, device, train_cfg, weights)
+    optimizer = _build_optimizer(instantiate(cfg.optim), nn.ModuleList(pipeline.modules), dims)
+    whole = _build_optimizer(instantiate(cfg.optim), model, ParallelDims(device_type=device.type))
+    return pipeline, optimizer, whole
 
-    # The log file is opened at its first event, after all checks.
-    metrics = MetricsLogger(run_dir / "metrics.jsonl", sinks=list(sinks.values()), enabled=world.is_main)
-    meta = build_meta(model, whole_optimizer or optimizer, train_cfg, precision, data, world, dims)
-    if dims.dp_shard > 1 or dims.ep > 1:  # sharded parameters or experts: every rank writes its own
-        layouts = parallel.shard_layouts(dims)
+
+def build_step(held, model, whole_optimizer, precision, device, parallel, dims: ParallelDims, train_cfg) -> UpdateStep:
+    """The run's UpdateStep (k3train/train/step.py): a pipeline's (held: this rank's Pipeline), or every rank the
+    whole depth (held: the sharded model)."""
+    if dims.pp > 1:
+        gather = not sharded_checkpoint(dims)
+        return PipelineStep(held, model, whole_optimizer, precision, device, parallel, dims, gather=gather)
+    return DataParallelStep(held, precision, device, parallel, dims, compile=train_cfg.compile)
+
+
+def sharded_checkpoint(dims: ParallelDims) -> bool:
+    """Sharded parameters or experts: every rank writes its own (a .dcp directory)."""
+    return dims.dp_shard > 1 or dims.ep > 1
+
+
+def checkpointer_for(run_dir: Path, meta: dict, train_cfg: TrainConfig, parallel, dims: ParallelDims, world: World):
+    """The run's Checkpointer: sharded (every rank its own), a pipeline's stages gathered into the whole model's
+    file, or one file."""
+    keep = train_cfg.keep_last_k
+    if sharded_checkpoint(dims):
         # a pipeline's stages hold different tensors: rank 0's pipeline (ranks 0, stage_world, ...) merges what
         # they hold into one tree
         writers_pipeline = dims.pp > 1 and dims.rank % dims.layout.stage_world == 0
         merge = dims.pp_group if writers_pipeline else None
-        checkpointer = ShardedCheckpointer(
-            run_dir, meta, train_cfg.keep_last_k, layouts, writer=world.is_main, merge_group=merge
-        )
-    elif dims.pp > 1:  # the stages' state gathered: the whole model's file
-        checkpointer = GatheredCheckpointer(run_dir, meta, train_cfg.keep_last_k, writer=world.is_main)
-    else:
-        checkpointer = Checkpointer(run_dir, meta, train_cfg.keep_last_k, writer=world.is_main)
-    trainer = Trainer(
-        model=model,
-        optimizer=optimizer,
-        schedule_factory=instantiate(cfg.schedule),
-        precision=precision,
-        train_loader=train_loader,
-        val_loader=val_loader,
-        config=train_cfg,
-        device=device,
-        metrics=metrics,
-        checkpointer=checkpointer,
-        callbacks=callbacks,
-        parallel=parallel,
-        dims=dims,
-        profile=profile_cfg,
-        pipeline=pipeline,
-        whole_optimizer=whole_optimizer,
-        val_sources=val_sources,
-        task_eval=task_eval,
-    )
-    return {"trainer": trainer, "metrics": metrics, "data": data}
+        layouts = parallel.shard_layouts(dims)
+        return ShardedCheckpointer(run_dir, meta, keep, layouts, writer=world.is_main, merge_group=merge)
+    if dims.pp > 1:  # the stages' state gathered: the whole model's file
+        return GatheredCheckpointer(run_dir, meta, keep, writer=world.is_main)
+    return Checkpointer(run_dir, meta, keep, writer=world.is_main)
 
 
 def _check_pipelined(train_cfg: TrainConfig, precision) -> None:

@@ -81,13 +81,13 @@ def _dry_run(cfg: DictConfig, run_dir: Path, train_cfg: TrainConfig, world: Worl
         if hasattr(type(module), "route_evenly"):
             module.route_evenly()
     grads: list[float] = []
-    trainer.optimizer.register_step_pre_hook(lambda opt, *_: grads.append(_bytes(p.grad for p in trainer.params)))
+    trainer.optimizer.register_step_pre_hook(lambda opt, *_: grads.append(_bytes(p.grad for p in trainer.step.params)))
     steps = train_cfg.max_steps or 1
     start = time.perf_counter()
     for _ in range(steps):
         trainer.train_step()
     measured = {
-        "params": _bytes(trainer.params),
+        "params": _bytes(trainer.step.params),
         "grads": max(grads, default=0.0),
         "optimizer": _bytes(t for state in trainer.optimizer.state.values() for t in state.values()),
         "peak_resident": _peak_resident_bytes(),

@@ -28,7 +28,8 @@ def evaluate(
     Model mode, the val cursor and all RNG states are restored afterwards, so evaluating never changes what
     training does next; routers see model.eval() and leave their balancing state alone. Documents are masked as the
     loader marks them, as in training (the same TokenData gives both loaders). `loss_of(x, y, document_ids)`, when
-    given, is a batch's mean loss instead of the model's forward (a pipeline's stages in turn).
+    given, is a batch's mean loss instead of the model's forward (the run's UpdateStep.eval_loss: a pipeline's stages
+    in turn).
     """
     was_training = model.training
     rng = capture_rng_state()
@@ -45,7 +46,7 @@ def evaluate(
             with precision.autocast(device):
                 if loss_of is not None:
                     ids = None if document_ids is None else document_ids.to(device)
-                    loss = torch.tensor(loss_of(x.to(device), y.to(device), ids), dtype=torch.float64)
+                    loss = torch.as_tensor(loss_of(x.to(device), y.to(device), ids), dtype=torch.float64)
                 else:
                     documents = document_inputs(model, document_ids, device)
                     _, loss = model(x.to(device), targets=y.to(device), **documents)

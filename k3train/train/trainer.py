@@ -1,56 +1,44 @@
-"""The update loop: batch -> forward -> loss / accumulation -> backward -> grad clip -> step -> callbacks.
+"""The update loop: the update's batches -> the UpdateStep (forward and backward) -> the gradient norm -> clip ->
+the optimizer step or its skip -> callbacks; and the cadence of logs, evals and checkpoints.
 
-The Trainer composes parts built elsewhere (model, optimizer, schedule, precision, loaders, metrics, checkpointer,
-callbacks) and owns only the loop and its counters. Everything it needs to continue exactly is a part of its
+The Trainer composes parts built elsewhere (the update step, optimizer, schedule, loaders, metrics, checkpointer,
+callbacks) and owns only the loop and its counters. How an update's batches become gradients (micro-batches and
+their synchronisation, or a pipeline's schedule) is its UpdateStep's (k3train/train/step.py), and so are the model's
+and optimizer's checkpoint parts in that layout. Everything the run needs to continue exactly is a part of its
 Checkpointer (registered in __init__). It knows models only through k3train/models/protocol.py and what acts
 beside the optimizer only through callbacks (k3train/train/callbacks.py).
-
-Accumulation: each micro-batch's mean loss is divided by the number of micro-batches, so k micro-batches of
-B/k sequences give the gradient of one batch of B (every micro-batch has the same token count). For a model whose
-training forward pass changes its own state (a router bias, say) this is arithmetic, not a promise of identical
-results: k micro-batches see k state changes where one big batch would see one.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
-import torch.distributed as dist
-from torch.nn import ModuleList
 
 from k3train.checkpoint.checkpointer import Checkpointer
-from k3train.checkpoint.expert_shards import expert_sharded_model, expert_sharded_optimizer, with_expert_shards
 from k3train.config import ProfileConfig, TrainConfig
 from k3train.data import EndOfData
-from k3train.models.common.loss import recording_target_losses
-from k3train.models.layout import expert_shards
-from k3train.models.protocol import LanguageModel, document_inputs
 from k3train.observe.metrics import MetricsLogger
 from k3train.observe.mfu import MFU
 from k3train.observe.profile import make_profiler
 from k3train.observe.progress import Progress, Window, peak_memory_mb
 from k3train.runtime.console import say
-from k3train.runtime.distributed import any_across_ranks, mean_across_ranks
-from k3train.runtime.parallel_dims import ParallelDims
-from k3train.runtime.parallel_layout import owner_of
+from k3train.runtime.distributed import any_across_ranks
 from k3train.runtime.signals import StopSignals
 from k3train.train.callbacks import Callback
 from k3train.train.eval_tasks import TaskEval
 from k3train.train.evaluate import evaluate
-from k3train.train.parallel import DDP, clip_gradients, global_grad_norm
-from k3train.train.pipeline import Pipeline
-from k3train.train.pipeline_state import PipelineModel, PipelineOptimizer, merge_stage_figures
+from k3train.train.parallel import clip_gradients, global_grad_norm
 from k3train.train.plan import TrainingPlan
-from k3train.train.precision import Precision
 from k3train.train.rng import RNGState
 from k3train.train.source_losses import SourceLosses
 from k3train.train.state import ConfiguredOptimizer, TrainState
+from k3train.train.step import UpdateStep
 
 
 class TrainingDiverged(RuntimeError):
@@ -64,95 +52,77 @@ class ReportsDiagnostics(Protocol):
     def diagnostics(self) -> dict: ...
 
 
+@dataclass
+class Loaders:
+    """The run's loaders: train, val, and a mixture's sources' val splits by name (val/<source>/loss)."""
+
+    train: Any
+    val: Any
+    val_sources: dict = field(default_factory=dict)
+
+
+def _named_groups(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The schedule scales each group's initial_lr; its name labels the log."""
+    for i, group in enumerate(optimizer.param_groups):
+        group.setdefault("initial_lr", group["lr"])
+        group.setdefault("name", str(i))
+    return optimizer
+
+
 class Trainer:
     def __init__(
         self,
         *,
-        model: LanguageModel,
+        step: UpdateStep,
         optimizer: torch.optim.Optimizer,
         schedule_factory: Callable,
-        precision: Precision,
-        train_loader,
-        val_loader,
+        loaders: Loaders,
         config: TrainConfig,
-        device: torch.device,
         metrics: MetricsLogger,
         checkpointer: Checkpointer,
         callbacks: dict[str, Callback] | None = None,
-        parallel: DDP | None = None,
-        dims: ParallelDims | None = None,
         profile: ProfileConfig | None = None,
-        pipeline: Pipeline | None = None,
-        whole_optimizer: torch.optim.Optimizer | None = None,
-        val_sources: dict | None = None,
         task_eval: TaskEval | None = None,
     ):
-        self.model = model  # the unwrapped, uncompiled module: its state_dict keys stay stable
-        self.parallel = parallel or DDP()
-        self.dims = dims or ParallelDims(device_type=device.type)
-        self.replicated = self.parallel.wrap(model, device, self.dims)  # the model itself in one process
-        # Compile outside DDP, as torch recommends: its DDPOptimizer splits the graph at the gradient buckets.
-        self.forward = torch.compile(self.replicated) if config.compile else self.replicated
-        self.optimizer = optimizer
-        for i, group in enumerate(optimizer.param_groups):  # the schedule scales initial_lr; names label the log
-            group.setdefault("initial_lr", group["lr"])
-            group.setdefault("name", str(i))
-        self.precision = precision
-        self.scaler = precision.make_scaler(device)
-        self.train_loader, self.val_loader = train_loader, val_loader
-        # A mixture's sources, each's val split read as val_loader is, logged as val/<source>/loss beside the mixture's
-        self.val_sources = val_sources or {}
-        # ... and its train loss per source (a loader that says each row's source: MixtureLoader.sources_of)
-        self.source_losses = SourceLosses(train_loader.names) if hasattr(train_loader, "sources_of") else None
+        self.step, self.model = step, step.model  # the unwrapped, uncompiled module: its state_dict keys stay stable
+        self.device, self.dims, self.precision, self.scaler = step.device, step.dims, step.precision, step.scaler
+        self.optimizer = _named_groups(optimizer)
+        self.train_loader, self.val_loader, self.val_sources = loaders.train, loaders.val, loaders.val_sources
+        # a mixture's train loss per source (a loader that says each row's source: MixtureLoader.sources_of)
+        self.source_losses = SourceLosses(loaders.train.names) if hasattr(loaders.train, "sources_of") else None
         self.task_eval = task_eval  # train.eval_tasks: lm-evaluation-harness tasks (k3train/train/eval_tasks.py)
-        self.config, self.device, self.metrics = config, device, metrics
-        self.checkpointer = checkpointer
-        self.run_dir = checkpointer.run_dir
-        self.callbacks = callbacks or {}
-        self.profile = profile or ProfileConfig()
-        self.state = TrainState()
-        self.session_start_step = 0
+        self.config, self.metrics, self.checkpointer, self.run_dir = config, metrics, checkpointer, checkpointer.run_dir
+        self.callbacks, self.profile = callbacks or {}, profile or ProfileConfig()
+        self.state, self.session_start_step = TrainState(), 0
         # False: step on a non-finite loss or norm too (a dry run, whose fake collectives leave values meaningless)
         self.skip_non_finite = True
         self.signals = StopSignals()  # the runner installs it around fit(); the loop only reads the flag
-        self.label = model.log_label
+        self.label = self.model.log_label
         # Global: every rank's rows of the batch (the loaders' data-parallel view), so plans and logs are per run.
-        self.tokens_per_update = train_loader.global_tokens_per_batch * config.gradient_accumulation_steps
-        # parallel.pp > 1: this rank's stages of the model, run by the pipeline's schedule (k3train/train/pipeline.py)
-        self.pipeline = pipeline
-        held = pipeline.parameters() if pipeline is not None else model.parameters()
-        self.params = [p for p in held if p.requires_grad]
-        self.expert_shards = frozenset(id(p) for p in expert_shards(model))  # each rank's own: norms sum over ep
-        self.mfu = MFU.for_model(
-            model, config.seq_len, device, precision.dtype, config.peak_flops, devices=self.dims.world_size
-        )
+        self.tokens_per_update = loaders.train.global_tokens_per_batch * config.gradient_accumulation_steps
+        dtype, world = self.precision.dtype, self.dims.world_size
+        self.mfu = MFU.for_model(self.model, config.seq_len, self.device, dtype, config.peak_flops, devices=world)
         self._fixed_batches: list | None = None  # overfit_batch mode
-        self.plan = TrainingPlan(config, self.state, train_loader, self.tokens_per_update, schedule_factory)
-        self.schedule = self.plan.schedule
-        self._optimizer_part = ConfiguredOptimizer(optimizer)
+        self.plan = TrainingPlan(config, self.state, loaders.train, self.tokens_per_update, schedule_factory)
+        self.schedule, self._optimizer_part = self.plan.schedule, ConfiguredOptimizer(optimizer)
         self._resumed_from: Path | None = None
+        self._register_checkpoint_parts()
+
+    def _register_checkpoint_parts(self) -> None:
         parts = {
-            "model": model,
+            "model": self.model,
             "optimizer": self._optimizer_part,
             "scaler": self.scaler,
-            "train_loader": train_loader,
-            "val_loader": val_loader,
+            "train_loader": self.train_loader,
+            "val_loader": self.val_loader,
             "rng": RNGState(),
             "trainer": self.state,
             "plan": self.plan,
         }  # restored in this order: the plan re-derives from the counters and cursor
-        if pipeline is not None:  # the whole model's checkpoint: gathered from the stages, or sharded by stage
-            gather = not checkpointer.sharded
-            stages = [expert_sharded_model(m, self.dims) for m in pipeline.modules]
-            held = expert_sharded_optimizer(self._optimizer_part, optimizer, ModuleList(pipeline.modules), self.dims)
-            parts["model"] = PipelineModel(model, pipeline.modules, self.dims.pp_group, gather, parts=stages)
-            parts["optimizer"] = PipelineOptimizer(held, optimizer, whole_optimizer, model, self.dims.pp_group, gather)
-        else:
-            parts = with_expert_shards(parts, model, optimizer, self.dims)
-        for name, part in parts.items():
-            checkpointer.add(name, part)
+        for name, part in self.step.checkpoint_parts(parts, self.optimizer).items():
+            self.checkpointer.add(name, part)
         for callback in self.callbacks.values():
-            callback.setup(model, optimizer, self.dims)
+            callback.setup(self.model, self.optimizer, self.dims)
 
     @property
     def total_steps(self) -> int:
@@ -178,75 +148,25 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimizer attempt over gradient_accumulation_steps micro-batches. Returns the step's figures."""
-        accum = self.config.gradient_accumulation_steps
         lr_factor = self.schedule.apply(self.optimizer, self.state.step)
-        losses = []
         batches = self._micro_batches()
-        if self.pipeline is not None:
-            return self._update(self._pipelined_loss(batches), lr_factor)
-        for i, (x, y, document_ids) in enumerate(batches):
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            documents = document_inputs(self.model, document_ids, self.device)  # {} without boundaries
-            last = i == len(batches) - 1  # only its backward all-reduces the gradients across ranks
-            with self.parallel.no_sync(self.replicated) if not last else contextlib.nullcontext():
-                with self.precision.autocast(self.device), self._recording_sources([i]):
-                    _, loss = self.forward(x, targets=y, **documents)
-                self.scaler.scale(loss / accum).backward()
-            losses.append(loss.detach().double())  # exact for fp32 and fp64 losses alike
-        self.parallel.finish_gradients(self.model, self.dims)  # e.g. expert-parallel weights, which DDP leaves out
-        # The global batch's loss, so every rank takes the same skip-or-step decision (a NaN anywhere is NaN here).
-        loss = mean_across_ranks(torch.stack(losses).mean().item(), self.device, self.dims.dp_group)
-        return self._update(loss, lr_factor)
-
-    def _pipelined_loss(self, batches: list) -> float:
-        """The update's micro-batches through the pipeline (one schedule step: every forward and backward), the
-        stages' gradients averaged over their data-parallel ranks; the global batch's loss on every rank."""
-        x = torch.cat([b[0] for b in batches]).to(self.device)
-        y = torch.cat([b[1] for b in batches]).to(self.device)
-        ids = [b[2] for b in batches]
-        documents = None
-        if any(d is not None for d in ids):  # a micro-batch without boundaries is one document a row
-            documents = torch.cat([torch.zeros_like(b[0]) if d is None else d for b, d in zip(batches, ids)])
-            documents = documents.to(self.device)
-        with self.precision.autocast(self.device), self._recording_sources(range(len(batches))):
-            loss = self.pipeline.step(x, y, documents)
-        self.pipeline.reduce_gradients(self.dims.dp_group)
-        for stage in self.pipeline.modules:  # e.g. expert-parallel weights, which the pipeline's average leaves out
-            self.parallel.finish_gradients(stage, self.dims)
-        loss = self._from_last_stage(loss)
-        return mean_across_ranks(loss, self.device, self.dims.dp_group)
-
-    @contextlib.contextmanager
-    def _recording_sources(self, micro_batches):
-        """A mixture's per-target losses of the forwards inside, summed by source (k3train/train/source_losses.py);
-        micro_batches: the update's micro-batches (0..accum-1) whose rows those forwards take, in order."""
-        if self.source_losses is None:
-            yield
-            return
-        accum = self.config.gradient_accumulation_steps
-        first = 0 if self.config.overfit_batch else self.train_loader.batches - accum  # loader's index of batch 0
-        with recording_target_losses() as recorded:
-            yield
-        sources = torch.cat([self.train_loader.sources_of(first + i) for i in micro_batches])
-        self.source_losses.add(recorded, sources)
-
-    def _from_last_stage(self, loss: float | None) -> float:
-        """A figure of the last stage's rank, on every rank of its pipeline."""
-        t = torch.tensor([math.nan if loss is None else loss], dtype=torch.float64, device=self.device)
-        src = owner_of(self.pipeline.settings.n_stages - 1, self.pipeline.settings)
-        dist.broadcast(t, group=self.dims.pp_group, group_src=src)
-        return t.item()
+        result = self.step.forward_backward(batches, per_target=self.source_losses is not None)
+        if self.source_losses is not None:  # a mixture's per-target losses, summed by source (source_losses.py)
+            first = 0 if self.config.overfit_batch else self.train_loader.batches - len(batches)  # batch 0's index
+            sources = torch.cat([self.train_loader.sources_of(first + i) for i in range(len(batches))])
+            self.source_losses.add(result.by_target, sources)
+        return self._update(result.loss, lr_factor)
 
     def _update(self, loss: float, lr_factor: float) -> dict:
         """The optimizer step after an update's backward: the gradient norm over every rank, clipping, the step or
         its skip (a non-finite loss or norm)."""
         self.state.tokens += self.tokens_per_update
         self.scaler.unscale_(self.optimizer)
-        grad_norm = global_grad_norm(self.params, self.dims, self.expert_shards)
+        grad_norm = global_grad_norm(self.step.params, self.dims, self.step.expert_shards)
         result = {"loss": loss, "grad_norm": grad_norm, "lr_factor": lr_factor}
         if not self.skip_non_finite or (math.isfinite(loss) and math.isfinite(grad_norm)):
             if self.config.clip_norm is not None:
-                clip_gradients(self.params, self.config.clip_norm, grad_norm)
+                clip_gradients(self.step.params, self.config.clip_norm, grad_norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
             self.state.step += 1
@@ -375,22 +295,12 @@ class Trainer:
             figures = callback.metrics()  # since the last train event
             if figures:
                 out[name] = figures
-        if self.pipeline is not None:  # each rank measured its own stages' layers: the log has every stage's
-            parts = [None] * dist.get_world_size(self.dims.pp_group)
-            dist.all_gather_object(parts, out, group=self.dims.pp_group)
-            out = merge_stage_figures(parts, self.callbacks)
-        return out
+        return self.step.figures(out, self.callbacks)  # a pipeline's: every stage's
 
     def run_eval(self, progress: Progress | None = None) -> dict:
-        loss_of = None
-        if self.pipeline is not None:
-
-            def loss_of(x, y, document_ids):
-                return self._from_last_stage(self.pipeline.forward_loss(x, y, document_ids))
-
         def val_loss(loader) -> dict:
             args = (self.config.eval_batches, self.precision, self.device, self.dims.dp_group)
-            return evaluate(self.model, loader, *args, loss_of=loss_of)
+            return evaluate(self.model, loader, *args, loss_of=self.step.eval_loss)
 
         result = val_loss(self.val_loader)
         for name, loader in self.val_sources.items():

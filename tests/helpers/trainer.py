@@ -11,7 +11,8 @@ from k3train.models.smoke import SmokeTestConfig, SmokeTestLM
 from k3train.observe.metrics import MetricsLogger
 from k3train.optim.schedule import LRSchedule
 from k3train.train.precision import Precision
-from k3train.train.trainer import Trainer
+from k3train.train.step import DataParallelStep
+from k3train.train.trainer import Loaders, Trainer
 
 
 def sgd(model, lr=1.0):
@@ -42,14 +43,11 @@ def make_trainer(tmp_path, data, model, optimizer=None, precision="fp32", schedu
     )
     train_loader, val_loader = data.loaders(cfg.batch_size, cfg.seq_len)
     return Trainer(
-        model=model,
+        step=DataParallelStep(model, Precision(precision), torch.device("cpu")),
         optimizer=optimizer or sgd(model),
         schedule_factory=schedule,
-        precision=Precision(precision),
-        train_loader=train_loader,
-        val_loader=val_loader,
+        loaders=Loaders(train_loader, val_loader),
         config=cfg,
-        device=torch.device("cpu"),
         metrics=MetricsLogger(tmp_path / "metrics.jsonl"),
         checkpointer=Checkpointer(tmp_path, meta={}, keep_last_k=cfg.keep_last_k),
         callbacks=callbacks,
