@@ -37,6 +37,7 @@ from k3train.plan.mesh import Mesh  # noqa: E402
 from k3train.plan.pipeline import plan_pipeline  # noqa: E402
 from k3train.plan.report import as_json, render, run_json, run_lines, search_json, search_lines  # noqa: E402
 from k3train.plan.search import Recipe, count_bound, overrides_for, search_recipes, smallest_count  # noqa: E402
+from k3train.plan.settings import PlanSettings  # noqa: E402
 from k3train.plan.spec import build_spec, check_split  # noqa: E402
 
 
@@ -77,7 +78,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="devices (processes) of the run; without it, the fewest (1, 2, 4, ...) at which a recipe fits",
     )
     ap.add_argument("--gpu", choices=CHOICES, default="h200", help="the device (cpu: this machine, measured)")
-    ap.add_argument("--mfu", type=float, default=0.4, help="fraction of the peak FLOP/s the matmuls reach")
+    ap.add_argument("--mfu", type=float, default=PlanSettings.mfu, help="fraction of the peak FLOP/s the matmuls reach")
     ap.add_argument(
         "--mesh", help="dp_replicate x dp_shard x ep [x cp] (e.g. 1x1024x64, 1x1024x64x8) instead of the proposal"
     )
@@ -88,7 +89,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         help="the mesh proposed among those that fit: the shortest step, or the smallest peak memory",
     )
     ap.add_argument("--cp", type=int, help="split each row's sequence over this many ranks (default: parallel.cp)")
-    ap.add_argument("--headroom", type=float, default=0.1, help="fraction of device memory kept free")
+    ap.add_argument("--headroom", type=float, default=PlanSettings.headroom, help="fraction of device memory kept free")
     ap.add_argument("--vocab-size", type=int, help="for a model whose vocab_size is null (the data's)")
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
@@ -147,9 +148,9 @@ def check_pipeline(spec, fewest: bool) -> None:
 def planner_flags(args: argparse.Namespace) -> list[str]:
     """The planner's own options a printed command repeats, so that it plans what this plan did."""
     flags = ["--gpu", args.gpu]
-    if args.mfu != 0.4:
+    if args.mfu != PlanSettings.mfu:
         flags += ["--mfu", str(args.mfu)]
-    if args.headroom != 0.1:
+    if args.headroom != PlanSettings.headroom:
         flags += ["--headroom", str(args.headroom)]
     if args.vocab_size is not None:
         flags += ["--vocab-size", str(args.vocab_size)]
@@ -192,16 +193,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"k3train plan: error: --mesh {mesh} has {mesh.world} ranks, --gpus {devices}", file=sys.stderr)
         return 2
     cp_fixed = args.cp is not None or mesh is not None  # else the search may split rows further
+    settings = PlanSettings(args.mfu, args.headroom, device_type, cp, cp_fixed)
     if devices is None:
-        return plan_fewest(args, spec, hw, device_type, cp, cp_fixed)
+        return plan_fewest(args, spec, hw, settings)
     if mesh is None:
-        chosen, tried = propose(spec, devices, hw, args.mfu, args.headroom, device_type, cp, args.prefer)
+        chosen, tried = propose(spec, devices, hw, settings, args.prefer)
     else:
-        tried = [estimate(spec, mesh, hw, args.mfu, args.headroom, device_type)]
+        tried = [estimate(spec, mesh, hw, settings)]
         chosen = tried[0] if tried[0].fits else None
     search = None
     if chosen is None and spec.pp == 1:  # the configured recipe fits nowhere here: which recipes do
-        search = search_recipes(spec, devices, hw, args.mfu, args.headroom, device_type, cp, cp_fixed, mesh)
+        search = search_recipes(spec, devices, hw, settings, mesh)
     shown = chosen or min(tried, key=lambda e: e.memory.peak)
     notes = notes_for(shown.mesh, spec)
     # what to run leads: this plan's command, else the fastest recipe that fits, else nothing
@@ -244,11 +246,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def plan_fewest(args: argparse.Namespace, spec, hw, device_type: str, cp: int, cp_fixed: bool) -> int:
+def plan_fewest(args: argparse.Namespace, spec, hw, settings: PlanSettings) -> int:
     """No --gpus: the fewest devices at which a recipe fits (search.smallest_count), planned; the configured recipe
     where it fits there, else the fastest that does, with the others listed."""
-    found, searches = smallest_count(spec, hw, args.mfu, args.headroom, device_type, cp, cp_fixed)
-    bound = count_bound(device_type)
+    found, searches = smallest_count(spec, hw, settings)
+    bound, cp = count_bound(settings.device_type), settings.cp
     counts = f"1, 2, 4, ..., {bound:,} devices" + (f" that cp {cp} divides" if cp > 1 else "")
     if found is None:
         if args.json:
@@ -262,7 +264,7 @@ def plan_fewest(args: argparse.Namespace, spec, hw, device_type: str, cp: int, c
     fewer = f"; on {searches[-2].devices:,} none did" if len(searches) > 1 else ""
     lines = [f"fewest devices: {devices:,} x {hw.name}, the first of {counts} at which a recipe searched fits{fewer}"]
     if configured is not None:  # as --gpus N plans it: the proposal, its mesh and the meshes tried
-        chosen, tried = propose(spec, devices, hw, args.mfu, args.headroom, device_type, cp, args.prefer)
+        chosen, tried = propose(spec, devices, hw, settings, args.prefer)
         plan_spec, overrides, notes = spec, args.overrides, notes_for(chosen.mesh, spec)
     else:  # the configured recipe fits on no mesh here: the fastest recipe that does, as its command plans it
         best = found.fits[0]

@@ -53,6 +53,7 @@ from k3train.plan.memory import Memory, plan_memory
 from k3train.plan.mesh import Mesh, candidates
 from k3train.plan.muon import muon_groups, muon_shares
 from k3train.plan.pipeline import PipelinePlan, plan_pipeline, rank_comm, rank_memory, stage_spec
+from k3train.plan.settings import DEFAULT_SETTINGS, PlanSettings
 from k3train.plan.spec import RunSpec
 
 DAY = 86400.0
@@ -102,12 +103,10 @@ def usable_bytes(hw: Hardware, mesh: Mesh, headroom: float = 0.1) -> float:
     return hw.memory_bytes / (1 if hw.devices_per_node else mesh.world) * (1 - headroom)
 
 
-def estimate(
-    spec: RunSpec, mesh: Mesh, hw: Hardware, mfu: float = 0.4, headroom: float = 0.1, device_type: str = "cuda"
-) -> Estimate:
+def estimate(spec: RunSpec, mesh: Mesh, hw: Hardware, settings: PlanSettings = DEFAULT_SETTINGS) -> Estimate:
     if mesh.pp > 1:
-        return _pipelined(spec, mesh, hw, mfu, headroom, device_type)
-    return _one_rank(spec, mesh, plan_comm(spec, mesh), hw, mfu, headroom, device_type)
+        return _pipelined(spec, mesh, hw, settings)
+    return _one_rank(spec, mesh, plan_comm(spec, mesh), hw, settings)
 
 
 def _one_rank(
@@ -115,13 +114,12 @@ def _one_rank(
     mesh: Mesh,
     comm: list[Collective],
     hw: Hardware,
-    mfu: float,
-    headroom: float,
-    device_type: str,
+    settings: PlanSettings,
     world: int | None = None,
 ) -> Estimate:
     """The plan of one rank running `spec` on `mesh` with the collectives `comm` (world: the run's devices when
     `mesh` is a pipeline stage's)."""
+    mfu, headroom, device_type = settings.mfu, settings.headroom, settings.device_type
     memory = plan_memory(spec, mesh, device_type)
     peak = hw.peak_flops(spec.precision) * mfu
     tokens_rank = spec.rank_tokens(mesh.cp) * spec.accumulation
@@ -161,18 +159,18 @@ class RankEstimate:
     in_flight: int  # the most micro-batches whose activations it holds at once, on one of its stages
 
 
-def _pipelined(spec: RunSpec, mesh: Mesh, hw: Hardware, mfu: float, headroom: float, device_type: str) -> Estimate:
+def _pipelined(spec: RunSpec, mesh: Mesh, hw: Hardware, settings: PlanSettings) -> Estimate:
     """parallel.pp > 1 (k3train/plan/pipeline.py): each pp rank planned as a run of its own stages over a stage's
     ranks; the step is the slowest rank's work stretched by the bubble, then the most any rank spends on its
     optimizer and exposed communication; the memory is the rank with the largest peak."""
     plan = plan_pipeline(dataclasses.replace(spec, pp=mesh.pp))
-    budget = usable_bytes(hw, mesh, headroom)
+    budget = usable_bytes(hw, mesh, settings.headroom)
     per_rank, ranks = [], []
     for r in range(mesh.pp):
         staged = stage_spec(spec, plan, r)
         comm = rank_comm(staged, plan, mesh.stage, r)
-        e = _one_rank(staged, mesh.stage, comm, hw, mfu, headroom, device_type, mesh.world)
-        e.memory, most = rank_memory(staged, plan, mesh.stage, r, e.memory, device_type)
+        e = _one_rank(staged, mesh.stage, comm, hw, settings, mesh.world)
+        e.memory, most = rank_memory(staged, plan, mesh.stage, r, e.memory, settings.device_type)
         sent = sum(c.payload for c in e.comm if c.kind.startswith("PP "))
         work = e.compute_s + e.recompute_s + e.qk_clip_s
         waits = e.newton_schulz_s + e.exposed_s
@@ -201,17 +199,14 @@ def propose(
     spec: RunSpec,
     devices: int,
     hw: Hardware,
-    mfu: float = 0.4,
-    headroom: float = 0.1,
-    device_type: str = "cuda",
-    cp: int = 1,
+    settings: PlanSettings = DEFAULT_SETTINGS,
     prefer: str = "step",
 ) -> tuple[Estimate | None, list[Estimate]]:
-    """(the chosen estimate or None, every candidate in the order tried); every candidate splits rows over `cp` ranks
-    (1 unless asked: --cp or the config's parallel.cp). Chosen: the fitting candidate with the shortest step (ties:
-    the smaller peak), or with prefer="memory" the smallest peak (ties: the shorter step)."""
-    meshes = [Mesh()] if devices == 1 else candidates(devices, spec.model.n_routed_experts, cp, spec.pp)
-    tried = [estimate(spec, mesh, hw, mfu, headroom, device_type) for mesh in meshes]
+    """(the chosen estimate or None, every candidate in the order tried); every candidate splits rows over
+    settings.cp ranks (1 unless asked: --cp or the config's parallel.cp). Chosen: the fitting candidate with the
+    shortest step (ties: the smaller peak), or with prefer="memory" the smallest peak (ties: the shorter step)."""
+    meshes = [Mesh()] if devices == 1 else candidates(devices, spec.model.n_routed_experts, settings.cp, spec.pp)
+    tried = [estimate(spec, mesh, hw, settings) for mesh in meshes]
     return best_fit(tried, prefer), tried
 
 

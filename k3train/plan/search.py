@@ -40,6 +40,7 @@ from k3train.plan.estimate import Estimate, estimate, usable_bytes
 from k3train.plan.hardware import Hardware
 from k3train.plan.memory import stored_floor
 from k3train.plan.mesh import Mesh, candidates
+from k3train.plan.settings import DEFAULT_SETTINGS, PlanSettings
 from k3train.plan.spec import RunSpec
 
 COUNT_BOUND = 65536  # GPUs the count search stops at: 8,192 nodes of 8, past the largest training clusters
@@ -112,16 +113,13 @@ def search_recipes(
     spec: RunSpec,
     devices: int,
     hw: Hardware,
-    mfu: float = 0.4,
-    headroom: float = 0.1,
-    device_type: str = "cuda",
-    asked_cp: int = 1,
-    cp_fixed: bool = False,
+    settings: PlanSettings = DEFAULT_SETTINGS,
     mesh: Mesh | None = None,
 ) -> Search:
     """Every recipe that fits on `devices` (module docstring), each at its fastest fitting mesh, fastest first.
-    asked_cp: the split the configured recipe's batch is at (its R rows are per cp group of that size);
-    cp_fixed: search that split only (--cp or --mesh asked for it); mesh: plan that mesh only (--mesh)."""
+    settings.cp: the split the configured recipe's batch is at (its R rows are per cp group of that size);
+    settings.cp_fixed: search that split only (--cp or --mesh asked for it); mesh: plan that mesh only (--mesh)."""
+    asked_cp, cp_fixed = settings.cp, settings.cp_fixed
     t0 = time.perf_counter()
     rows_asked = spec.batch_size * spec.accumulation
     tokens = rows_asked * spec.seq_len // asked_cp
@@ -158,7 +156,7 @@ def search_recipes(
         out.meshes += meshes
         planned_any = False
         for m in meshes:
-            budget = usable_bytes(hw, m, headroom)
+            budget = usable_bytes(hw, m, settings.headroom)
             if floor(m, False) > budget:
                 out.skipped_meshes.append(m)
                 continue
@@ -172,7 +170,7 @@ def search_recipes(
                             break  # every smaller micro-batch accumulates too
                         recipe = Recipe(precision, checkpointing, b, rows // b, cp)
                         planned = with_recipe(spec, recipe, m)
-                        e = estimate(planned, m, hw, mfu, headroom, device_type)
+                        e = estimate(planned, m, hw, settings)
                         out.plans += 1
                         if e.fits:
                             if recipe not in best or e.step_s < best[recipe].estimate.step_s:
@@ -193,19 +191,15 @@ def count_bound(device_type: str) -> int:
 def smallest_count(
     spec: RunSpec,
     hw: Hardware,
-    mfu: float = 0.4,
-    headroom: float = 0.1,
-    device_type: str = "cuda",
-    asked_cp: int = 1,
-    cp_fixed: bool = False,
+    settings: PlanSettings = DEFAULT_SETTINGS,
 ) -> tuple[Search | None, list[Search]]:
     """(the search at the fewest devices where a recipe fits, or None up to count_bound; every search made): N = 1,
     2, 4, ..., those that cp divides."""
     searches = []
-    for devices in _powers_of_two(count_bound(device_type)):
-        if devices % asked_cp:
+    for devices in _powers_of_two(count_bound(settings.device_type)):
+        if devices % settings.cp:
             continue
-        searches.append(search_recipes(spec, devices, hw, mfu, headroom, device_type, asked_cp, cp_fixed))
+        searches.append(search_recipes(spec, devices, hw, settings))
         if searches[-1].fits:
             return searches[-1], searches
     return None, searches
