@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import ClassVar, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -120,27 +121,33 @@ def parallelize(model: nn.Module, dims: ParallelDims, fully_shard: FullyShard | 
 _DDP_OPTIONS = inspect.signature(DistributedDataParallel.__init__).parameters
 
 
-class DDP:
+@dataclass(eq=False)
+class ParallelConfig:
+    """The layout settings every strategy takes, flat in its parallel node (`parallel.ep=2`, `parallel.pp=2`):
+    ep (routed experts split over this many ranks, tokens exchanged by all-to-all), cp (each row's sequence split
+    over this many ranks), and the pipeline's pp, pp_schedule, pp_virtual_stages and pp_microbatches, checked into a
+    PipelineSettings (k3train/runtime/parallel_layout.py) when the strategy is built."""
+
+    ep: int = 1
+    cp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual_stages: int = 1
+    pp_microbatches: int | None = None
+
+    def __post_init__(self) -> None:
+        self.pipeline = PipelineSettings(self.pp, self.pp_schedule, self.pp_virtual_stages, self.pp_microbatches)
+        self.model_layouts: dict = {}  # the model's own sharded-checkpoint layouts: set by shard()
+
+
+@dataclass(eq=False)
+class DDP(ParallelConfig):
     """DDP, and with ep > 1 expert parallelism: the model's parallelize keeps each rank's 1/ep of its routed experts,
     DDP leaves those weights out of its all-reduce, and average_expert_gradients averages them instead."""
 
-    name = "ddp"
-    dp_replicate = 1  # not a setting: every rank is a replica
-
-    def __init__(
-        self,
-        bucket_cap_mb: int = 25,
-        ep: int = 1,
-        cp: int = 1,
-        pp: int = 1,
-        pp_schedule: str = "1f1b",
-        pp_virtual_stages: int = 1,
-        pp_microbatches: int | None = None,
-    ):
-        self.bucket_cap_mb = bucket_cap_mb
-        self.ep, self.cp = ep, cp
-        self.pipeline = PipelineSettings(pp, pp_schedule, pp_virtual_stages, pp_microbatches)
-        self.model_layouts: dict = {}  # the model's own sharded-checkpoint layouts: set by shard()
+    name: ClassVar[str] = "ddp"
+    dp_replicate: ClassVar[int] = 1  # not a setting: every rank is a replica
+    bucket_cap_mb: int = 25
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         """DDP keeps every parameter whole on every rank; with ep > 1 each rank keeps its routed experts only."""
@@ -178,7 +185,8 @@ class DDP:
         return module.no_sync() if isinstance(module, DistributedDataParallel) else contextlib.nullcontext()
 
 
-class FSDP:
+@dataclass(eq=False)
+class FSDP(ParallelConfig):
     """FSDP2 (torch.distributed.fsdp.fully_shard): each rank holds a 1/N slice (dim 0) of every parameter, of its
     gradient and of the optimizer state, a unit per block (k3train/models/common/parallelize.py). The model's
     parallelize decides its units (KimiK3's also shards its routed experts over expert_dp under ep > 1:
@@ -192,25 +200,14 @@ class FSDP:
     fp64 none (the gathered weights are the master weights).
     """
 
-    name = "fsdp"
+    name: ClassVar[str] = "fsdp"
+    reshard_after_forward: bool = True
+    dp_replicate: int = 1
+    mixed_precision: str = "fp32"
 
-    def __init__(
-        self,
-        reshard_after_forward: bool = True,
-        ep: int = 1,
-        cp: int = 1,
-        dp_replicate: int = 1,
-        pp: int = 1,
-        pp_schedule: str = "1f1b",
-        pp_virtual_stages: int = 1,
-        pp_microbatches: int | None = None,
-        mixed_precision: str = "fp32",
-    ):
-        self.reshard_after_forward = reshard_after_forward
-        self.mp_policy = Precision(dtype=mixed_precision).fsdp_policy()
-        self.ep, self.cp, self.dp_replicate = ep, cp, dp_replicate
-        self.pipeline = PipelineSettings(pp, pp_schedule, pp_virtual_stages, pp_microbatches)
-        self.model_layouts: dict = {}  # the model's own sharded-checkpoint layouts: set by shard()
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.mp_policy = Precision(dtype=self.mixed_precision).fsdp_policy()
 
     def shard(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         self.model_layouts = parallelize(model, dims, FullyShard(self.reshard_after_forward, self.mp_policy))
