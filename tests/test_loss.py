@@ -2,15 +2,17 @@
 gradients, in fp32 and under bf16 autocast, with ignored targets, at chunk sizes that do and do not divide N; and
 KimiK3's fused path against its old lm_head + F.cross_entropy path, tied and untied."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from k3train.models.common.loss import (
     IGNORE_INDEX,
+    TargetLosses,
     default_chunk_size,
     linear_cross_entropy,
-    recording_target_losses,
 )
 from k3train.models.k3 import KimiK3
 
@@ -67,24 +69,50 @@ def test_ignored_targets_count_neither_in_the_sum_nor_in_the_mean(chunk_size):
 
 
 @pytest.mark.parametrize("with_grad", [True, False])
-def test_a_recording_gets_each_targets_loss_and_leaves_the_mean_and_gradients_bitwise(with_grad):
-    """recording_target_losses (a mixture's loss per source): per target F.cross_entropy's reduction="none" within
-    1e-6, 0 where ignored; the mean and its gradients the same bits as without the recording; calls nest."""
+def test_target_losses_get_each_targets_loss_and_leave_the_mean_and_gradients_bitwise(with_grad):
+    """target_losses (a mixture's loss per source): per target F.cross_entropy's reduction="none" within 1e-6, 0
+    where ignored; the mean and its gradients the same bits as without them; each call adds to the one it is handed."""
     hidden, weight, targets = problem(100, 16, 257, ignored=0.2)
     want = F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="none").detach()
     plain = loss_and_grads(linear_cross_entropy, hidden, weight, targets, chunk_size=24)
-    with torch.set_grad_enabled(with_grad), recording_target_losses() as outer:
-        with recording_target_losses() as recorded:
-            loss = linear_cross_entropy(hidden, weight, targets, chunk_size=24)
-        assert outer == []  # the inner recording took it
-        linear_cross_entropy(hidden, weight, targets, chunk_size=24)
-    assert len(recorded) == 1 and len(outer) == 1
-    (losses, kept), _ = recorded[0], outer[0]
+    recorded, other = TargetLosses(), TargetLosses()
+    with torch.set_grad_enabled(with_grad):
+        loss = linear_cross_entropy(hidden, weight, targets, chunk_size=24, target_losses=recorded)
+        linear_cross_entropy(hidden, weight, targets, chunk_size=24)  # handed none: adds to none
+        linear_cross_entropy(hidden, weight, targets, chunk_size=24, target_losses=other)
+    assert len(recorded.parts) == 1 and len(other.parts) == 1
+    losses, kept = recorded.parts[0]
     assert torch.equal(kept, targets != IGNORE_INDEX) and not losses.requires_grad
     torch.testing.assert_close(losses, want, rtol=1e-6, atol=1e-6)
     assert torch.equal(loss.detach(), plain[0].detach())
     if with_grad:
         assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(loss, (hidden, weight)), plain[1:]))
+
+
+def test_handed_target_losses_the_fused_kernel_still_computes_the_mean_and_gradients(monkeypatch):
+    """Where FLA's fused kernel runs (CUDA tensors, flash-linear-attention installed), a mixture's target_losses do
+    not turn it off: the mean and its gradients are the kernel's, the per-target losses a chunked pass's without
+    gradients. Here, on a CPU, the kernel is stood in for by the whole-logits reference, counted."""
+    import k3train.models.common.loss as loss_module
+
+    calls = []
+
+    def fused(hidden, weight, targets):
+        calls.append(hidden.shape[0])
+        return reference(hidden, weight, targets)
+
+    monkeypatch.setattr(loss_module, "_fla_fits", lambda hidden: True)
+    monkeypatch.setattr(loss_module, "_fla_linear_cross_entropy", fused)
+    hidden, weight, targets = problem(100, 16, 257, ignored=0.2)
+    collected = TargetLosses()
+    got = loss_and_grads(linear_cross_entropy, hidden, weight, targets, target_losses=collected)
+    assert calls == [100]  # the fused kernel took the loss and its gradients
+    for a, b in zip(got, loss_and_grads(reference, hidden, weight, targets)):
+        assert torch.equal(a, b)
+    want = F.cross_entropy(F.linear(hidden, weight).float(), targets, reduction="none").detach()
+    (losses, kept), *more = collected.parts
+    assert not more and not losses.requires_grad and torch.equal(kept, targets != IGNORE_INDEX)
+    torch.testing.assert_close(losses, want, rtol=1e-6, atol=1e-6)
 
 
 def test_every_target_ignored_gives_nan_loss_and_zero_gradients_as_f_cross_entropy():
@@ -201,15 +229,20 @@ def test_torch_compile_traces_it_whole_and_gives_the_same_loss_and_gradients():
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
-    # and within a recording (a mixture's loss per source under train.compile): the per-target losses come out too
-    with recording_target_losses() as eager:
-        loss_fn(hidden, weight, targets)
-    with recording_target_losses() as compiled:
-        got = loss_and_grads(torch.compile(loss_fn), hidden, weight, targets, grad_scale=0.7)
+
+    # and handed target_losses (a mixture's loss per source under train.compile): the per-target losses come out too
+    def loss_fn_with(h, w, t, into):
+        return linear_cross_entropy(torch.tanh(h), w, t, chunk_size=24, target_losses=into)
+
+    eager, compiled = TargetLosses(), TargetLosses()
+    loss_fn_with(hidden, weight, targets, eager)
+    got = loss_and_grads(
+        functools.partial(torch.compile(loss_fn_with), into=compiled), hidden, weight, targets, grad_scale=0.7
+    )
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
-    assert len(eager) == len(compiled) == 1
-    torch.testing.assert_close(compiled[0][0], eager[0][0], rtol=1e-5, atol=1e-6)
-    assert torch.equal(compiled[0][1], eager[0][1])
+    assert len(eager.parts) == len(compiled.parts) == 1
+    torch.testing.assert_close(compiled.parts[0][0], eager.parts[0][0], rtol=1e-5, atol=1e-6)
+    assert torch.equal(compiled.parts[0][1], eager.parts[0][1])
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 

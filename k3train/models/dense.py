@@ -36,7 +36,7 @@ from torch import nn
 from k3train.models.common.attention import RotaryEmbedding, document_attention
 from k3train.models.common.documents import Documents
 from k3train.models.common.init import ONE, InitialWeights, Normal, Rule, fill
-from k3train.models.common.loss import linear_cross_entropy
+from k3train.models.common.loss import TargetLosses, linear_cross_entropy
 from k3train.models.common.norm import RMSNorm
 from k3train.models.common.swiglu import SwiGLU
 from k3train.models.layout import ParamLayout
@@ -165,11 +165,16 @@ class DenseTransformer(nn.Module):
         return rules
 
     def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        target_losses: TargetLosses | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """x [B, T] token ids -> (logits [B, T, V], None); with targets [B, T] (x shifted by one) -> (None, the
         mean next-token cross-entropy over all B*T positions in fp32), through linear_cross_entropy as KimiK3
-        computes it (the logits never built whole). document_ids [B, T]: attention within each document."""
+        computes it (the logits never built whole; target_losses: each target's loss added to it). document_ids
+        [B, T]: attention within each document."""
         documents = None if document_ids is None else Documents(document_ids)  # one for every layer
         h = self.embed_tokens(x)
         for layer in self.layers:
@@ -177,7 +182,10 @@ class DenseTransformer(nn.Module):
         h = self.norm(h)
         if targets is None:
             return self.lm_head(h), None
-        return None, linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        loss = linear_cross_entropy(
+            h.flatten(0, 1), self.lm_head.weight, targets.flatten(), target_losses=target_losses
+        )
+        return None, loss
 
     def check_data(self, vocab_size: int, seq_len: int) -> None:
         c = self.config

@@ -30,7 +30,11 @@ class LanguageModel(Protocol):
 
         Optional: a keyword `document_ids` ([B, T] or None, k3train/models/common/documents.py), the documents packed in
         each row, which the model keeps from attending to each other (document masking). The Trainer passes it to a
-        forward that names it (takes_document_ids), and only when a batch has boundaries."""
+        forward that names it (takes_document_ids), and only when a batch has boundaries.
+
+        Optional: a keyword `target_losses` (a TargetLosses, k3train/models/common/loss.py), to which a training
+        forward adds each target's loss when it is handed one (a mixture's loss per source: the update step hands it
+        to a forward that names it; linear_cross_entropy takes it as it is)."""
         ...
 
     def check_data(self, vocab_size: int, seq_len: int) -> None:

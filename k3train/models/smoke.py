@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from k3train.models.common.init import InitialWeights, Normal, fill
-from k3train.models.common.loss import record_target_losses, recording
+from k3train.models.common.loss import TargetLosses
 
 
 @dataclass
@@ -51,8 +51,15 @@ class SmokeTestLM(nn.Module):
     def from_fields(cls, **fields) -> SmokeTestLM:
         return cls(SmokeTestConfig(**fields))
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None, document_ids: torch.Tensor | None = None):
-        """x: [B, T] token ids -> logits [B, T, V]; loss: mean cross-entropy over all B*T targets (fp32).
+    def forward(
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        target_losses: TargetLosses | None = None,
+    ):
+        """x: [B, T] token ids -> logits [B, T, V]; loss: mean cross-entropy over all B*T targets (fp32);
+        target_losses: each target's loss added to it (a mixture's loss per source: k3train/models/common/loss.py).
 
         document_ids is taken and needs nothing done: logits at t read token t alone, so no document ever sees
         another; documents packed in a row are already masked from each other."""
@@ -61,8 +68,8 @@ class SmokeTestLM(nn.Module):
         if targets is not None:
             flat_logits, flat_targets = logits.float().view(-1, logits.size(-1)), targets.reshape(-1)
             loss = F.cross_entropy(flat_logits, flat_targets)
-            if recording():  # a mixture's loss per source (k3train/models/common/loss.py)
-                record_target_losses(F.cross_entropy(flat_logits, flat_targets, reduction="none"), flat_targets)
+            if target_losses is not None:
+                target_losses.add(F.cross_entropy(flat_logits, flat_targets, reduction="none"), flat_targets)
         return logits, loss
 
     def check_data(self, vocab_size: int, seq_len: int) -> None:

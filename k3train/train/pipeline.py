@@ -89,10 +89,15 @@ class Pipeline:
         for module in self.modules:
             yield from module.parameters()
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, document_ids: torch.Tensor | None = None) -> float | None:
+    def step(
+        self, x: torch.Tensor, y: torch.Tensor, document_ids: torch.Tensor | None = None, target_losses=None
+    ) -> float | None:
         """One update's forward and backward over the rows x, y [rows, T]; the mean loss over them on a rank that
-        holds the last stage, else None. Every rank of the pipeline calls it with the same rows."""
+        holds the last stage, else None. Every rank of the pipeline calls it with the same rows. target_losses (a
+        TargetLosses): the last stage adds each target's loss to it, micro-batch by micro-batch in order (the
+        schedule hands a non-tensor keyword to every micro-batch as it is)."""
         kwargs = {"targets": y} | ({} if document_ids is None else {"document_ids": document_ids})
+        kwargs |= {} if target_losses is None else {"target_losses": target_losses}
         losses: list[torch.Tensor] = []
         args = (x,) if self.holds_first else ()
         self.schedule.step(*args, target=y, losses=losses, **kwargs)

@@ -1,13 +1,14 @@
 """A mixture's train loss per source: `train/<source>/loss` in the train events, beside the mixture's own loss.
 
-The loss function records each target's loss while the update's forwards run (recording_target_losses in
-k3train/models/common/loss.py: the same bits as the mean it returns, no second pass); the loader says which source
-each row came from (MixtureLoader.sources_of). Per source, the targets' losses and their count are summed over the
-updates of a log window (a skipped update's are dropped, as the window's loss drops its) and over every rank: each
-token is on exactly one rank's rows (data-parallel ranks hold other rows, context-parallel ranks other slices of
-the same rows, and only a pipeline's last stage computes losses). So a source's figure is the mean loss of its
-tokens in the window, as the train loss is the mixture's; weighted by the sources' token counts the figures give
-back the window's loss (tests/test_data_mixture.py checks it). A source with no token in the window has no figure.
+The loss function adds each target's loss to the TargetLosses the update step hands the model's forward
+(k3train/models/common/loss.py; k3train/train/step.py returns them: on the chunked path the same bits as the mean it
+returns, no second pass); the loader says which source each row came from (MixtureLoader.sources_of). Per source,
+the targets' losses and their count are summed over the updates of a log window (a skipped update's are dropped, as
+the window's loss drops its) and over every rank: each token is on exactly one rank's rows (data-parallel ranks hold
+other rows, context-parallel ranks other slices of the same rows, and only a pipeline's last stage computes losses).
+So a source's figure is the mean loss of its tokens in the window, as the train loss is the mixture's; weighted by
+the sources' token counts the figures give back the window's loss (tests/test_data_mixture.py checks it). A source
+with no token in the window has no figure.
 """
 
 from __future__ import annotations

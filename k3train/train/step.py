@@ -13,12 +13,15 @@ k3train/run/build.py picks one (the only place that asks whether a run is pipeli
 is given: the loop, the optimizer step and its guard, the cadence of evals and checkpoints.
 
 A mixture's per-target losses (its train loss per source) are the step's return value: `forward_backward(...,
-per_target=True)` records each forward's (losses, kept) and hands them back in row order (StepLoss.by_target).
+per_target=True)` hands the model's forward a TargetLosses (k3train/models/common/loss.py), which its loss fills,
+and returns what it collected in row order (StepLoss.by_target). A model whose forward takes no `target_losses`
+(a plug-in) gives none: no figure per source rather than a guess.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -28,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from k3train.checkpoint.expert_shards import expert_sharded_model, expert_sharded_optimizer, with_expert_shards
-from k3train.models.common.loss import recording_target_losses
+from k3train.models.common.loss import TargetLosses
 from k3train.models.layout import expert_shards
 from k3train.models.protocol import LanguageModel, document_inputs
 from k3train.runtime.distributed import mean_across_ranks
@@ -82,14 +85,10 @@ class UpdateStep(Protocol):
         ...
 
 
-@contextlib.contextmanager
-def _recording(into: list, wanted: bool):
-    if not wanted:
-        yield
-        return
-    with recording_target_losses() as recorded:
-        yield
-    into.extend(recorded)
+def _collector(model: nn.Module, wanted: bool) -> dict:
+    """The forward's keyword for a TargetLosses when per-target losses are wanted and the model takes one."""
+    takes = "target_losses" in inspect.signature(model.forward).parameters
+    return {"target_losses": TargetLosses()} if wanted and takes else {}
 
 
 class DataParallelStep:
@@ -116,20 +115,21 @@ class DataParallelStep:
         self.expert_shards = frozenset(id(p) for p in expert_shards(model))
 
     def forward_backward(self, batches: list[Batch], per_target: bool = False) -> StepLoss:
-        losses, by_target = [], []
+        losses = []
+        collect = _collector(self.model, per_target)
         for i, (x, y, document_ids) in enumerate(batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             documents = document_inputs(self.model, document_ids, self.device)  # {} without boundaries
             last = i == len(batches) - 1  # only its backward all-reduces the gradients across ranks
             with self.parallel.no_sync(self.replicated) if not last else contextlib.nullcontext():
-                with self.precision.autocast(self.device), _recording(by_target, per_target):
-                    _, loss = self.forward(x, targets=y, **documents)
+                with self.precision.autocast(self.device):
+                    _, loss = self.forward(x, targets=y, **documents, **collect)
                 self.scaler.scale(loss / len(batches)).backward()
             losses.append(loss.detach().double())  # exact for fp32 and fp64 losses alike
         self.parallel.finish_gradients(self.model, self.dims)  # e.g. expert-parallel weights, which DDP leaves out
         # The global batch's loss, so every rank takes the same skip-or-step decision (a NaN anywhere is NaN here).
         loss = mean_across_ranks(torch.stack(losses).mean().item(), self.device, self.dims.dp_group)
-        return StepLoss(loss, by_target)
+        return StepLoss(loss, collect["target_losses"].parts if collect else [])
 
     def eval_loss(self, x, y, document_ids) -> torch.Tensor:
         _, loss = self.model(x, targets=y, **document_inputs(self.model, document_ids, self.device))
@@ -174,13 +174,14 @@ class PipelineStep:
         if any(d is not None for d in ids):  # a micro-batch without boundaries is one document a row
             documents = torch.cat([torch.zeros_like(b[0]) if d is None else d for b, d in zip(batches, ids)])
             documents = documents.to(self.device)
-        by_target: list = []
-        with self.precision.autocast(self.device), _recording(by_target, per_target):
-            loss = self.pipeline.step(x, y, documents)
+        collected = TargetLosses() if per_target else None  # filled on the last stage's rank
+        with self.precision.autocast(self.device):
+            loss = self.pipeline.step(x, y, documents, collected)
         self.pipeline.reduce_gradients(self.dims.dp_group)
         for stage in self.pipeline.modules:  # e.g. expert-parallel weights, which the pipeline's average leaves out
             self.parallel.finish_gradients(stage, self.dims)
         loss = self._from_last_stage(loss)
+        by_target = collected.parts if collected is not None else []
         return StepLoss(mean_across_ranks(loss, self.device, self.dims.dp_group), by_target)
 
     def eval_loss(self, x, y, document_ids) -> float:

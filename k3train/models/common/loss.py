@@ -14,9 +14,12 @@ backward each stream [N, V] floats through memory; a chunk of them stays in cach
 Targets equal to IGNORE_INDEX (-100, F.cross_entropy's default) count neither in the sum nor in the mean. When
 every target is ignored the loss is NaN (0 / 0) and the gradients are zero, as F.cross_entropy gives.
 
-Per-target losses for figures (a mixture's train loss per source): within `recording_target_losses()` each call
-also appends (losses [N] fp32, kept [N] bool), detached, to the list it yields; the mean and its gradients are the
-same bits as without it. FLA's kernel gives only the mean, so a recorded call takes the chunked path.
+Per-target losses for figures (a mixture's train loss per source): a call handed `target_losses` (a TargetLosses,
+passed down by the model's forward from the caller that wants them: k3train/train/step.py) also adds (losses [N],
+kept [N] bool), detached, to it. On the chunked path they come out of the same pass, and the mean and its gradients
+are the same bits as without them. FLA's kernel gives only the mean, so there the mean and gradients stay FLA's and
+the per-target losses come from one more chunked pass without gradients (the LM head's forward matmul again: a
+third of the head's training FLOPs, under 1% of a K3 step's).
 
 Under torch.autocast the matmuls run in the autocast dtype, as the nn.Linear they replace would; the softmax and
 the loss are fp32, and the gradients reach hidden and weight in their own dtypes (through autograd's casts).
@@ -30,9 +33,6 @@ the gradients). FLA's kernel:
 """
 
 from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator
 
 import torch
 
@@ -49,33 +49,21 @@ LOGITS_BLOCK_VALUES = 512 * 32768
 GPU_LOGITS_BLOCK_VALUES = 2048 * 163840
 
 
-_recorded: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # set by recording_target_losses
+class TargetLosses:
+    """Each target's loss, collected from the forwards it is handed to (as `target_losses=`), in the order they run:
+    `parts`, a list of (losses [N] fp32 (fp64 kept), kept [N] bool), detached, 0 where the target is ignored. Not a
+    list itself: a pipeline's schedule hands a non-tensor keyword to every micro-batch as it is (a list would be
+    rebuilt per micro-batch)."""
 
+    def __init__(self) -> None:
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-@contextlib.contextmanager
-def recording_target_losses() -> Iterator[list[tuple[torch.Tensor, torch.Tensor]]]:
-    """Every loss computed inside appends its (per-target losses, kept) to the list this yields (module docstring)."""
-    global _recorded
-    outer, _recorded = _recorded, []
-    try:
-        yield _recorded
-    finally:
-        _recorded = outer
-
-
-def recording() -> bool:
-    """Whether a recording_target_losses() is on: a model whose loss is not linear_cross_entropy's computes its
-    per-target losses only then, and hands them to record_target_losses."""
-    return _recorded is not None
-
-
-def record_target_losses(losses: torch.Tensor, targets: torch.Tensor) -> None:
-    """losses [N] (e.g. F.cross_entropy's with reduction="none"), targets [N] -> into the recording, if one is on.
-    Call it outside any autograd.Function: torch.compile replays a list append only out there."""
-    if _recorded is not None:
+    def add(self, losses: torch.Tensor, targets: torch.Tensor) -> None:
+        """losses [N] (e.g. F.cross_entropy's with reduction="none"), targets [N]. Call it outside any
+        autograd.Function: torch.compile replays an append only out there."""
         kept = targets != IGNORE_INDEX
         losses = losses.detach().to(torch.promote_types(losses.dtype, torch.float32))  # bf16 up, fp64 kept
-        _recorded.append((torch.where(kept, losses, 0.0), kept))
+        self.parts.append((torch.where(kept, losses, 0.0), kept))
 
 
 def default_chunk_size(vocab_size: int, device_type: str = "cpu") -> int:
@@ -89,10 +77,11 @@ def linear_cross_entropy(
     targets: torch.Tensor,
     chunk_size: int | None = None,
     implementation: str = "auto",
+    target_losses: TargetLosses | None = None,
 ) -> torch.Tensor:
     """hidden [N, d], weight [V, d], targets [N] int64 -> the mean cross-entropy over the targets that are not
     IGNORE_INDEX, a fp32 scalar. chunk_size: rows per chunk; None: default_chunk_size(V, device).
-    implementation: "auto" | "chunked" | "fla" (module docstring)."""
+    implementation: "auto" | "chunked" | "fla"; target_losses: each target's loss added to it (module docstring)."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"linear_cross_entropy implementation={implementation!r} must be one of {IMPLEMENTATIONS}")
     if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1] or targets.shape != hidden.shape[:1]:
@@ -109,18 +98,23 @@ def linear_cross_entropy(
     if torch.is_autocast_enabled(device_type):  # the casts nn.Linear would get; autograd carries the grads back
         dtype = torch.get_autocast_dtype(device_type)
         hidden, weight = hidden.to(dtype), weight.to(dtype)
-    record = recording()
+    record = target_losses is not None
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         fla_wanted = implementation == "fla" or (implementation == "auto" and chunk_size_given is None)
-        if fla_wanted and not record and (implementation == "fla" or _fla_fits(hidden)):
+        if fla_wanted and (implementation == "fla" or _fla_fits(hidden)):
             with torch.autocast(device_type, enabled=False):
-                return _fla_linear_cross_entropy(hidden, weight, targets)
+                loss = _fla_linear_cross_entropy(hidden, weight, targets)
+                if record:  # FLA's kernel gives only the mean: the per-target losses from a pass without gradients
+                    with torch.no_grad():
+                        per_target = _chunked(hidden.detach(), weight.detach(), targets, chunk_size, False, True)[3]
+                    target_losses.add(per_target, targets)
+            return loss
         loss, per_target = _LinearCrossEntropy.apply(hidden, weight, targets, chunk_size, record)
     else:
         with torch.autocast(device_type, enabled=False):
             loss, _, _, per_target = _chunked(hidden, weight, targets, chunk_size, False, record)
     if record:
-        record_target_losses(per_target, targets)
+        target_losses.add(per_target, targets)
     return loss
 
 

@@ -55,7 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from k3train.models.common.context_parallel import ContextParallel
 from k3train.models.common.documents import Documents
 from k3train.models.common.init import ONE, ZERO, InitialWeights, Normal, Rule, declared_rules, fill
-from k3train.models.common.loss import linear_cross_entropy
+from k3train.models.common.loss import TargetLosses, linear_cross_entropy
 from k3train.models.common.norm import RMSNorm
 from k3train.models.common.swiglu import SwiGLU
 from k3train.models.k3.attn_res import attn_res_mix
@@ -311,7 +311,11 @@ class KimiK3(nn.Module):
         return rules | declared_rules(self)  # KDA's own
 
     def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None, document_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        target_losses: TargetLosses | None = None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """x [B, T] token ids -> (logits [B, T, V], None); with targets [B, T] -> (None, the mean next-token
         cross-entropy over all B*T positions in fp32) (targets are already shifted: targets[:, t] follows x[:, t]).
@@ -320,7 +324,8 @@ class KimiK3(nn.Module):
         The loss still averages over every position.
 
         With targets the logits are never built whole: linear_cross_entropy (k3train/models/common/loss.py) runs the LM
-        head and the loss together over row chunks, the same matmuls as lm_head + F.cross_entropy."""
+        head and the loss together over row chunks, the same matmuls as lm_head + F.cross_entropy; target_losses:
+        each target's loss added to it (a mixture's loss per source)."""
         documents = None if document_ids is None else Documents(document_ids, self._context_parallel())
         h = self.embed_tokens(x)
         blocks: tuple[torch.Tensor, ...] = ()
@@ -329,7 +334,10 @@ class KimiK3(nn.Module):
         h = self.norm(self._output_mix(h, blocks))
         if targets is None:
             return self.lm_head(h), None
-        return None, linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())
+        loss = linear_cross_entropy(
+            h.flatten(0, 1), self.lm_head.weight, targets.flatten(), target_losses=target_losses
+        )
+        return None, loss
 
     def _context_parallel(self) -> ContextParallel | None:
         """The group the mixers split the sequence over (set_context_parallel hands every one the same), or None."""

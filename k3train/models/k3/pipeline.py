@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from k3train.models.common.documents import Documents
-from k3train.models.common.loss import linear_cross_entropy
+from k3train.models.common.loss import TargetLosses, linear_cross_entropy
 from k3train.models.k3.parallelize import parallelize as parallelize_k3
 
 
@@ -69,10 +69,11 @@ class KimiK3Stage(nn.Module):
         *inputs: torch.Tensor,
         document_ids: torch.Tensor | None = None,
         targets: torch.Tensor | None = None,
+        target_losses: TargetLosses | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """inputs: the tokens [B, T] (first stage) or (h [B, T, d], *blocks); returns (h, *blocks) for the next
         stage, or on the last the mean next-token loss over the micro-batch's B*T positions (fp32), shape [1]: the
-        schedule concatenates the micro-batches' outputs."""
+        schedule concatenates the micro-batches' outputs; there target_losses gets each target's loss."""
         if self.is_first:
             (x,) = inputs
             h, blocks = self.embed_tokens(x), ()
@@ -88,4 +89,7 @@ class KimiK3Stage(nn.Module):
             raise ValueError("the last pipeline stage computes the loss: it needs targets")
         h = self.norm(self._output_mix(self, h, blocks))
         # a new tensor, not a view of the scalar: FSDP2 hooks a root's outputs for backward, and warns at a view
-        return torch.stack([linear_cross_entropy(h.flatten(0, 1), self.lm_head.weight, targets.flatten())])
+        loss = linear_cross_entropy(
+            h.flatten(0, 1), self.lm_head.weight, targets.flatten(), target_losses=target_losses
+        )
+        return torch.stack([loss])
