@@ -164,7 +164,7 @@ def trainer_accounting(trainer: Trainer, steps: int) -> dict:
         return wrapper
 
     patches = [
-        (trainer, "forward"),
+        (trainer.step, "forward"),  # the model's forward, as the update step calls it
         (trainer.train_loader, "next_batch"),
         (trainer.optimizer, "step"),
         (trainer.optimizer, "zero_grad"),
