@@ -51,27 +51,32 @@ def _read_by_slice(source: str, layout: str, rank: int, world: int) -> dict:
     return {"parts": parts, "buffers": buffers, "largest": max(handed), "total": sum(handed)}
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "fsdp_ep"])
-def test_a_release_read_by_slice_into_fsdp2_equals_the_one_process_load(tmp_path, layout):
-    model = model_with_every_weight_random(K3)
-    write_release(model, tmp_path / "release")
-    whole = read_hf(HF_ADAPTER, tmp_path / "release", say=lambda _: None).model.state_dict()
-    ranks = spawn_ranks(functools.partial(_read_by_slice, str(tmp_path / "release"), layout), tmp_path)
+def assert_the_ranks_hold_the_whole_once(ranks: list[dict], whole: dict, model) -> None:
+    """Each rank's parts equal the same regions of `whole` bit for bit, its persistent buffers `whole`'s (the
+    balancing bias; the rotary tables are computed), the ranks' parts add up to the model once, and each rank was
+    handed its own parts only (and the small whole buffers), never the model."""
     held = 0
     for rank in ranks:
         for name, (region, local) in rank["parts"].items():
             assert torch.equal(local, whole[name][tuple(slice(a, b) for a, b in region)]), name
             held += local.numel()
         for name, buffer in rank["buffers"].items():
-            if name in whole:  # the balancing bias (persistent); the rotary tables are computed
+            if name in whole:
                 assert torch.equal(buffer, whole[name]), name
-    parameters = sum(p.numel() for p in model.parameters())
-    assert held == parameters  # the two ranks' parts are the whole model, once
-    for rank in ranks:
-        # each rank was handed its own parts only (and the small whole buffers), never the model; the largest region
-        # read at once is one tensor's share, far below the model
         buffers = sum(b.numel() for n, b in rank["buffers"].items() if n in whole)
         assert rank["total"] == sum(local.numel() for _, local in rank["parts"].values()) + buffers
+    assert held == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("layout", ["fsdp", "fsdp_ep"])
+def test_a_release_read_by_slice_into_fsdp2_equals_the_one_process_load(tmp_path, layout):
+    model = model_with_every_weight_random(K3)
+    write_release(model, tmp_path / "release")
+    whole = read_hf(HF_ADAPTER, tmp_path / "release", say=lambda _: None).model.state_dict()
+    ranks = spawn_ranks(functools.partial(_read_by_slice, str(tmp_path / "release"), layout), tmp_path)
+    assert_the_ranks_hold_the_whole_once(ranks, whole, model)
+    parameters = sum(p.numel() for p in model.parameters())
+    for rank in ranks:  # the largest region read at once is one tensor's share, far below the model
         assert rank["largest"] <= max(t.numel() for t in whole.values()) < parameters / 4
 
 
@@ -112,14 +117,4 @@ def test_a_sharded_checkpoint_read_by_slice_in_another_layout_equals_its_weights
     spawn_ranks(functools.partial(_save_sharded, str(saved)), tmp_path / "save")
     assert (saved / ".metadata").is_file()
     read = spawn_ranks(functools.partial(_read_by_slice, str(saved), layout), tmp_path / "read", nprocs=ranks)
-    held = 0
-    for rank in read:
-        for name, (region, local) in rank["parts"].items():
-            assert torch.equal(local, whole[name][tuple(slice(a, b) for a, b in region)]), name
-            held += local.numel()
-        for name, buffer in rank["buffers"].items():
-            if name in whole:
-                assert torch.equal(buffer, whole[name]), name
-        buffers = sum(b.numel() for n, b in rank["buffers"].items() if n in whole)
-        assert rank["total"] == sum(local.numel() for _, local in rank["parts"].values()) + buffers
-    assert held == sum(p.numel() for p in model.parameters())
+    assert_the_ranks_hold_the_whole_once(read, whole, model)

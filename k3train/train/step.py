@@ -85,10 +85,9 @@ class UpdateStep(Protocol):
         ...
 
 
-def _collector(model: nn.Module, wanted: bool) -> dict:
-    """The forward's keyword for a TargetLosses when per-target losses are wanted and the model takes one."""
-    takes = "target_losses" in inspect.signature(model.forward).parameters
-    return {"target_losses": TargetLosses()} if wanted and takes else {}
+def takes_target_losses(model: nn.Module) -> bool:
+    """Whether the model's forward takes a `target_losses` keyword (k3train/models/protocol.py)."""
+    return "target_losses" in inspect.signature(model.forward).parameters
 
 
 class DataParallelStep:
@@ -113,10 +112,11 @@ class DataParallelStep:
         self.forward = torch.compile(self.replicated) if compile else self.replicated
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.expert_shards = frozenset(id(p) for p in expert_shards(model))
+        self.takes_target_losses = takes_target_losses(model)
 
     def forward_backward(self, batches: list[Batch], per_target: bool = False) -> StepLoss:
         losses = []
-        collect = _collector(self.model, per_target)
+        collect = {"target_losses": TargetLosses()} if per_target and self.takes_target_losses else {}
         for i, (x, y, document_ids) in enumerate(batches):
             x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
             documents = document_inputs(self.model, document_ids, self.device)  # {} without boundaries
@@ -163,6 +163,7 @@ class PipelineStep:
         self.scaler = precision.make_scaler(device)  # fp16 is refused with pp: a no-op scaler
         self.params = [p for p in pipeline.parameters() if p.requires_grad]
         self.expert_shards = frozenset(id(p) for p in expert_shards(model))
+        self.takes_target_losses = all(takes_target_losses(m) for m in pipeline.modules)
 
     def forward_backward(self, batches: list[Batch], per_target: bool = False) -> StepLoss:
         """One schedule step over the update's micro-batches (every forward and backward), the stages' gradients
@@ -174,7 +175,7 @@ class PipelineStep:
         if any(d is not None for d in ids):  # a micro-batch without boundaries is one document a row
             documents = torch.cat([torch.zeros_like(b[0]) if d is None else d for b, d in zip(batches, ids)])
             documents = documents.to(self.device)
-        collected = TargetLosses() if per_target else None  # filled on the last stage's rank
+        collected = TargetLosses() if per_target and self.takes_target_losses else None  # on the last stage's rank
         with self.precision.autocast(self.device):
             loss = self.pipeline.step(x, y, documents, collected)
         self.pipeline.reduce_gradients(self.dims.dp_group)
