@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from k3train.checkpoint.checkpointer import CheckpointError, load_checkpoint
-from k3train.checkpoint.dcp import EXTRA, PLACEHOLDER, SafeFileSystemReader, safe_load
+from k3train.checkpoint.dcp import SafeFileSystemReader
 from k3train.hf import HFFormatError
 from k3train.hf.adapter import HFAdapter
 from k3train.hf.mxfp4 import decode_mxfp4
@@ -184,25 +184,26 @@ class ShardedCheckpointSlices:
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
-        meta = load_checkpoint(directory, keep=lambda key: False)["meta"]  # checked, no sharded tensor read
-        self.state = safe_load(directory / EXTRA)["model"]  # placeholders, and the tensors kept whole
-        self.model = _saved_model(directory, meta)
+        payload = load_checkpoint(directory, keep=lambda key: False)  # checked; a sharded tensor is None, unread
+        self.state = payload["model"]
+        self.model = _saved_model(directory, payload["meta"])
         self.reader = SafeFileSystemReader(directory)
-        self.metadata = self.reader.read_metadata()
+        self.metadata = self.reader.read_metadata()  # each sharded tensor's key, shape and dtype
         self.reader.read_metadata = lambda *args, **kwargs: self.metadata  # read once, not once a region
 
     def __call__(self, name: str, shape: tuple[int, ...], region: Region) -> torch.Tensor:
         stored = self.state[name]
-        if isinstance(stored, torch.Tensor):
+        if stored is not None:
             _check_shape(name, list(stored.shape), shape, self.directory)
             return stored[region]
-        _check_shape(name, stored["shape"], shape, self.directory)
-        out = torch.empty([s.stop - s.start for s in region], dtype=getattr(torch, stored["dtype"]))
+        key = f"model/{name}"  # checkpoint/dcp.py's split_shards: the tree's path
+        saved = self.metadata.state_dict_metadata[key]
+        _check_shape(name, list(saved.size), shape, self.directory)
+        out = torch.empty([s.stop - s.start for s in region], dtype=saved.properties.dtype)
         if out.numel() == 0:  # a rank holding no rows of a short tensor: nothing to read
             return out
-        offsets = [s.start for s in region]
-        planner = _RegionPlanner(stored[PLACEHOLDER], offsets, out)
-        dcp.load({stored[PLACEHOLDER]: out}, storage_reader=self.reader, planner=planner, no_dist=True)
+        planner = _RegionPlanner(key, [s.start for s in region], out)
+        dcp.load({key: out}, storage_reader=self.reader, planner=planner, no_dist=True)
         return out
 
 
