@@ -31,6 +31,10 @@ class ParamLayout:
 
 WHOLE = ParamLayout()
 
+# The key of the expert shards' sharded-checkpoint layout, (mesh, placements), in what a model's parallelize returns
+# (k3train/models/protocol.py's Parallelizes): the whole [E, ...] weight over the expert mesh, ep first.
+ROUTED_EXPERTS = "routed_experts"
+
 
 def parameter_layouts(model: nn.Module) -> dict[str, ParamLayout]:
     """The ParamLayout of every parameter of `model` whose module declares one, by its name in `model`."""

@@ -69,10 +69,11 @@ class Parallelizes(Protocol):
 
     def parallelize(self, dims: Any, fully_shard: Any) -> dict:
         """Spread over `dims` (a ParallelDims); `fully_shard` is a FullyShard (FSDP2's options) under FSDP2, else
-        None. Returns the layouts of its sharded-checkpoint tensors beyond FSDP2's own, {mesh dim names: (mesh,
-        placements)}, as the strategy's shard_layouts give them (empty when it has none). A parameter it leaves
-        different on every rank (its own slice of a whole) has a layout (k3train/models/layout.py) whose
-        `expert_parallel` is the ranks it is split over."""
+        None. Returns the layouts of its sharded-checkpoint tensors beyond FSDP2's own, {what: (mesh,
+        placements)} (empty when it has none): under k3train.models.layout.ROUTED_EXPERTS the whole routed-expert
+        weights' (k3train/checkpoint/expert_shards.py reads it). A parameter it leaves different on every rank (its
+        own slice of a whole) has a layout (k3train/models/layout.py) whose `expert_parallel` is the ranks it is
+        split over."""
         ...
 
 

@@ -283,14 +283,6 @@ class ParallelDims:
             return self.expert_hsdp_mesh["expert_replicate", "expert_shard"]
         return self.expert_mesh["expert_dp"]
 
-    def expert_checkpoint_layout(self, placement) -> tuple[DeviceMesh, list]:
-        """(mesh, placements) of a whole routed-expert weight in a checkpoint: Shard(0) over ep, then each rank's
-        experts as `placement` (FSDP2's shard, or Replicate) over expert_dp, or under HSDP whole over the replica
-        groups and `placement` over expert_shard (k3train/checkpoint/expert_shards.py)."""
-        if self.layout.strategy == "hsdp":
-            return self.expert_hsdp_mesh, [Shard(0), Replicate(), placement]
-        return self.expert_mesh, [Shard(0), placement]
-
     def describe(self) -> str:
         if not self.several_ranks:
             return "one process"

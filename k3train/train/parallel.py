@@ -137,7 +137,13 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         self.pipeline = PipelineSettings(self.pp, self.pp_schedule, self.pp_virtual_stages, self.pp_microbatches)
-        self.model_layouts: dict = {}  # the model's own sharded-checkpoint layouts: set by shard()
+        # the model's own sharded-checkpoint layouts, {what: (mesh, placements)}, as its parallelize returned them
+        self.model_layouts: dict = {}
+
+
+def _by_mesh(model_layouts: dict) -> dict:
+    """The model's own layouts by the names of their mesh, as a sharded checkpoint records them."""
+    return {tuple(mesh.mesh_dim_names): (mesh, placements) for mesh, placements in model_layouts.values()}
 
 
 @dataclass(eq=False)
@@ -160,7 +166,7 @@ class DDP(ParallelConfig):
     def shard_layouts(self, dims: ParallelDims) -> dict:
         """How this run holds each kind of sharded checkpoint tensor, by the names of the mesh it was saved on:
         (mesh, placements). DDP's are the model's own alone (KimiK3's routed experts under ep > 1)."""
-        return dict(self.model_layouts)
+        return _by_mesh(self.model_layouts)
 
     def wrap(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         if not dims.several_ranks or dims.pp > 1:  # a pipeline averages its stages' gradients itself
@@ -218,11 +224,11 @@ class FSDP(ParallelConfig):
         (mesh, placements). Under FSDP2 everything is sharded on dim 0 over dp_shard (and under HSDP replicated over
         dp_replicate), then the model's own (KimiK3's routed experts over ep, then expert_dp)."""
         if not dims.several_ranks:
-            return dict(self.model_layouts)
+            return _by_mesh(self.model_layouts)
         held = (dims.shard_mesh, dims.shard_placements)
         # ("dp_shard",) is also how a tensor saved on a mesh this run lacks is read (ShardedCheckpointer)
         layouts = {("dp_shard",): held, tuple(dims.shard_mesh.mesh_dim_names): held}
-        return {**layouts, **self.model_layouts}
+        return {**layouts, **_by_mesh(self.model_layouts)}
 
     def wrap(self, model: nn.Module, device: torch.device, dims: ParallelDims) -> nn.Module:
         return model  # fully_shard changed the model in place

@@ -32,7 +32,7 @@ from torch import nn
 
 from k3train.checkpoint.expert_shards import expert_sharded_model, expert_sharded_optimizer, with_expert_shards
 from k3train.models.common.loss import TargetLosses
-from k3train.models.layout import expert_shards
+from k3train.models.layout import ROUTED_EXPERTS, expert_shards
 from k3train.models.protocol import LanguageModel, document_inputs
 from k3train.runtime.distributed import mean_across_ranks
 from k3train.runtime.parallel_dims import ParallelDims
@@ -136,7 +136,8 @@ class DataParallelStep:
         return loss
 
     def checkpoint_parts(self, parts: dict, optimizer: torch.optim.Optimizer) -> dict:
-        return with_expert_shards(parts, self.model, optimizer, self.dims)  # the routed experts whole under ep > 1
+        experts = self.parallel.model_layouts.get(ROUTED_EXPERTS)  # the routed experts whole under ep > 1
+        return with_expert_shards(parts, self.model, optimizer, experts)
 
     def figures(self, local: dict, callbacks: dict) -> dict:
         return local
@@ -197,9 +198,10 @@ class PipelineStep:
 
     def checkpoint_parts(self, parts: dict, optimizer: torch.optim.Optimizer) -> dict:
         """The whole model's checkpoint: gathered from the stages, or sharded by stage."""
-        stages = [expert_sharded_model(m, self.dims) for m in self.pipeline.modules]
+        experts = self.parallel.model_layouts.get(ROUTED_EXPERTS)
+        stages = [expert_sharded_model(m, experts) for m in self.pipeline.modules]
         modules = nn.ModuleList(self.pipeline.modules)
-        held = expert_sharded_optimizer(parts["optimizer"], optimizer, modules, self.dims)
+        held = expert_sharded_optimizer(parts["optimizer"], optimizer, modules, experts)
         group, gather = self.dims.pp_group, self.gather
         parts["model"] = PipelineModel(self.model, self.pipeline.modules, group, gather, parts=stages)
         parts["optimizer"] = PipelineOptimizer(held, optimizer, self.whole_optimizer, self.model, group, gather)

@@ -12,24 +12,26 @@ else on dim 1, whose Newton-Schulz then gathers them (k3train/optim/muon.py), as
 shard them over: FSDP2 ignores them and the strategy's average_expert_gradients divides them. The blocks and the root
 are then FSDP2 units as any model's (k3train/models/common/parallelize.py).
 
-The sharded-checkpoint layout of the routed experts is K3's too: the whole [E, ...] weight over the expert mesh,
-ep then expert_dp (k3train/checkpoint/expert_shards.py assembles it).
+The sharded-checkpoint layout of the routed experts is K3's too, and parallelize returns it (ROUTED_EXPERTS): the
+whole [E, ...] weight over the expert mesh, Shard(0) over ep, then each ep rank's experts as FSDP2 placed them over
+expert_dp (k3train/checkpoint/expert_shards.py assembles it from what this returns, and works nothing out again).
 """
 
 from __future__ import annotations
 
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 
 from k3train.models.common.parallelize import FullyShard, fully_shard_blocks
 from k3train.models.k3.moe import MoE
-from k3train.models.layout import expert_shards
+from k3train.models.layout import ROUTED_EXPERTS, expert_shards
 from k3train.runtime.parallel_layout import expert_shard_dim
 
 
 def parallelize(model, dims, options: FullyShard | None) -> dict:
     """KimiK3.parallelize (k3train/models/protocol.py's Parallelizes): `options` FSDP2's under FSDP2, None under
-    DDP. Returns the routed experts' sharded-checkpoint layout when ep > 1."""
+    DDP. Returns the routed experts' sharded-checkpoint layout when ep > 1, {ROUTED_EXPERTS: (mesh, placements)}."""
     moes = [m for m in model.modules() if isinstance(m, MoE)]
     for moe in moes:
         moe.balance_over(dims.dp_group)
@@ -45,8 +47,16 @@ def parallelize(model, dims, options: FullyShard | None) -> dict:
         placement = _fully_shard(model, moes, dims, options)
     if dims.ep == 1:
         return {}
-    mesh, placements = dims.expert_checkpoint_layout(placement)
-    return {tuple(mesh.mesh_dim_names): (mesh, placements)}
+    return {ROUTED_EXPERTS: _expert_checkpoint_layout(dims, placement)}
+
+
+def _expert_checkpoint_layout(dims, placement) -> tuple[DeviceMesh, list]:
+    """(mesh, placements) of a whole routed-expert weight in a checkpoint: Shard(0) over ep, then each rank's
+    experts as `placement` (FSDP2's shard, or Replicate) over expert_dp, or under HSDP whole over the replica
+    groups and `placement` over expert_shard."""
+    if dims.layout.strategy == "hsdp":
+        return dims.expert_hsdp_mesh, [Shard(0), Replicate(), placement]
+    return dims.expert_mesh, [Shard(0), placement]
 
 
 def _fully_shard(model, moes: list[MoE], dims, options: FullyShard):
