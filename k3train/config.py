@@ -168,6 +168,7 @@ class Config:
     precision: Any = MISSING
     data: Any = MISSING
     parallel: Any = MISSING
+    guard: Any = MISSING  # k3train.train.guard.Guard: loss-spike detection and what a spike does (conf/guard/)
     callbacks: Any = field(default_factory=dict)  # name -> `_target_` node of a k3train.train.callbacks.Callback
     logger: Any = field(default_factory=dict)  # name -> `_target_` node of a metrics sink, besides metrics.jsonl
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -25,7 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-GROUPS = ("model", "optim", "schedule", "precision", "data", "parallel")  # one `_target_` node each
+GROUPS = ("model", "optim", "schedule", "precision", "data", "parallel", "guard")  # one `_target_` node each
 NAMED_GROUPS = ("callbacks", "logger")  # name -> `_target_` node
 HYDRA_KEYS = frozenset({"_target_", "_partial_", "_recursive_", "_convert_", "_args_"})
 

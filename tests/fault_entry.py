@@ -12,6 +12,8 @@ handshake files:
                    fail with ENOSPC, and torch reacts as it does on a real full disk
   die_step:N       after the train event of step N, SIGKILL this process if its RANK is K3TRAIN_FAULT_RANK (default
                    1): one rank of a multi-process run dies
+  die_rewind:N     at the N-th guard rewind, once the last good checkpoint is restored and before the loader moves
+                   past the spike's data, SIGKILL this process if its RANK (0 in one process) is K3TRAIN_FAULT_RANK
   pause_build:1    when the runner starts building the run (the directory claimed, .hydra/ written, nothing
                    trained), create <dir>/paused-build-1 and wait until <dir>/go-build-1 exists: start-up
   pause_materialise:N  half-way through the N-th allocation of the model's part (run/build.py's materialise: the
@@ -50,7 +52,7 @@ def _is_checkpoint_temp(path) -> bool:
 def install(faults: dict[str, int]) -> None:
     from k3train.observe import metrics
 
-    counts = {"replace": 0, "save": 0, "materialise": 0}
+    counts = {"replace": 0, "save": 0, "materialise": 0, "rewind": 0}
 
     if "pause_step" in faults:
         log = metrics.MetricsLogger.log
@@ -73,6 +75,21 @@ def install(faults: dict[str, int]) -> None:
             return record
 
         metrics.MetricsLogger.log = log_then_die
+
+    if "die_rewind" in faults and os.environ.get("RANK", "0") == os.environ.get("K3TRAIN_FAULT_RANK", "1"):
+        from k3train.checkpoint.checkpointer import Checkpointer
+
+        load = Checkpointer.load
+
+        def load_then_die(self, path):
+            step = load(self, path)
+            if path == self.good_path:
+                counts["rewind"] += 1
+                if counts["rewind"] == faults["die_rewind"]:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return step
+
+        Checkpointer.load = load_then_die
 
     if "pause_build" in faults:
         from k3train.run import runner

@@ -423,6 +423,7 @@ def test_a_checkpoint_holds_the_registered_parts_and_adding_one_is_one_line(tmp_
         "rng",
         "trainer",
         "plan",
+        "guard",
         "counter",
     }
     assert saved["meta"]["step"] == 1 and saved["counter"] == {"n": 7}
@@ -436,3 +437,12 @@ def test_a_checkpoint_holds_the_registered_parts_and_adding_one_is_one_line(tmp_
     assert second.train_loader.state_dict() == first.train_loader.state_dict()
     for a, b in zip(first.model.parameters(), second.model.parameters()):
         assert torch.equal(a, b)
+
+    # the guard is an optional part: a checkpoint written before it existed resumes, its window starting empty
+    del saved["guard"]
+    torch.save(saved, tmp_path / "older.pt")
+    model = smoke(builtin_data.vocab_size, seed=2)
+    third = make_trainer(tmp_path, builtin_data, model, optimizer=sgd(model, lr=1e-3))
+    third.checkpointer.add("counter", Counter())
+    third.resume(tmp_path / "older.pt")
+    assert third.state.step == 1

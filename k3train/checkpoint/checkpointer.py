@@ -12,7 +12,8 @@ global outside torch's allow-list (code, e.g. posix.system) is refused in one li
 
 Files in the run directory: last.pt; step_<7 digits>.pt (keep_last_k hard links); previous.pt (the checkpoint
 last.pt replaced, until an update goes on from the new one); diverged_step_<7 digits>.pt (set aside by
-`set_aside_diverged`). Under FSDP2 or expert parallelism (ShardedCheckpointer) the same names end .dcp and name
+`set_aside_diverged`); last_good.pt (guard=rewind's: the newest checkpoint updates went on from without a spike,
+`mark_good`). Under FSDP2 or expert parallelism (ShardedCheckpointer) the same names end .dcp and name
 sharded directories.
 """
 
@@ -38,7 +39,7 @@ from k3train.checkpoint.dcp import (
     whole_tensor,
     write_sharded,
 )
-from k3train.files import write_atomic
+from k3train.files import temp_path, write_atomic
 
 SHARDED_STORE = "dcp"  # <run dir>/dcp/step_<N>-<random>/: the sharded checkpoints a run wrote
 FORMAT_VERSION = 2  # 2: named Stateful parts (train_loader, val_loader, rng, trainer, plan); 1 had fixed entries
@@ -154,8 +155,10 @@ def keep_last(run_dir: Path, checkpoint: Path, step: int, k: int, suffix: str = 
     if k <= 0:
         return
     copy = run_dir / f"step_{step:07d}{suffix}"
-    if not copy.exists():
-        link_or_copy(checkpoint, copy)
+    tmp = temp_path(copy)  # replaced, not kept: a rewind or a resume from an earlier checkpoint saves this step again
+    tmp.unlink(missing_ok=True)
+    link_or_copy(checkpoint, tmp)
+    os.replace(tmp, copy)
     for old in sorted(run_dir.glob(f"step_*{suffix}"))[:-k]:
         old.unlink()
 
@@ -176,14 +179,17 @@ class Checkpointer:
         self.meta = {**meta, "format_version": FORMAT_VERSION}
         self.keep_last_k = keep_last_k
         self.parts: dict[str, Stateful] = {}
+        self.optional: set[str] = set()  # parts a checkpoint may lack (written before they existed): left as they are
         self.path = self.run_dir / f"last{self.suffix}"
         self.previous_path = self.run_dir / f"previous{self.suffix}"
+        self.good_path = self.run_dir / f"last_good{self.suffix}"
         self.saved_step: int | None = None  # the step in last.pt, when this line of training wrote or read it
         self._previous_step: int | None = None
         # Whether previous.pt is on disk (a killed session's counts too), so the loop checks a flag, not the disk.
         self._previous_kept = self.previous_path.exists()
 
-    def add(self, name: str, part: Stateful) -> None:
+    def add(self, name: str, part: Stateful, optional: bool = False) -> None:
+        """Register a part; an `optional` one a checkpoint may lack (it was written before the part existed)."""
         if name == "meta" or name in self.parts:
             raise ValueError(f"checkpoint part {name!r} is reserved or already added")
         if not isinstance(part, Stateful):
@@ -191,6 +197,8 @@ class Checkpointer:
                 f"checkpoint part {name!r} ({type(part).__name__}) needs state_dict() and load_state_dict()"
             )
         self.parts[name] = part
+        if optional:
+            self.optional.add(name)
 
     def save(self, step: int) -> int:
         """Write every part to last.pt (at an update boundary); returns the file's size in bytes (0 where this
@@ -233,13 +241,15 @@ class Checkpointer:
         path = Path(path)
         payload = self._read(path)
         check_compatible(payload["meta"], self.meta, path)
-        missing = [name for name in self.parts if name not in payload]
+        missing = [name for name in self.parts if name not in payload and name not in self.optional]
         if missing:
             raise CheckpointError(
                 f"checkpoint {path} lacks {', '.join(missing)}: it was not written by this run's "
                 "setup; resume from a checkpoint of this run"
             )
         for name, part in self.parts.items():
+            if name not in payload:
+                continue  # optional, and older than the checkpoint
             try:
                 part.load_state_dict(payload[name])
             except (KeyError, ValueError, RuntimeError) as exc:
@@ -255,6 +265,17 @@ class Checkpointer:
             self.previous_path.unlink(missing_ok=True)
             self._previous_step, self._previous_kept = None, False
             self._forget_unnamed()
+
+    def mark_good(self) -> None:
+        """last.pt is good (guard=rewind): name it last_good too, atomically (a hard link or, sharded, a link to
+        the same directory), so a rewind finds it after last.pt has moved on."""
+        if not self.writer or not self.path.exists():
+            return
+        tmp = temp_path(self.good_path)
+        tmp.unlink(missing_ok=True)
+        link_or_copy(self.path, tmp)
+        os.replace(tmp, self.good_path)
+        self._forget_unnamed()
 
     def set_aside_diverged(self, step: int, fix: str) -> str:
         """The run diverged at `step`: leave in last.pt a checkpoint an update went on from, and say which one it

@@ -131,6 +131,8 @@ def build_parts(
     loaders = _loaders(data, train_cfg, dims, model)
     model.to(precision.param_dtype)  # still on the meta device: the dtype each rank allocates
     held, optimizer, whole_optimizer = _allocate(cfg, model, parallel, dims, device, train_cfg, weights)
+    guard = instantiate(cfg.guard)
+    guard.check_run(train_cfg.checkpoint_interval)
     callbacks = _build_named(cfg.callbacks, Callback, "callbacks")
     if device.type == "cpu" and str(train_cfg.cpu_threads) == "adaptive" and threads.threads > 1:
         governor = CpuThreads.for_this_process(threads.threads)  # fewer threads while other processes need the CPUs
@@ -156,6 +158,7 @@ def build_parts(
         callbacks=callbacks,
         profile=OmegaConf.to_object(cfg.profile),
         task_eval=task_eval,
+        guard=guard,
     )
     return {"trainer": trainer, "metrics": metrics, "data": data}
 

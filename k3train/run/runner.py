@@ -334,6 +334,7 @@ def _print_summary(run_dir: Path, trainer: Trainer, threads: ThreadChoice, chang
     lines.append(f"  documents: {_describe_documents(trainer)}")
     lines.append(f"  schedule: {schedule.describe()}")
     lines += [f"  {callback.describe()}" for callback in trainer.callbacks.values()]
+    lines.append(f"  {trainer.guard.describe()}")
     lines.append(f"  {trainer.mfu.describe()}")
     lines.append(
         f"  token plan: {trainer.tokens_per_update:,} tokens per nominal update x {trainer.total_steps} "

@@ -84,6 +84,23 @@ class UpdateStep(Protocol):
         """A train event's diagnostics from this rank's (every stage's, under pp)."""
         ...
 
+    def buffers(self) -> list[torch.Tensor]:
+        """The persistent buffers of the modules this rank runs: what a forward may move besides the gradients
+        (a MoE's balancing bias), and a skipped update puts back."""
+        ...
+
+
+def persistent_buffers(modules: list[nn.Module]) -> list[torch.Tensor]:
+    """Every persistent buffer of `modules` (those their state_dict holds), once each."""
+    out, seen = [], set()
+    for module in modules:
+        for sub in module.modules():
+            for name, buffer in sub.named_buffers(recurse=False):
+                if buffer is not None and name not in sub._non_persistent_buffers_set and id(buffer) not in seen:
+                    seen.add(id(buffer))
+                    out.append(buffer)
+    return out
+
 
 def takes_target_losses(model: nn.Module) -> bool:
     """Whether the model's forward takes a `target_losses` keyword (k3train/models/protocol.py)."""
@@ -141,6 +158,9 @@ class DataParallelStep:
 
     def figures(self, local: dict, callbacks: dict) -> dict:
         return local
+
+    def buffers(self) -> list[torch.Tensor]:
+        return persistent_buffers([self.model])
 
 
 class PipelineStep:
@@ -212,3 +232,6 @@ class PipelineStep:
         parts = [None] * dist.get_world_size(self.dims.pp_group)
         dist.all_gather_object(parts, local, group=self.dims.pp_group)
         return merge_stage_figures(parts, callbacks)
+
+    def buffers(self) -> list[torch.Tensor]:
+        return persistent_buffers(self.pipeline.modules)

@@ -1,5 +1,6 @@
-"""The update loop: the update's batches -> the UpdateStep (forward and backward) -> the gradient norm -> clip ->
-the optimizer step or its skip -> callbacks; and the cadence of logs, evals and checkpoints.
+"""The update loop: the update's batches -> the UpdateStep (forward and backward) -> the gradient norm -> the
+guard's judgement -> clip -> the optimizer step or its skip -> callbacks; and the cadence of logs, evals and
+checkpoints, and a guard's rewinds (k3train/train/guard.py).
 
 The Trainer composes parts built elsewhere (the update step, optimizer, schedule, loaders, metrics, checkpointer,
 callbacks) and owns only the loop and its counters. How an update's batches become gradients (micro-batches and
@@ -33,6 +34,7 @@ from k3train.runtime.signals import StopSignals
 from k3train.train.callbacks import Callback
 from k3train.train.eval_tasks import TaskEval
 from k3train.train.evaluate import evaluate
+from k3train.train.guard import Guard, UpdateSnapshot
 from k3train.train.parallel import clip_gradients, global_grad_norm
 from k3train.train.plan import TrainingPlan
 from k3train.train.rng import RNGState
@@ -42,7 +44,7 @@ from k3train.train.step import UpdateStep
 
 
 class TrainingDiverged(RuntimeError):
-    """Too many non-finite updates in a row."""
+    """Too many skipped updates in a row, or a spike after the guard's last allowed rewind."""
 
 
 @runtime_checkable
@@ -83,6 +85,7 @@ class Trainer:
         callbacks: dict[str, Callback] | None = None,
         profile: ProfileConfig | None = None,
         task_eval: TaskEval | None = None,
+        guard: Guard | None = None,
     ):
         self.step, self.model = step, step.model  # the unwrapped, uncompiled module: its state_dict keys stay stable
         self.device, self.dims, self.precision, self.scaler = step.device, step.dims, step.precision, step.scaler
@@ -93,6 +96,7 @@ class Trainer:
         self.task_eval = task_eval  # train.eval_tasks: lm-evaluation-harness tasks (k3train/train/eval_tasks.py)
         self.config, self.metrics, self.checkpointer, self.run_dir = config, metrics, checkpointer, checkpointer.run_dir
         self.callbacks, self.profile = callbacks or {}, profile or ProfileConfig()
+        self.guard = guard or Guard(mode="off")
         self.state, self.session_start_step = TrainState(), 0
         # False: step on a non-finite loss or norm too (a dry run, whose fake collectives leave values meaningless)
         self.skip_non_finite = True
@@ -121,6 +125,8 @@ class Trainer:
         }  # restored in this order: the plan re-derives from the counters and cursor
         for name, part in self.step.checkpoint_parts(parts, self.optimizer).items():
             self.checkpointer.add(name, part)
+        self.checkpointer.add("guard", self.guard, optional=True)  # its window: a resume judges as the run would
+        self.guard.setup(self.model.config.vocab_size, self.config.seed, self.dims.rank)
         for callback in self.callbacks.values():
             callback.setup(self.model, self.optimizer, self.dims)
 
@@ -137,7 +143,9 @@ class Trainer:
     def _micro_batches(self):
         accum = self.config.gradient_accumulation_steps
         if not self.config.overfit_batch:
-            return [self.train_loader.next_batch() for _ in range(accum)]
+            for _ in range(accum * self.guard.drops(self.state.step)):  # guard.drop_at: data passed over by hand
+                self.train_loader.next_batch()
+            return self.guard.inject(self.state.step, [self.train_loader.next_batch() for _ in range(accum)])
         if self._fixed_batches is None:
             # Always the first batches of the split, so a resumed overfit run repeats the same ones.
             cursor = self.train_loader.state_dict()
@@ -150,21 +158,26 @@ class Trainer:
         """One optimizer attempt over gradient_accumulation_steps micro-batches. Returns the step's figures."""
         lr_factor = self.schedule.apply(self.optimizer, self.state.step)
         batches = self._micro_batches()
+        before = UpdateSnapshot(self.step.buffers())  # what a skip puts back
         result = self.step.forward_backward(batches, per_target=self.source_losses is not None)
         if self.source_losses is not None:  # a mixture's per-target losses, summed by source (source_losses.py)
             first = 0 if self.config.overfit_batch else self.train_loader.batches - len(batches)  # batch 0's index
             sources = torch.cat([self.train_loader.sources_of(first + i) for i in range(len(batches))])
             self.source_losses.add(result.by_target, sources)
-        return self._update(result.loss, lr_factor)
+        return self._update(result.loss, lr_factor, before)
 
-    def _update(self, loss: float, lr_factor: float) -> dict:
-        """The optimizer step after an update's backward: the gradient norm over every rank, clipping, the step or
-        its skip (a non-finite loss or norm)."""
+    def _update(self, loss: float, lr_factor: float, before: UpdateSnapshot) -> dict:
+        """The optimizer step after an update's backward: the gradient norm over every rank, the guard's judgement,
+        clipping, the step or its skip (a non-finite loss or norm, or a spike the guard holds back), which puts
+        back what the update's forwards moved (`before`)."""
         self.state.tokens += self.tokens_per_update
         self.scaler.unscale_(self.optimizer)
         grad_norm = global_grad_norm(self.step.params, self.dims, self.step.expert_shards)
-        result = {"loss": loss, "grad_norm": grad_norm, "lr_factor": lr_factor}
-        if not self.skip_non_finite or (math.isfinite(loss) and math.isfinite(grad_norm)):
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        spike = self.guard.judge(self.state.step, loss, grad_norm) if finite else None
+        result = {"loss": loss, "grad_norm": grad_norm, "lr_factor": lr_factor, "spike": spike, "rewind": None}
+        held_back = spike is not None and self.guard.holds_back
+        if (finite or not self.skip_non_finite) and not held_back:
             if self.config.clip_norm is not None:
                 clip_gradients(self.step.params, self.config.clip_norm, grad_norm)
             self.scaler.step(self.optimizer)
@@ -173,9 +186,20 @@ class Trainer:
             self.state.consecutive_skips = 0
             for callback in self.callbacks.values():
                 callback.after_optimizer_step(self.state.step)
+            if self.guard.applied(loss, grad_norm, spike, self.checkpointer.saved_step):
+                self.checkpointer.mark_good()
             result["skipped"] = False
         else:
+            scale = self.scaler.state_dict() if held_back else None
             self.scaler.update()  # fp16: an overflow lowers the loss scale; otherwise a no-op
+            if scale:  # a finite update held back leaves the loss scale's growth count as it was
+                self.scaler.load_state_dict(scale)
+            before.restore()
+            if held_back:
+                self.guard.spiked()
+                result["rewind"] = spike.describe() if self.guard.mode == "rewind" else None
+            elif self.guard.not_finite():
+                result["rewind"] = f"{self.guard.skips_to_rewind} non-finite updates within {self.guard.window}"
             self.state.skipped_updates += 1
             self.state.consecutive_skips += 1
             for callback in self.callbacks.values():
@@ -207,8 +231,11 @@ class Trainer:
                     break
                 window.add(result, time.perf_counter() - t0, self.tokens_per_update)
                 profiler.step()
+                if result["spike"] is not None:
+                    self._on_spike(result, progress)
                 if result["skipped"]:
-                    self._on_skip(result)
+                    if not (result["rewind"] and self._rewind(result["rewind"], progress)):
+                        self._on_skip(result)
                 else:
                     self.checkpointer.update_went_on()
                     progress.update(self.state.step, result["loss"], window.tokens_per_s())
@@ -231,29 +258,89 @@ class Trainer:
         )
         print(line, flush=True)
 
+    def _on_spike(self, result: dict, progress: Progress) -> None:
+        """A `spike` event: the figures that tripped the guard, their thresholds, and what the guard does."""
+        spike, action = result["spike"], {"warn": "applied", "skip": "skipped", "rewind": "rewind"}[self.guard.mode]
+        self.metrics.log(
+            "spike",
+            step=spike.step,
+            tokens=self.state.tokens,
+            loss=result["loss"],
+            grad_norm=result["grad_norm"],
+            tripped=spike.tripped,
+            action=action,
+        )
+        progress.write(f"{self.label}step {spike.step}: loss spike: {spike.describe()}; update {action}")
+
     def _on_skip(self, result: dict) -> None:
         s = self.state
+        spike = result["spike"]
         self.metrics.log(
             "skip",
             step=s.step,
             tokens=s.tokens,
             loss=result["loss"],
             grad_norm=result["grad_norm"],
+            reason="spike" if spike is not None else "non_finite",
             skipped_updates=s.skipped_updates,
             consecutive=s.consecutive_skips,
             loss_scale=self.scaler.get_scale() if self.scaler.is_enabled() else None,
         )
-        say(
-            f"{self.label}step {s.step}: non-finite loss {result['loss']} or grad norm "
-            f"{result['grad_norm']}; update skipped ({s.consecutive_skips} in a row)"
-        )
+        if spike is None:
+            say(
+                f"{self.label}step {s.step}: non-finite loss {result['loss']} or grad norm "
+                f"{result['grad_norm']}; update skipped ({s.consecutive_skips} in a row)"
+            )
         if s.consecutive_skips >= self.config.max_consecutive_skips:
             self.metrics.log("end", step=s.step, tokens=s.tokens, reason="diverged", skipped_updates=s.skipped_updates)
             fix = "lower optim.lr" + (" or train.grad_clip" if self.config.clip_norm else " or enable train.grad_clip")
+            what = "spikes the guard held back" if spike is not None else "non-finite updates"
             raise TrainingDiverged(
-                f"{s.consecutive_skips} non-finite updates in a row at step {s.step}: the run "
+                f"{s.consecutive_skips} {what} in a row at step {s.step}: the run "
                 f"has diverged. {self.checkpointer.set_aside_diverged(s.step, fix)}"
             )
+
+    def _rewind(self, why: str, progress: Progress) -> bool:
+        """guard=rewind: every rank restores the last good checkpoint, the train loader moves past the data from it
+        to the spike's batches and `rewind_margin` updates beyond, and the loop goes on from there (a `rewind`
+        event). False, the update merely skipped, while no checkpoint is good yet."""
+        guard, s = self.guard, self.state
+        if guard.good_step is None:
+            progress.write(f"{self.label}step {s.step}: no checkpoint is good yet to rewind to; update skipped")
+            return False
+        lasting = guard.lasting()
+        lasting["rewinds"] += 1
+        if lasting["rewinds"] > guard.max_rewinds:
+            self.metrics.log("end", step=s.step, tokens=s.tokens, reason="rewinds_exhausted")
+            raise TrainingDiverged(
+                f"step {s.step}: {why}, after the {guard.max_rewinds} rewind(s) guard.max_rewinds allows: the run "
+                f"keeps spiking. Lower optim.lr, or raise guard.max_rewinds, and resume=auto ({self.checkpointer.path})"
+            )
+        spike_step, cursor = s.step, self.train_loader.state_dict()  # just past the spike's batches
+        to = self.checkpointer.load(self.checkpointer.good_path)
+        guard.restore_lasting(lasting)
+        guard.candidate, guard.clean = None, 0
+        self.train_loader.load_state_dict(cursor)
+        margin = guard.rewind_margin * self.config.gradient_accumulation_steps
+        for _ in range(min(margin, self.train_loader.batches_remaining())):  # the plan stops the run at the end
+            self.train_loader.next_batch()
+        window = {"from_cursor": cursor["cursor"], "to_cursor": self.train_loader.state_dict()["cursor"]}
+        self.metrics.log(
+            "rewind",
+            step=spike_step,
+            to=to,
+            tokens=s.tokens,
+            rewinds=guard.rewinds,
+            skipped_data=window,
+            margin_updates=guard.rewind_margin,
+            why=why,
+        )
+        progress.write(
+            f"{self.label}step {spike_step}: {why}: rewound to the good checkpoint of step {to} "
+            f"({self.checkpointer.good_path.name}), data up to the spike's and {guard.rewind_margin} more "
+            f"update(s) skipped (rewind {guard.rewinds} of at most {guard.max_rewinds})"
+        )
+        return True
 
     def _after_update(self, window: Window, progress: Progress) -> None:
         s, c = self.state, self.config
@@ -353,6 +440,7 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint at an update boundary (gradients are already cleared)."""
         t0 = time.perf_counter()
+        self.guard.saved(self.state.step)
         size = self.checkpointer.save(self.state.step)  # sharded: every rank writes its own, a collective
         self.metrics.log(
             "checkpoint",
