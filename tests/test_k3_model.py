@@ -135,14 +135,16 @@ def test_eval_forward_leaves_mode_rng_and_router_state():
     model.eval()
     biases = {n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")}
     assert len(biases) == 3 and any(b.abs().sum() > 0 for b in biases.values())
+    model.diagnostics()  # the training pass's window read: what is left is the last training pass's router figures
     diagnostics = model.diagnostics()
+    assert diagnostics and all(key.startswith("moe/") for key in diagnostics)
     rng = torch.get_rng_state()
     with torch.no_grad():
         model(x, y)
     assert all(not m.training for m in model.modules())
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(b, biases[n]) for n, b in model.named_buffers() if n in biases)
-    assert model.diagnostics() == diagnostics
+    assert model.diagnostics() == diagnostics  # the eval forward measured nothing
     model.train()
     model(x, y)
     assert any(not torch.equal(b, biases[n]) for n, b in model.named_buffers() if n in biases)
@@ -177,10 +179,17 @@ def test_diagnostics_keys():
     assert model.diagnostics() == {}
     model(*batch())
     diag = model.diagnostics()
-    assert set(diag) == {
-        f"moe/{i}/{s}" for i in (1, 2, 3) for s in ("load_max", "load_min", "bias_range", "routing_entropy")
-    }
-    assert all(isinstance(v, float) for v in diag.values())
+    router = ("load_max", "load_min", "bias_range", "routing_entropy", "load_cv", "dead_share", "bias_drift")
+    kda = [i for i, layer in enumerate(model.layers) if layer.mixer_type == "kda"]
+    gates = ("log_decay_mean", "log_decay_min", "beta_mean") + (
+        ("near_lower_bound",) if model.config.kda_gate == "sigmoid" else ()
+    )
+    assert set(diag) == (
+        {f"moe/{i}/{s}" for i in (1, 2, 3) for s in router}
+        | {f"kda/{i}/{s}" for i in kda for s in gates}
+        | {f"residual/{i}/rms" for i in range(len(model.layers))}
+    )
+    assert kda and all(isinstance(v, float) for v in diag.values())
 
 
 def test_param_counts():

@@ -74,7 +74,8 @@ def test_measurement_is_consumed_and_tracking_off_skips():
     with torch.no_grad():
         model.a.q_proj.weight.mul_(60.0)
     x = torch.randn(1, 8, 32)
-    assert qk_clip_(model, TAU) == {"max_logit": {}, "clipped_heads": {}, "n_clipped": 0}  # nothing measured
+    nothing = {"max_logit": {}, "max_logit_head": {}, "clipped_heads": {}, "n_clipped": 0}
+    assert qk_clip_(model, TAU) == nothing  # nothing measured
     set_max_logit_tracking(model, True)
     model(x)
     first = qk_clip_(model, TAU)

@@ -17,6 +17,7 @@ from k3train.report.cli import main, write_report
 from k3train.report.figures import (
     RUN_CHARTS,
     grad_norm_chart,
+    health_chart,
     loss_chart,
     lr_chart,
     moe_chart,
@@ -30,7 +31,7 @@ from k3train.report.runs import load_run, series
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-CHART_NAMES = ["loss", "lr", "grad_norm", "throughput", "moe", "qk_clip", "optimizer"]
+CHART_NAMES = ["loss", "lr", "grad_norm", "throughput", "moe", "health", "qk_clip", "optimizer"]
 
 
 def _train(step, loss, **extra):
@@ -44,7 +45,10 @@ def _train(step, loss, **extra):
         "tokens_per_s": 100.0 + step,
         "step_time_s": 0.5,
         "lr": {"muon_hidden": 0.01, "adamw_embed": 0.003},
-        "model": {"moe/1/load_max": 1.5, "moe/1/load_min": 0.5, "moe/2/load_max": 1.2, "moe/2/load_min": 0.8},
+        "model": {
+            **{"moe/1/load_max": 1.5, "moe/1/load_min": 0.5, "moe/2/load_max": 1.2, "moe/2/load_min": 0.8},
+            **{"kda/0/beta_mean": 0.4, "residual/0/rms": 1.0 + 0.1 * step},
+        },
         "optimizer": {"muon_hidden/update_rms": 1e-3, "muon_hidden/weight_norm": 9.0, "muon_hidden/lr": 0.01},
         "qk_clip": {"max_logit": {"layers.3.mixer": 30.0 + step}, "n_clipped": step % 2, "clipped_heads": {}},
         **extra,
@@ -220,6 +224,7 @@ GRAD_NORMS = [0.8, 1.5, 2.5, 0.9, 4.0]
 CLIP, TAU = 2.0, 60.0
 GROUPS = ["muon_hidden", "adamw_embed", "adamw_head"]
 LAYERS = ["1", "3"]
+KDA_LAYERS = ["0", "2"]
 MODULES = ["layers.3.mixer", "layers.7.mixer"]
 
 
@@ -235,9 +240,14 @@ def _known_train(i, step, grad_norm, loss_shift):
         "mfu": 0.1 + 0.01 * i,
         "lr": {group: (g + 1) * 0.01 * (i + 1) for g, group in enumerate(GROUPS)},
         "model": {
-            f"moe/{layer}/{metric}": 1.0 + sign * (j + 1) * 0.05 * (i + 1)
-            for j, layer in enumerate(LAYERS)
-            for metric, sign in (("load_max", 1), ("load_min", -1))
+            **{
+                f"moe/{layer}/{metric}": 1.0 + sign * (j + 1) * 0.05 * (i + 1)
+                for j, layer in enumerate(LAYERS)
+                for metric, sign in (("load_max", 1), ("load_min", -1))
+            },
+            **{f"kda/{layer}/log_decay_mean": -0.5 * (j + 1) - 0.01 * i for j, layer in enumerate(KDA_LAYERS)},
+            **{f"kda/{layer}/beta_mean": 0.3 + 0.1 * j + 0.02 * i for j, layer in enumerate(KDA_LAYERS)},
+            **{f"residual/{layer}/rms": 1.0 + j + 0.1 * i for j, layer in enumerate(["0", *LAYERS])},
         },
         "optimizer": {
             **{f"{group}/update_rms": (g + 1) * 1e-3 * (i + 1) for g, group in enumerate(GROUPS[:2])},
@@ -264,7 +274,10 @@ def _known_run(path, *, grad_norms=GRAD_NORMS, grad_clip=CLIP, mfu=True, loss_sh
         for k, s in enumerate([20, 40])
     ]
     skip = {"event": "skip", "step": 25, "tokens": 4096 * 25, "loss": "nan", "grad_norm": "inf"}
+    spike = {"event": "spike", "step": 33, "tokens": 4096 * 33, "loss": 9.0, "grad_norm": 20.0, "action": "rewind"}
+    rewind = {"event": "rewind", "step": 33, "to": 30, "tokens": 4096 * 30, "rewinds": 1}
     events = [{"event": "session", "session": 0, "step": 0}, *train[:2], evals[0], skip, *train[2:4], evals[1]]
+    events += [spike, rewind]
     events.append(train[4])
     (path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     config = {
@@ -300,7 +313,21 @@ def test_the_loss_figure_draws_train_and_val_loss_against_steps_with_tokens_abov
         "train (mean since the last log line)": (_of(events, "train", "step"), _of(events, "train", "loss")),
         "val (the first train.eval_batches val batches)": (_of(events, "eval", "step"), _of(events, "eval", "loss")),
     }
+    assert panel.line("loss spike (guard)").xs == [33] and panel.line("rewind (guard)").xs == [33]
     assert panel.legend_outside
+
+
+def test_the_health_figure_draws_each_kda_gate_figure_and_the_residual_rms_per_layer(tmp_path):
+    chart, events = _chart_of(tmp_path, health_chart)
+    assert [p.ylabel for p in chart.panels] == ["log_decay_mean", "beta_mean", "residual RMS"]
+    for panel, key, layers in (
+        (chart.panels[0], "kda/{}/log_decay_mean", KDA_LAYERS),
+        (chart.panels[1], "kda/{}/beta_mean", KDA_LAYERS),
+        (chart.panels[2], "residual/{}/rms", ["0", *LAYERS]),
+    ):
+        assert panel.data() == {
+            f"layer {layer}": (STEPS, _of(events, "train", "model", key.format(layer))) for layer in layers
+        }
 
 
 def test_the_lr_figure_draws_every_param_group_against_steps(tmp_path):
@@ -322,7 +349,7 @@ def test_the_grad_norm_figure_draws_norms_the_clip_and_skipped_updates_on_a_log_
     }
     assert min(peak) < CLIP < max(peak)  # the clipped line differs from the unclipped one
     assert panel.line("train.grad_clip 2").ys == [CLIP] and panel.line("train.grad_clip 2").kind == "hline"
-    assert panel.line("skipped update (non-finite)") == panel.lines[-1]
+    assert panel.line("skipped update") == panel.lines[-1]
     assert [(line.kind, line.xs) for line in panel.lines if line.kind == "vline"] == [("vline", [25.0])]
 
 

@@ -64,8 +64,8 @@ def reset_max_logits(model: nn.Module) -> None:
 @torch.no_grad()
 def qk_clip_(model: nn.Module, tau: float, group: dist.ProcessGroup | None = None) -> dict:
     """Clip every MLA head whose last measured max logit exceeds tau. Returns, for metrics:
-    {"max_logit": {module name: float (max over heads, before clipping)},
-     "clipped_heads": {module name: [head indices clipped]}, "n_clipped": int}.
+    {"max_logit": {module name: float (max over heads, before clipping)}, "max_logit_head": {module name: the head
+     it is of}, "clipped_heads": {module name: [head indices clipped]}, "n_clipped": int}.
     MLA modules with no measurement (tracking off, or no training forward since the last call) are skipped.
     With `group` (the data-parallel ranks; None in one process) the measurement is the max over every rank's
     tokens, so every rank clips alike.
@@ -73,6 +73,7 @@ def qk_clip_(model: nn.Module, tau: float, group: dist.ProcessGroup | None = Non
     if not tau > 0:
         raise ValueError(f"QK-Clip threshold tau={tau} must be > 0")
     max_logit: dict[str, float] = {}
+    head: dict[str, int] = {}
     clipped: dict[str, list[int]] = {}
     for name, m in _mla_modules(model).items():
         if m.max_logit is None:
@@ -84,6 +85,7 @@ def qk_clip_(model: nn.Module, tau: float, group: dist.ProcessGroup | None = Non
         s = m.max_logit
         m.max_logit = None  # consumed: the next update's forward passes start a fresh running max
         max_logit[name] = s.max().item()
+        head[name] = int(s.argmax())
         if not torch.isfinite(s).all():
             continue  # reported, never acted on: tau / inf = 0 would zero the head
         over = s > tau
@@ -91,4 +93,5 @@ def qk_clip_(model: nn.Module, tau: float, group: dist.ProcessGroup | None = Non
             gamma = torch.where(over, tau / s, torch.ones_like(s))
             m.scale_qk_heads_(gamma)
             clipped[name] = over.nonzero().flatten().tolist()
-    return {"max_logit": max_logit, "clipped_heads": clipped, "n_clipped": sum(len(v) for v in clipped.values())}
+    n_clipped = sum(len(v) for v in clipped.values())
+    return {"max_logit": max_logit, "max_logit_head": head, "clipped_heads": clipped, "n_clipped": n_clipped}

@@ -17,6 +17,7 @@ from k3train.report.runs import Run, has_values, keys_of, series
 
 INSTALL_HINT = "pip install 'k3train[report]'"
 MOE_KEY = re.compile(r"moe/(?P<layer>[^/]+)/(?P<metric>.+)")
+HEALTH_KEY = re.compile(r"(?P<kind>kda|residual)/(?P<layer>[^/]+)/(?P<metric>.+)")
 SOURCE_KEY = re.compile(r"(?P<split>train|val)/(?P<source>.+)/loss")
 
 
@@ -192,6 +193,10 @@ def loss_chart(run: Run) -> Chart:
     fig, (ax,) = _new_figure(1, title)
     _line(ax, *train, "train (mean since the last log line)")
     _line(ax, *val, "val (the first train.eval_batches val batches)", marker="o")
+    for kind, colour, label in (("spike", "orange", "loss spike (guard)"), ("rewind", "purple", "rewind (guard)")):
+        steps = [e["step"] for e in run.events if e.get("event") == kind and scalar(e.get("step")) is not None]
+        for i, step in enumerate(steps):
+            ax.axvline(step, color=colour, ls="--", lw=1, label=label if i == 0 else None)
     _finish(ax, "loss")
     ax.set_xlabel("step")
     _tokens_axis(ax, run)
@@ -234,7 +239,7 @@ def grad_norm_chart(run: Run) -> Chart:
         note = "clipping is off (train.grad_clip 0 or null)" if run.config else "no run.json: clip threshold unknown"
     skipped = [e["step"] for e in run.events if e.get("event") == "skip" and scalar(e.get("step")) is not None]
     for i, step in enumerate(skipped):
-        ax.axvline(step, color="red", alpha=0.3, lw=1, label="skipped update (non-finite)" if i == 0 else None)
+        ax.axvline(step, color="red", alpha=0.3, lw=1, label="skipped update" if i == 0 else None)
     _finish(ax, "grad norm", log=_all_positive(mean[1], peak[1]))
     ax.set_xlabel("step")
     return _chart("grad_norm", title, fig, note)
@@ -274,6 +279,22 @@ def moe_chart(run: Run) -> Chart:
         panels,
         "no MoE diagnostics in this run (the model has no MoE layer)",
         baseline={"load_max": 1.0, "load_min": 1.0},
+    )
+
+
+def health_chart(run: Run) -> Chart:
+    """The health panel's KDA gates (kda/<layer>/<metric>) and the residual stream's RMS after each layer."""
+    panels: dict[str, dict[str, tuple]] = {}
+    for key in keys_of(run.events, "train", "model"):
+        if m := HEALTH_KEY.fullmatch(key):
+            metric = "residual RMS" if m["kind"] == "residual" else m["metric"]
+            panels.setdefault(metric, {})[f"layer {m['layer']}"] = ("model", key)
+    return _per_key_panels(
+        run,
+        "health",
+        "KDA gates and the residual stream per layer",
+        panels,
+        "no KDA or residual figures in this run (not a KimiK3 model, or a run from before the health panel)",
     )
 
 
@@ -368,7 +389,8 @@ def sources_chart(run: Run) -> Chart:
 CAPTIONS = {
     "loss": "Train loss (the mean over the updates since the last log line) and val loss (the first "
     "train.eval_batches val batches, the same rows every time) by step; tokens trained on the top axis. Good: both "
-    "fall, val staying close to train; val rising while train falls is overfitting.",
+    "fall, val staying close to train; val rising while train falls is overfitting. Dashed: updates the guard "
+    "judged a spike (orange) and its rewinds (purple, at the spike's step).",
     "lr": "Each param group's learning rate as the schedule sets it, by step, from 0. Groups that share a schedule "
     "lie on each other (dashed to keep each visible); the dotted line is where warmup ends.",
     "grad_norm": "The global gradient norm before clipping (mean and max over the updates since the last log line) "
@@ -376,12 +398,21 @@ CAPTIONS = {
     "it large longer), so clipping most of the first hundreds of updates is normal, and a short sweep in which every "
     "run clips says nothing about which lr is best: compare their losses. Past the early steps, good is mostly below "
     "the threshold; a norm that stays at or rises above it while the loss stalls means the updates are too large. "
-    "Red lines: updates skipped for a non-finite loss or gradient.",
+    "Red lines: updates skipped, for a non-finite loss or gradient or a spike the guard held back (guard=skip).",
     "throughput": "Tokens per second and model FLOPs utilisation (the model's FLOPs over the device's peak) by step. "
     "Good: flat after the first steps; dips are evaluations, checkpoints or other processes on the machine.",
     "moe": "Per MoE layer, the load of its busiest (load_max) and idlest (load_min) routed expert over the mean "
-    "load, 1 (dotted) being perfect balance. Quantile Balancing brings both towards 1 (the quickstart: load_max "
-    "2.2-2.5 at step 10, 1.1-1.2 from step 110); a layer stuck far from 1 routes most tokens to a few experts.",
+    "load in the last forward, 1 (dotted) being perfect balance; over the updates since the last log line the "
+    "load's coefficient of variation (load_cv), the share of experts no token reached (dead_share) and the "
+    "balancing bias's largest move (bias_drift). Quantile Balancing brings load_max and load_min towards 1 (the "
+    "quickstart: load_max 2.2-2.5 at step 10, 1.1-1.2 from step 110); a layer stuck far from 1 routes most tokens "
+    "to a few experts.",
+    "health": "Per KDA layer, over the updates since the last log line: the log decay's mean and minimum (how "
+    "fast each channel forgets: 0 keeps everything), the share of channels within 1% of the sigmoid gate's lower "
+    "bound (kda_gate=sigmoid only; saturated channels forget almost all each step), and beta's mean (the delta "
+    "rule's write strength); and per layer the residual stream's RMS after it. Good: steady curves; an RMS growing "
+    "steadily layer over layer or update over update is a stream heading for overflow, a near_lower_bound share "
+    "rising towards 1 a layer that has stopped remembering.",
     "qk_clip": "QK-Clip: each MLA module's largest attention logit against tau (dotted), and how many heads were "
     "rescaled since the last log line. Good: logits level off below tau; heads clipped early in training and "
     "rarely after is QK-Clip doing its job.",
@@ -401,7 +432,16 @@ CAPTIONS = {
     "first). Runs compare step for step where they train the same tokens a step.",
 }
 
-RUN_CHARTS = [loss_chart, lr_chart, grad_norm_chart, throughput_chart, moe_chart, qk_clip_chart, optimizer_chart]
+RUN_CHARTS = [
+    loss_chart,
+    lr_chart,
+    grad_norm_chart,
+    throughput_chart,
+    moe_chart,
+    health_chart,
+    qk_clip_chart,
+    optimizer_chart,
+]
 
 
 def run_charts(run: Run) -> list[Chart]:

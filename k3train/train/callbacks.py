@@ -39,7 +39,8 @@ class Callback:
 
 class QKClip(Callback):
     """QK-Clip after every successful update, with threshold tau; its `metrics()` gather every update's clipping
-    since the last train event: max logit per module (the largest seen), heads clipped, clip count."""
+    since the last train event: max logit per module (the largest seen) and the head it was in (the health panel's
+    MLA figures), heads clipped, clip count."""
 
     def __init__(self, tau: float):
         if not tau > 0:
@@ -52,6 +53,7 @@ class QKClip(Callback):
 
     def _reset_window(self) -> None:
         self.max_logit: dict[str, float] = {}
+        self.max_logit_head: dict[str, int] = {}
         self.clipped_heads: dict[str, set] = {}
         self.n_clipped = 0
 
@@ -65,7 +67,8 @@ class QKClip(Callback):
             return
         result = qk_clip_(self.model, self.tau, self.group)
         for name, value in result["max_logit"].items():
-            self.max_logit[name] = max(value, self.max_logit.get(name, value))
+            if name not in self.max_logit or not value <= self.max_logit[name]:  # NaN too, as max() kept it
+                self.max_logit[name], self.max_logit_head[name] = value, result["max_logit_head"][name]
         for name, heads in result["clipped_heads"].items():
             self.clipped_heads.setdefault(name, set()).update(heads)
         self.n_clipped += result["n_clipped"]
@@ -79,6 +82,7 @@ class QKClip(Callback):
             return {}
         out = {
             "max_logit": self.max_logit,
+            "max_logit_head": self.max_logit_head,
             "n_clipped": self.n_clipped,
             "clipped_heads": {k: sorted(v) for k, v in self.clipped_heads.items()},
         }
@@ -88,9 +92,10 @@ class QKClip(Callback):
     @staticmethod
     def merge(figures: list[dict]) -> dict:
         """metrics() of the ranks of a pipeline's stages as one: each measured its own MLA layers."""
-        out: dict = {"max_logit": {}, "n_clipped": 0, "clipped_heads": {}}
+        out: dict = {"max_logit": {}, "max_logit_head": {}, "n_clipped": 0, "clipped_heads": {}}
         for part in figures:
             out["max_logit"] |= part["max_logit"]
+            out["max_logit_head"] |= part.get("max_logit_head", {})
             out["clipped_heads"] |= part["clipped_heads"]
             out["n_clipped"] += part["n_clipped"]
         return out

@@ -54,6 +54,7 @@ from torch.utils.checkpoint import checkpoint
 
 from k3train.models.common.context_parallel import ContextParallel
 from k3train.models.common.documents import Documents
+from k3train.models.common.health import WindowStats
 from k3train.models.common.init import ONE, ZERO, InitialWeights, Normal, Rule, declared_rules, fill
 from k3train.models.common.loss import TargetLosses, linear_cross_entropy
 from k3train.models.common.norm import RMSNorm
@@ -77,16 +78,22 @@ CHECKPOINTING = ("none", "block", "selective")
 def measured_once(mixer: nn.Module, passes: list) -> Iterator[None]:
     """Within a checkpointed function: its first pass runs as it is, and a later one (the backward's recompute of
     the same inputs) leaves out QK-Clip's max-logit measurement (MLA's track_max_logit), which would measure the
-    same logits again at the cost of a second set of fp32 matmuls."""
+    same logits again at the cost of a second set of fp32 matmuls, and KDA's gate figures (track_gates)."""
     passes.append(None)
-    if len(passes) == 1 or not getattr(mixer, "track_max_logit", False):
+    tracking = [name for name in MEASUREMENTS if getattr(mixer, name, False)]
+    if len(passes) == 1 or not tracking:
         yield
         return
-    mixer.track_max_logit = False
+    for name in tracking:
+        setattr(mixer, name, False)
     try:
         yield
     finally:
-        mixer.track_max_logit = True
+        for name in tracking:
+            setattr(mixer, name, True)
+
+
+MEASUREMENTS = ("track_max_logit", "track_gates")  # what a mixer measures in a training forward
 
 
 class Block(nn.Module):
@@ -95,6 +102,8 @@ class Block(nn.Module):
         c = config
         self.layer_idx = layer_idx
         self.checkpointing = "none"  # set_activation_checkpointing (module docstring)
+        self.residual_stats = WindowStats()  # the output's RMS over the training forwards since the last read
+        self.track_residual = True  # the health panel's (KimiK3.set_health_tracking)
         self.attn_res_block_size = c.attn_res_block_size
         self.mixer_type = c.layer_pattern[layer_idx]
         self.mixer_norm = RMSNorm(c.d_model, eps=c.norm_eps)
@@ -173,6 +182,16 @@ class Block(nn.Module):
         documents: the documents in each row, the forward's one Documents, for the mixer (module docstring); None:
         one per row."""
 
+        out = self._checkpointed_forward(x, blocks, documents)
+        if self.training and self.track_residual:  # outside the checkpointed function: never in the recompute
+            dtype = torch.promote_types(out.dtype, torch.float32)  # a bf16 stream summed in fp32
+            mean_square = torch.linalg.vector_norm(out.detach(), dtype=dtype).square() / out.numel()
+            self.residual_stats.mean("rms", mean_square)
+        return out
+
+    def _checkpointed_forward(
+        self, x: torch.Tensor, blocks: tuple[torch.Tensor, ...], documents: Documents | None
+    ) -> torch.Tensor:
         def mixer(y: torch.Tensor) -> torch.Tensor:
             return self.mixer(y, documents)
 
@@ -392,12 +411,28 @@ class KimiK3(nn.Module):
     def moe_layers(self) -> dict[int, MoE]:
         return {i: layer.ffn for i, layer in enumerate(self.layers) if isinstance(layer.ffn, MoE)}
 
+    def set_health_tracking(self, on: bool) -> None:
+        """Whether training forwards measure the KDA gates and the residual stream (on by default: cheap enough to
+        leave on, benchmarks/bench_health.py); the routers' load is counted either way (balancing needs it)."""
+        for layer in self.layers:
+            layer.track_residual = on
+            if layer.mixer_type == "kda":
+                layer.mixer.track_gates = on
+
     def diagnostics(self) -> dict[str, float]:
-        """Router health per MoE layer (moe/<layer>/<stat>) from the last training pass. The MLA max logits are
+        """The health panel over the training forwards since the last call: per MoE layer the router's health
+        (moe/<layer>/<stat>: the last pass's load spread, and the window's load CV, dead-expert share and bias
+        drift), per KDA layer its gates (kda/<layer>/<stat>), per layer the residual stream's RMS after it
+        (residual/<layer>/rms, its mean square averaged over the window's forwards). The MLA max logits per head are
         reported by the QK-Clip callback (k3train/optim/qk_clip.py), which consumes them after each update."""
         out: dict[str, float] = {}
-        for i, moe in self.moe_layers().items():
-            out.update({f"moe/{i}/{k}": v for k, v in moe.diagnostics().items()})
+        for i, layer in enumerate(self.layers):
+            if isinstance(layer.ffn, MoE):
+                out.update({f"moe/{i}/{k}": v for k, v in layer.ffn.diagnostics().items()})
+            if layer.mixer_type == "kda":
+                out.update({f"kda/{i}/{k}": v for k, v in layer.mixer.gate_diagnostics().items()})
+            if residual := layer.residual_stats.read():
+                out[f"residual/{i}/rms"] = math.sqrt(residual["rms"])
         return out
 
     def param_counts(self) -> dict[str, int]:

@@ -19,6 +19,7 @@ from torch.autograd.function import once_differentiable
 from k3train.models.common.context_parallel import ContextParallel
 from k3train.models.common.documents import Documents
 from k3train.models.common.fla import fla_runs_on
+from k3train.models.common.health import WindowStats
 from k3train.models.common.init import Rule, Uniform, conv_default
 from k3train.models.common.norm import RMSNorm, l2_normalize_eps
 from k3train.models.kda.chunk import chunk_kda
@@ -124,6 +125,10 @@ class KimiDeltaAttention(nn.Module):
         self.output_gate, self.gate_lower_bound, self.qk_norm_eps = output_gate, float(gate_lower_bound), qk_norm_eps
         self.output_gate_bias = output_gate_bias
         self._context_parallel: ContextParallel | None = None
+        # The health panel (KimiK3.diagnostics): the gates' figures over the training forwards since the last read.
+        # A checkpointed block's recompute turns it off for its second pass (k3train/models/k3/model.py).
+        self.track_gates = True
+        self.gate_stats = WindowStats()
         key_dim, value_dim = n_heads * head_dim, n_value_heads * head_dim
 
         self.q_proj = nn.Linear(d_model, key_dim, bias=False)
@@ -196,8 +201,25 @@ class KimiDeltaAttention(nn.Module):
         q, k, v = self._short_conv(qkv, conv_weight, documents).split(self._qkv_widths(), dim=-1)
         q, k = self._qk_normalize(q.view(B, T, H, K)), self._qk_normalize(k.view(B, T, H, K))
         g, beta = self._forget_gate(f_a), b.sigmoid()
+        if self.track_gates and self.training:
+            self._measure_gates(g, beta)
         o = self._recurrence(q, k, v.view(B, T, HV, K), g, beta, documents)  # in v's dtype
         return self._gated_output(g_in, o)
+
+    @torch.no_grad()
+    def _measure_gates(self, g: Tensor, beta: Tensor) -> None:
+        """The log decay's mean and minimum, the share of channels within 1% of the sigmoid gate's lower bound
+        (where the decay saturates: that channel forgets almost everything each step), and beta's mean."""
+        self.gate_stats.mean("log_decay_mean", g.mean())
+        self.gate_stats.min("log_decay_min", g.min())
+        if self.gate == "sigmoid":
+            near = torch.count_nonzero(g <= 0.99 * self.gate_lower_bound) / g.numel()
+            self.gate_stats.mean("near_lower_bound", near)
+        self.gate_stats.mean("beta_mean", beta.mean())
+
+    def gate_diagnostics(self) -> dict[str, float]:
+        """The gates' figures since the last call (_measure_gates); {} when no training forward ran."""
+        return self.gate_stats.read()
 
     def _fla_kernels_take(self, x: Tensor) -> bool:
         """Whether this forward runs on FLA's fused kernels: implementation="fla", no context parallelism, and tensors
@@ -220,6 +242,9 @@ class KimiDeltaAttention(nn.Module):
         normalize_in_kernel = self.qk_norm_eps == FLA_QK_L2NORM_EPS  # the kernel's eps is fixed
         if not normalize_in_kernel:
             q, k = self._qk_normalize(q), self._qk_normalize(k)
+        if self.track_gates and self.training:  # the kernel makes g and beta inside: made again here, no grad
+            with torch.no_grad():
+                self._measure_gates(self._forget_gate(f_a), b.float().sigmoid())
         o = fla_chunk_kda_from_projections(
             q,
             k,

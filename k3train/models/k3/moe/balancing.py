@@ -62,7 +62,7 @@ _all_to_all_single = dist.all_to_all_single  # module attributes, so tests can c
 class Balancer:
     """How one MoE's bias moves after each training-mode routing (`method`: one of BALANCING), over the tokens of
     `group` (balance_over; None: this process's alone), and the load of the last such pass (`last_load`, tokens per
-    expert [n]: diagnostics, not state)."""
+    expert [n]) and of every pass since diagnostics were last read (`window_load`): diagnostics, not state."""
 
     def __init__(self, method: str, aux_free_bias_rate: float = 1e-3) -> None:
         if method not in BALANCING:
@@ -70,6 +70,8 @@ class Balancer:
         self.method, self.aux_free_bias_rate = method, aux_free_bias_rate
         self.group: dist.ProcessGroup | None = None
         self.last_load: torch.Tensor | None = None
+        self.window_load: torch.Tensor | None = None
+        self.window_bias: torch.Tensor | None = None  # the bias when the window began
 
     def balance_over(self, group: dist.ProcessGroup | None) -> None:
         self.group = group
@@ -84,6 +86,9 @@ class Balancer:
         if group is not None:
             load, tokens_per_rank = global_load(load, scores.shape[0], group)
         self.last_load = load
+        self.window_load = load.clone() if self.window_load is None else self.window_load.add_(load)
+        if self.window_bias is None:
+            self.window_bias = bias.detach().float().clone()
         if self.method == "quantile_balancing":
             required = required_bias(scores, bias, k)
             if group is None:
@@ -102,18 +107,28 @@ class Balancer:
 
     def diagnostics(self, bias: torch.Tensor) -> dict[str, float]:
         """Router health of the last training-mode pass: max/min expert load over the mean, bias range, and the
-        entropy of the load distribution over log(n) (1.0 = perfectly even). Empty before the first pass."""
+        entropy of the load distribution over log(n) (1.0 = perfectly even); and over every training pass since the
+        last call (which starts a new window): the load's coefficient of variation (std / mean of tokens per
+        expert), the share of experts that received no token, and the bias's largest move. Empty before the first
+        pass."""
         if self.last_load is None:
             return {}
         load = self.last_load
         share = load / load.sum()
         entropy = -(share * share.clamp_min(1e-12).log()).sum() / math.log(load.numel())
-        return {
+        out = {
             "load_max": (load.max() / load.mean()).item(),
             "load_min": (load.min() / load.mean()).item(),
             "bias_range": (bias.max() - bias.min()).item(),
             "routing_entropy": entropy.item(),
         }
+        if self.window_load is not None:  # every training pass since the last read (Automodel's load CV, dead experts)
+            window = self.window_load
+            out["load_cv"] = (window.std(correction=0) / window.mean()).item()
+            out["dead_share"] = (window == 0).float().mean().item()  # experts no token reached
+            out["bias_drift"] = (bias.detach().float() - self.window_bias).abs().max().item()
+            self.window_load, self.window_bias = None, None
+        return out
 
 
 def required_bias(scores: torch.Tensor, bias: torch.Tensor, k: int) -> torch.Tensor:
