@@ -24,6 +24,7 @@ import torch
 from results_file import write_unless_quick  # benchmarks/, beside this script
 
 from k3train.config import model_option
+from k3train.runtime.cpu import cpu_description
 
 RESULTS = Path(__file__).resolve().parent / "results" / "health.json"
 
@@ -84,8 +85,7 @@ def main() -> None:
     else:
         result = health_cost("k3_small", 4, 256, args.pairs)
     result = {
-        "cpu": _cpu_name(),
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        **cpu_description(),  # the CPU model, torch's SIMD level, native bf16, the load average after
         "threads": torch.get_num_threads(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
@@ -100,13 +100,6 @@ def main() -> None:
         f"({result['panel_figures']} figures)"
     )
     write_unless_quick(args.out, args.quick, RESULTS, result)
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -26,8 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import torch
 from results_file import write_unless_quick  # benchmarks/, beside this script
+
+from k3train.runtime.cpu import cpu_description
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results" / "mixture_step.json"
@@ -66,8 +67,7 @@ def main() -> None:
             print(f"round {r}: plain {plain[-1]:.4f} s/update, mixture {mixture[-1]:.4f} s/update", flush=True)
     ratios = [m / p for m, p in zip(mixture, plain)]
     result = {
-        "cpu": _cpu_name(),
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        **cpu_description(),  # the CPU model, torch's SIMD level, native bf16, the load average after
         "cores": os.cpu_count(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
@@ -81,13 +81,6 @@ def main() -> None:
     }
     print(f"mixture / plain, per round: {', '.join(f'{x:.3f}' for x in ratios)}")
     write_unless_quick(args.out, args.quick, RESULTS, result)
-
-
-def _cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -134,6 +133,8 @@ def k3_dry_run() -> dict:
 
 
 def main() -> None:
+    from k3train.runtime.cpu import cpu_description  # as the helpers above: k3train loads inside the functions
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--k3", action="store_true", help="also dry-run rank 0 of K3 on 4,096 H200s")
@@ -142,8 +143,7 @@ def main() -> None:
     args = parser.parse_args()
     model_name, layers = ("k3_tiny", 2) if args.quick else ("k3_small", 24)
     result = {
-        "cpu": _cpu_name(),
-        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        **cpu_description(),
         "load_average": os.getloadavg(),
         "cores": os.cpu_count(),
         "model": f"{model_name} at {layers} layers, vocab 32768, FSDP2 over {args.ranks} gloo ranks",
@@ -152,14 +152,6 @@ def main() -> None:
     if args.k3:
         result["k3_dry_run"] = k3_dry_run()
     write_unless_quick(args.out, args.quick, RESULTS, result)
-
-
-def _cpu_name() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-        return next(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 if __name__ == "__main__":
