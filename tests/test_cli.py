@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from fault_harness import K3_TINY
 
 from k3train.checkpoint.checkpointer import load_checkpoint
 from k3train.observe.metrics import read_metrics
@@ -60,16 +61,8 @@ def test_smoke_run_writes_ordered_events_manifest_and_checkpoint(run_cli, tmp_pa
 
 # The Kimi K3 case shrinks k3_tiny and uses Muon + AdamW with QK-Clip at a threshold under the initial max logits
 # (~0.09), so the optimizer state, the Quantile Balancing buffers and QK-Clip's weight edits all have to survive
-# the resume.
-K3_RESUME = [
-    "model=k3_tiny",
-    "optim=muon_adamw",
-    "model.d_model=64",
-    "model.expert_ffn_dim=32",
-    "model.dense_ffn_dim=64",
-    "model.kda_chunk_size=16",
-    "callbacks.qk_clip.tau=0.05",
-]
+# the resume: the fault trials' k3_tiny.
+K3_RESUME = K3_TINY
 
 
 # fp16 on CPU with accumulation, until a small dataset runs out: the GradScaler's state, the micro-batch cursors

@@ -66,3 +66,24 @@ def test_final_only_with_a_resume_from_an_earlier_checkpoint_of_a_finished_sessi
     final = read_metrics(path, final_only=True)
     # session 2 restarted from step 1: session 0's step 2 and end, and all of session 1, were redone or discarded
     assert [(e["event"], e["step"]) for e in final] == [("session", 0), ("train", 1), ("session", 1), ("train", 2)]
+
+
+def test_final_only_counts_the_steps_after_a_guard_rewind_and_keeps_the_spike_and_the_rewind(tmp_path):
+    events = [
+        {"event": "session", "session": 0, "step": 0},
+        *({"event": "train", "step": s, "loss": 5.0 - s} for s in (1, 2, 3, 4)),
+        {"event": "spike", "step": 4, "loss": 9.0},
+        {"event": "rewind", "step": 4, "to": 2},
+        *({"event": "train", "step": s, "loss": 10.0 + s} for s in (3, 4, 5)),
+    ]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in events))
+    final = read_metrics(path, final_only=True)
+    assert [(e["step"], e["loss"]) for e in final if e["event"] == "train"] == [
+        (1, 4.0),
+        (2, 3.0),
+        (3, 13.0),
+        (4, 14.0),
+        (5, 15.0),
+    ]
+    assert [e["event"] for e in final if e["event"] in ("spike", "rewind")] == ["spike", "rewind"]

@@ -271,6 +271,9 @@ class Checkpointer:
         the same directory), so a rewind finds it after last.pt has moved on."""
         if not self.writer or not self.path.exists():
             return
+        if self.good_path.exists() and os.path.samefile(self.path, self.good_path):
+            return  # already so named (a resumed session confirms it again); rename() between two links of one
+            # file would succeed doing nothing and leave the temporary name behind
         tmp = temp_path(self.good_path)
         tmp.unlink(missing_ok=True)
         link_or_copy(self.path, tmp)

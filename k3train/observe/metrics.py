@@ -120,9 +120,10 @@ class Events(list):
 
 
 def read_metrics(path: Path, *, final_only: bool = False) -> Events:
-    """Every event of the file. With final_only, drop the events a resumed session redid: each `session` event
-    carries the step it started from, so an earlier session's events past a later session's start step were
-    repeated (a kill between two checkpoints) and only the later ones count (one `train` event per step)."""
+    """Every event of the file. With final_only, drop the events a resumed session or a guard rewind redid: each
+    `session` event carries the step it started from (a `rewind` the step it went back to), so earlier events past
+    a later start step were repeated (a kill between two checkpoints, a rewind) and only the later ones count (one
+    `train` event per step); `spike` and `rewind` events themselves are always kept."""
     events, torn = Events(), 0
     with open(path, encoding="utf-8") as f:
         for line in f:
@@ -138,22 +139,31 @@ def read_metrics(path: Path, *, final_only: bool = False) -> Events:
     return events
 
 
+# What happened rather than what a step counted: kept whatever later steps redid.
+_RECORDS = frozenset({"spike", "rewind"})
+
+
 def _final(events: list[dict]) -> Events:
-    session = -1
-    sessions = []  # the session index of each event (-1: before any session event)
-    starts: list[float] = []  # each session's start step
+    """Segments start at each `session` event (from its step) and each guard `rewind` (from the step it went back
+    to, its `to`); a segment's events past a later segment's start were redone, and only the later ones count."""
+    segment = -1
+    segments = []  # the segment index of each event (-1: before any session event)
+    starts: list[float] = []  # each segment's start step
     for e in events:
         if e.get("event") == "session":
-            session += 1
+            segment += 1
             starts.append(e.get("step", 0))
-        sessions.append(session)
-    # redone_after[i]: the lowest start step of any session after session i
+        elif e.get("event") == "rewind" and "to" in e:
+            segment += 1
+            starts.append(e["to"])
+        segments.append(segment)
+    # redone_after[i]: the lowest start step of any segment after segment i
     redone_after = [math.inf] * (len(starts) + 1)
     for i in range(len(starts) - 1, -1, -1):
         redone_after[i] = min(starts[i], redone_after[i + 1])
     kept = Events()
-    for e, s in zip(events, sessions):
+    for e, s in zip(events, segments):
         later = redone_after[s + 1]
-        if "step" not in e or e["step"] <= later:
+        if "step" not in e or e["step"] <= later or e.get("event") in _RECORDS:
             kept.append(e)
     return kept

@@ -82,6 +82,7 @@ class Progress:
         self.t_start = time.perf_counter()
         self.first_update: tuple[int, float] | None = None  # (step, time) at the end of the session's first update
         self.latest_update: tuple[int, float] | None = None  # the same for the latest update after it
+        self.rewound_at: int | None = None  # a guard rewind's step: the pace is measured again from there
 
     def update(self, step: int, loss: float, tokens_per_s: float) -> None:
         now = time.perf_counter()
@@ -91,7 +92,7 @@ class Progress:
         else:
             first_steady = self.latest_update is None
             self.latest_update = (step, now)
-            if first_steady and self.bar is None and not self._logs_at(step):
+            if first_steady and self.bar is None and not self._logs_at(step) and self.rewound_at is None:
                 self.write(self.first_pace_line(step))
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
@@ -99,9 +100,15 @@ class Progress:
             eta = "?" if eta is None else format_duration(eta)
             self.bar.set_postfix({"loss": f"{loss:.4f}", "tok_s": f"{tokens_per_s:,.0f}", "eta": eta}, refresh=False)
 
+    def rewound(self, step: int) -> None:
+        """A guard rewind sent the run back to `step`: the pace is measured again from now (the updates redone are
+        steady ones, so no warm-up is left out)."""
+        if self.first_update is not None:
+            self.first_update, self.latest_update, self.rewound_at = (step, time.perf_counter()), None, step
+
     def seconds_per_update(self) -> float | None:
         """The steady pace: None until an update after the first has ended."""
-        if self.first_update is None or self.latest_update is None:
+        if self.first_update is None or self.latest_update is None or self.latest_update[0] == self.first_update[0]:
             return None
         (first_step, first_t), (step, t) = self.first_update, self.latest_update
         return (t - first_t) / (step - first_step)

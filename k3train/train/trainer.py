@@ -318,6 +318,7 @@ class Trainer:
             )
         spike_step, cursor = s.step, self.train_loader.state_dict()  # just past the spike's batches
         to = self.checkpointer.load(self.checkpointer.good_path)
+        progress.rewound(to)
         guard.restore_lasting(lasting)
         guard.candidate, guard.clean = None, 0
         self.train_loader.load_state_dict(cursor)
