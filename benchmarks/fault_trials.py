@@ -3,9 +3,9 @@ bad-input class; prints the figures a closing note needs and writes them to benc
 
     python benchmarks/fault_trials.py [--seeds 10] [--jobs 2] [--work DIR]
 
-Each seed is 18 SIGKILL trials (smoke_test_lm, k3_tiny and k3_tiny under guard=rewind x checkpoint_interval 1 and 5
-x a kill at a random time, right after a step, and while last.pt's temporary file exists; one or two kills each,
-then resume=auto).
+Each seed is 24 SIGKILL trials (smoke_test_lm, k3_tiny, k3_tiny under guard=rewind and k3_tiny saving
+asynchronously x checkpoint_interval 1 and 5 x a kill at a random time, right after a step, and while last.pt's
+temporary file exists; one or two kills each, then resume=auto).
 The trials are those of tests/test_fault_trials.py and tests/test_fault_inputs.py (tests/fault_harness.py,
 tests/fault_inputs.py); the CI suite runs seed 0. Files damaged counts checkpoints, run.json and
 metrics.jsonl left unreadable after a fault, plus files already in a run directory that a bad input changed or
@@ -32,7 +32,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "fault_trials.json"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=10, help="18 SIGKILL trials per seed")
+    parser.add_argument("--seeds", type=int, default=10, help="24 SIGKILL trials per seed")
     parser.add_argument("--first-seed", type=int, default=100, help="the CI suite uses seed 0")
     parser.add_argument("--jobs", type=int, default=2, help="trials run at once (each is a few processes)")
     parser.add_argument("--work", type=Path, default=None, help="where the runs go (default: a temp dir)")

@@ -37,6 +37,11 @@ class TrainConfig:
     eval_batches: int = 8  # val batches per evaluation, always the same prefix of the val split
     log_interval: int = 10
     checkpoint_interval: int = 100  # updates between checkpoints (0: only the final one)
+    # also a checkpoint once this many minutes have passed since the last one began (null: by updates alone)
+    checkpoint_interval_minutes: float | None = None
+    # write checkpoints in the background, the loop waiting only while the state is copied (docs/checkpoints.md);
+    # null: the device's default (CPU: off, as measured in benchmarks/bench_checkpoint_async.py; CUDA: on)
+    checkpoint_async: bool | None = None
     keep_last_k: int = 0  # besides last.pt, keep step-numbered copies of the last k checkpoints
     grad_clip: float | None = 1.0  # max global grad norm; null or 0 disables clipping (the norm is still logged)
     max_consecutive_skips: int = 10  # non-finite loss/grad updates in a row before the run stops
@@ -101,8 +106,20 @@ class TrainConfig:
             )
         if self.eval_tasks_limit is not None and self.eval_tasks_limit < 1:
             raise ValueError(f"train.eval_tasks_limit must be >= 1 or null, got {self.eval_tasks_limit}")
+        if self.checkpoint_interval_minutes is not None and not self.checkpoint_interval_minutes > 0:
+            raise ValueError(
+                f"train.checkpoint_interval_minutes must be > 0 or null, got {self.checkpoint_interval_minutes}"
+            )
         if self.max_consecutive_skips < 1:
             raise ValueError(f"train.max_consecutive_skips must be >= 1, got {self.max_consecutive_skips}")
+
+    @property
+    def asynchronous_checkpoints(self) -> bool:
+        """checkpoint_async, or the device's default where it is null: on with CUDA, off on a CPU (measured:
+        docs/checkpoints.md)."""
+        if self.checkpoint_async is not None:
+            return self.checkpoint_async
+        return self.device.startswith("cuda") or (self.device == "auto" and _cuda_available())
 
     @property
     def clip_norm(self) -> float | None:
@@ -111,6 +128,12 @@ class TrainConfig:
 
 # Recipe fields that define what one update is: a resumed run must agree on them. Everything else (max_steps,
 # intervals, eval size, clipping, seed...) may change between sessions.
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 RESUME_MUST_MATCH = ("seq_len", "gradient_accumulation_steps", "overfit_batch")  # and the global batch (runner)
 
 # Model config fields that choose an implementation, not the function or the parameters: a run may continue

@@ -25,6 +25,13 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> int:
     """Write path through write(file) atomically; returns the file size in bytes. An OSError (a full disk, a
     read-only directory), also one that torch.save wraps in a RuntimeError, leaves the previous file and no
     temporary one, and is raised as an OSError naming path."""
+    return commit_temp(write_temp(path, write), path)
+
+
+def write_temp(path: Path, write: Callable[[BinaryIO], None]) -> Path:
+    """The first half of write_atomic: path's temporary file written through write(file) and fsynced, not yet
+    renamed (commit_temp does that); an asynchronous checkpoint writes it in the background. A failure leaves no
+    temporary file and raises as write_atomic does."""
     path = Path(path)
     tmp = temp_path(path)
     try:
@@ -32,22 +39,38 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> int:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)  # make the rename itself durable
-    except (OSError, RuntimeError) as exc:
-        # torch.save's zip writer meets a full disk as an OSError, or a second Ctrl-C as a KeyboardInterrupt, then
-        # its own clean-up raises a RuntimeError ("unexpected pos") on top of it: what is underneath is what happened.
-        interrupt = _underneath(exc, KeyboardInterrupt)
-        if interrupt is not None:
-            raise interrupt from None
-        failure = _os_error(exc)
-        if failure is None:
-            raise
-        raise OSError(failure.errno, failure.strerror or str(failure), str(path)) from exc
-    finally:
+    except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+        if isinstance(exc, (OSError, RuntimeError)):
+            _reraise_write_error(exc, path)
+        raise
+    return tmp
+
+
+def commit_temp(tmp: Path, path: Path) -> int:
+    """The second half: the written temporary file renamed over path, the rename made durable; path's size."""
+    path = Path(path)
+    try:
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)  # make the rename itself durable
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        _reraise_write_error(exc, path)
     return path.stat().st_size
+
+
+def _reraise_write_error(exc: BaseException, path: Path):
+    # torch.save's zip writer meets a full disk as an OSError, or a second Ctrl-C as a KeyboardInterrupt, then
+    # its own clean-up raises a RuntimeError ("unexpected pos") on top of it: what is underneath is what happened.
+    interrupt = _underneath(exc, KeyboardInterrupt)
+    if interrupt is not None:
+        raise interrupt from None
+    failure = _os_error(exc)
+    if failure is None:
+        raise exc
+    raise OSError(failure.errno, failure.strerror or str(failure), str(path)) from exc
 
 
 @contextlib.contextmanager

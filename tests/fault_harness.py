@@ -65,6 +65,10 @@ MODELS = {
         "guard.window=6",
         "guard.good_after=1",
     ],
+    # train.checkpoint_async: each checkpoint copied at the boundary and written by a background thread, renamed
+    # into place at a later boundary; a kill lands mid-write, between write and rename, or in the rename itself
+    "k3_tiny_async": [*K3_TINY, "train.checkpoint_async=true"],
+    "smoke_async": ["model=smoke_test_lm", "train.checkpoint_async=true"],
     # data=mixture: every source's cursor, the batch counter and the dropped sources have to survive a kill too (two
     # sources over the built-in corpus, each with its own cursor, at 1:3)
     "smoke_mixture": [
@@ -74,7 +78,8 @@ MODELS = {
         "data.weights=[0.25,0.75]",
     ],
 }
-KILL_MODELS = ("smoke_test_lm", "k3_tiny", "k3_tiny_guarded")  # kill_trials' (the mixture's is the suite's own)
+# kill_trials' (the mixture's is the suite's own)
+KILL_MODELS = ("smoke_test_lm", "k3_tiny", "k3_tiny_guarded", "k3_tiny_async")
 KILL_KINDS = ("random", "after_step", "temp_file")
 TIMEOUT = 300
 
@@ -567,4 +572,4 @@ class DiskTrial:
         return finish_and_compare(args, baseline, run_dir, work / "logs" / f"{self.name}-final", cache, result)
 
 
-DISK_TRIALS = [DiskTrial("enospc"), DiskTrial("tmpfs")]
+DISK_TRIALS = [DiskTrial("enospc"), DiskTrial("tmpfs"), DiskTrial("enospc", model="smoke_async")]

@@ -52,7 +52,8 @@ def test_smoke_run_writes_ordered_events_manifest_and_checkpoint(run_cli, tmp_pa
     assert (run_dir / ".hydra" / "config.yaml").exists()
 
     ckpt = load_checkpoint(run_dir / "last.pt")
-    assert set(ckpt) == {"meta", "model", "optimizer", "scaler", "trainer", "plan", "train_loader", "val_loader", "rng"}
+    parts = {"meta", "model", "optimizer", "scaler", "trainer", "plan", "train_loader", "val_loader", "rng", "guard"}
+    assert set(ckpt) == parts
     assert ckpt["trainer"]["step"] == 6 and ckpt["trainer"]["tokens"] == 6 * 64
     assert ckpt["train_loader"]["cursor"] == 6 * 64 and ckpt["val_loader"]["cursor"] == 0
     assert ckpt["meta"]["recipe"]["global_batch_size"] == 2

@@ -12,9 +12,9 @@ import pytest
 
 pytestmark = [pytest.mark.fault, pytest.mark.slow]
 
-# 3 models (one guarded: rewinds and skips) x checkpoint_interval 1 and 5 x 3 kinds of kill = 18 trials of one or two
-# kills each, one seed: a second seed cost CI ~70 s for more moments of the same kinds; benchmarks/fault_trials.py
-# runs 10 seeds (180 trials)
+# 4 models (one guarded: rewinds and skips; one saving asynchronously) x checkpoint_interval 1 and 5 x 3 kinds of
+# kill = 24 trials of one or two kills each, one seed: a second seed cost CI ~70 s for more moments of the same kinds;
+# benchmarks/fault_trials.py runs 10 seeds (240 trials)
 KILL_TRIALS = {t.name: t for t in fh.kill_trials(range(1))}
 # and data=mixture killed once or twice after a seeded step: its sources' cursors must resume bitwise too
 MIXTURE_TRIAL = fh.KillTrial("smoke_mixture", 1, "after_step", 0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -39,7 +40,8 @@ from k3train.checkpoint.dcp import (
     whole_tensor,
     write_sharded,
 )
-from k3train.files import temp_path, write_atomic
+from k3train.checkpoint.staging import BackgroundWrite, staged_copy
+from k3train.files import commit_temp, temp_path, write_atomic
 
 SHARDED_STORE = "dcp"  # <run dir>/dcp/step_<N>-<random>/: the sharded checkpoints a run wrote
 FORMAT_VERSION = 2  # 2: named Stateful parts (train_loader, val_loader, rng, trainer, plan); 1 had fixed entries
@@ -187,6 +189,8 @@ class Checkpointer:
         self._previous_step: int | None = None
         # Whether previous.pt is on disk (a killed session's counts too), so the loop checks a flag, not the disk.
         self._previous_kept = self.previous_path.exists()
+        self._in_flight: BackgroundWrite | None = None  # an asynchronous save being written (save(wait=False))
+        self._good_when_written: int | None = None  # a step mark_good named while its save was in flight
 
     def add(self, name: str, part: Stateful, optional: bool = False) -> None:
         """Register a part; an `optional` one a checkpoint may lack (it was written before the part existed)."""
@@ -200,22 +204,80 @@ class Checkpointer:
         if optional:
             self.optional.add(name)
 
-    def save(self, step: int) -> int:
+    def save(self, step: int, wait: bool = True) -> int | None:
         """Write every part to last.pt (at an update boundary); returns the file's size in bytes (0 where this
-        process is not the writer)."""
-        if self.writer:
-            self.previous_path.unlink(missing_ok=True)
-            self._previous_kept = False
-            if self.saved_step is not None and self.path.exists():  # last.pt is this line's (not a later one left
-                # behind by a resume from an earlier step_*.pt)
-                link_or_copy(self.path, self.previous_path)
-                self._previous_step, self._previous_kept = self.saved_step, True
-        size = self._write(step)
+        process is not the writer). With wait=False (train.checkpoint_async) the state is copied now and written in
+        the background: None, and poll() / wait() put it in place once written. One save at a time: a save first
+        waits for the one in flight."""
+        self.wait()
+        if wait or not self.writes_in_background:
+            self._keep_previous()
+            size = self._write(step)
+            self._written(step)
+            return size
+        start = time.perf_counter()
+        payload = self.payload(step)  # a collective where the parts gather (GatheredCheckpointer)
+        if not self.writer:
+            self.saved_step = step  # nothing to write here: the writer's save is the one in flight
+            return None
+        staged = staged_copy(payload)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the copies to pinned memory have landed
+        write = BackgroundWrite(step, self.path, lambda f: torch.save(staged, f), time.perf_counter() - start)
+        self._in_flight = write
+        return None
+
+    writes_in_background = True  # whether save(wait=False) can write in the background (the sharded one: not yet)
+
+    @property
+    def latest_step(self) -> int | None:
+        """The step of the newest checkpoint this line of training started: the one in flight, else last.pt's."""
+        return self._in_flight.step if self._in_flight is not None else self.saved_step
+
+    def poll(self) -> dict | None:
+        """The save in flight put in place if its write has ended (raising what the write raised): its figures
+        {step, path, bytes, blocked_s, background_s}; None while none has ended."""
+        if self._in_flight is None or not self._in_flight.done():
+            return None
+        return self.wait()
+
+    def wait(self) -> dict | None:
+        """Wait for the save in flight, put it in place and return its figures (poll's); None without one. A
+        write that failed leaves last.pt as it was and raises its error (an OSError naming last.pt)."""
+        write, self._in_flight = self._in_flight, None
+        if write is None:
+            return None
+        tmp = write.result()
+        self._keep_previous()
+        size = commit_temp(tmp, self.path)
+        self._written(write.step)
+        if self._good_when_written == write.step:
+            self._good_when_written = None
+            self.mark_good(write.step)
+        return {
+            "step": write.step,
+            "path": str(self.path),
+            "bytes": size,
+            "blocked_s": write.blocked_s,
+            "background_s": write.seconds,
+        }
+
+    def _keep_previous(self) -> None:
+        """Before last.pt is replaced: it stays as previous.pt until an update goes on from the new one."""
+        if not self.writer:
+            return
+        self.previous_path.unlink(missing_ok=True)
+        self._previous_kept = False
+        if self.saved_step is not None and self.path.exists():  # last.pt is this line's (not a later one left
+            # behind by a resume from an earlier step_*.pt)
+            link_or_copy(self.path, self.previous_path)
+            self._previous_step, self._previous_kept = self.saved_step, True
+
+    def _written(self, step: int) -> None:
         self.saved_step = step
         if self.writer:
             keep_last(self.run_dir, self.path, step, self.keep_last_k, self.suffix)
             self._forget_unnamed()
-        return size
 
     def payload(self, step: int) -> dict:
         """What a checkpoint of `step` holds, whichever writer stores it: `meta` (this run's identities, the format
@@ -237,7 +299,9 @@ class Checkpointer:
         """Delete stored checkpoints that no name refers to any more (hard links need no help)."""
 
     def load(self, path: Path) -> int:
-        """Check the checkpoint against this run, then restore every part; returns its step."""
+        """Check the checkpoint against this run, then restore every part; returns its step. A save in flight is
+        put in place first (a rewind may read what it names)."""
+        self.wait()
         path = Path(path)
         payload = self._read(path)
         check_compatible(payload["meta"], self.meta, path)
@@ -266,10 +330,14 @@ class Checkpointer:
             self._previous_step, self._previous_kept = None, False
             self._forget_unnamed()
 
-    def mark_good(self) -> None:
-        """last.pt is good (guard=rewind): name it last_good too, atomically (a hard link or, sharded, a link to
-        the same directory), so a rewind finds it after last.pt has moved on."""
-        if not self.writer or not self.path.exists():
+    def mark_good(self, step: int) -> None:
+        """The checkpoint of `step` is good (guard=rewind): name it last_good too, atomically (a hard link or,
+        sharded, a link to the same directory), so a rewind finds it after last.pt has moved on. While its save is
+        in flight, once it is written; not at all when last.pt holds another step."""
+        if self._in_flight is not None and self._in_flight.step == step:
+            self._good_when_written = step
+            return
+        if not self.writer or self.saved_step != step or not self.path.exists():
             return
         if self.good_path.exists() and os.path.samefile(self.path, self.good_path):
             return  # already so named (a resumed session confirms it again); rename() between two links of one
@@ -283,6 +351,7 @@ class Checkpointer:
     def set_aside_diverged(self, step: int, fix: str) -> str:
         """The run diverged at `step`: leave in last.pt a checkpoint an update went on from, and say which one it
         is and what to do (`fix`)."""
+        self.wait()
         last = self.path
         if not self.writer:
             return f"rank 0 reports which checkpoint is good: {fix}"
@@ -332,6 +401,7 @@ class ShardedCheckpointer(Checkpointer):
 
     suffix = ".dcp"
     sharded = True
+    writes_in_background = False  # DCP's async_save is not wired in yet: train.checkpoint_async saves in the loop
 
     def __init__(
         self,

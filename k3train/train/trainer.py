@@ -98,6 +98,7 @@ class Trainer:
         self.callbacks, self.profile = callbacks or {}, profile or ProfileConfig()
         self.guard = guard or Guard(mode="off")
         self.state, self.session_start_step = TrainState(), 0
+        self._last_save_started = time.perf_counter()  # train.checkpoint_interval_minutes counts from here
         # False: step on a non-finite loss or norm too (a dry run, whose fake collectives leave values meaningless)
         self.skip_non_finite = True
         self.signals = StopSignals()  # the runner installs it around fit(); the loop only reads the flag
@@ -186,8 +187,8 @@ class Trainer:
             self.state.consecutive_skips = 0
             for callback in self.callbacks.values():
                 callback.after_optimizer_step(self.state.step)
-            if self.guard.applied(loss, grad_norm, spike, self.checkpointer.saved_step):
-                self.checkpointer.mark_good()
+            if self.guard.applied(loss, grad_norm, spike, self.checkpointer.latest_step):
+                self.checkpointer.mark_good(self.guard.good_step)
             result["skipped"] = False
         else:
             scale = self.scaler.state_dict() if held_back else None
@@ -233,6 +234,7 @@ class Trainer:
                 profiler.step()
                 if result["spike"] is not None:
                     self._on_spike(result, progress)
+                self._checkpoint_written(self.checkpointer.poll())  # an asynchronous save finished meanwhile
                 if result["skipped"]:
                     if not (result["rewind"] and self._rewind(result["rewind"], progress)):
                         self._on_skip(result)
@@ -372,7 +374,9 @@ class Trainer:
             and s.step < self.total_steps
         ):
             self.run_eval_tasks(progress)
-        if c.checkpoint_interval and s.step % c.checkpoint_interval == 0 and s.step < self.total_steps:
+        if s.step < self.total_steps and (
+            (c.checkpoint_interval and s.step % c.checkpoint_interval == 0) or self._checkpoint_due_by_time()
+        ):
             self.save()
 
     def _diagnostics(self) -> dict:
@@ -424,8 +428,9 @@ class Trainer:
             self.run_eval()  # not when time is short (a signal) or the run goes on (stop_after)
             if self.task_eval:
                 self.run_eval_tasks()
+        self._checkpoint_written(self.checkpointer.wait())  # the save in flight first, on every rank
         if self.checkpointer.saved_step != self.state.step:  # an interval checkpoint may have just saved this step
-            self.save()
+            self.save(wait=True)
         if self.plan.done() is not None:
             self.checkpointer.update_went_on()  # the run is complete: no update will ever go on from last.pt
         self.metrics.log(
@@ -438,19 +443,43 @@ class Trainer:
         say(f"{self.label}stopped at step {self.state.step} ({reason}); checkpoint {self.checkpointer.path}")
 
     # ---- checkpointing ------------------------------------------------------------------------------------------
-    def save(self) -> None:
-        """Checkpoint at an update boundary (gradients are already cleared)."""
+    def save(self, wait: bool | None = None) -> None:
+        """Checkpoint at an update boundary (gradients are already cleared): written now, or with
+        train.checkpoint_async (`wait` False) copied now and written in the background, its `checkpoint` event
+        logged when the write ends (_checkpoint_written)."""
         t0 = time.perf_counter()
+        self._last_save_started = t0
         self.guard.saved(self.state.step)
-        size = self.checkpointer.save(self.state.step)  # sharded: every rank writes its own, a collective
+        in_background = self.config.asynchronous_checkpoints if wait is None else not wait
+        size = self.checkpointer.save(self.state.step, wait=not in_background)  # sharded: a collective
+        if size is not None:
+            seconds = time.perf_counter() - t0
+            record = {"step": self.state.step, "path": str(self.checkpointer.path), "bytes": size}
+            self._checkpoint_written({**record, "blocked_s": seconds, "background_s": 0.0})
+
+    def _checkpoint_written(self, written: dict | None) -> None:
+        """The `checkpoint` event of a save that has ended: `seconds` the loop was blocked (the whole write when
+        synchronous, the copy of the state when not) and `background_s` the write behind it."""
+        if written is None:
+            return
         self.metrics.log(
             "checkpoint",
-            step=self.state.step,
+            step=written["step"],
             tokens=self.state.tokens,
-            path=str(self.checkpointer.path),
-            bytes=size,
-            seconds=round(time.perf_counter() - t0, 3),
+            path=written["path"],
+            bytes=written["bytes"],
+            seconds=round(written["blocked_s"], 3),
+            background_s=round(written["background_s"], 3),
         )
+
+    def _checkpoint_due_by_time(self) -> bool:
+        """train.checkpoint_interval_minutes: whether that long has passed since the last save began, the same
+        answer on every rank (rank 0's clock decides)."""
+        minutes = self.config.checkpoint_interval_minutes
+        if minutes is None:
+            return False
+        due = time.perf_counter() - self._last_save_started >= 60 * minutes
+        return any_across_ranks(due and self.dims.rank == 0, self.device, self.dims.world_group)
 
     def resume(self, path: Path) -> None:
         """Continue from a checkpoint: the Checkpointer checks it against this run and restores every part.
