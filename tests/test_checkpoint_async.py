@@ -9,31 +9,13 @@ import torch
 from k3train.checkpoint.checkpointer import load_checkpoint
 from k3train.observe.metrics import read_metrics
 
-from helpers.config import built_run
+from helpers.config import K3_SHRUNK, built_run, fit_k3
 
-K3 = [
-    "model.d_model=64",
-    "model.expert_ffn_dim=32",
-    "model.dense_ffn_dim=64",
-    "model.kda_chunk_size=16",
-    "schedule.warmup_steps=0",
-    "train.eval_interval=0",
-    "train.log_interval=1",
-    "train.max_steps=8",
-    "train.checkpoint_interval=3",
-    "train.keep_last_k=5",
-    "train.progress=lines",
-]
+RUN = ("train.max_steps=8", "train.checkpoint_interval=3", "train.keep_last_k=5")
 
 
 def _fit(monkeypatch, run_dir, data, *overrides, resume=None):
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _, parts = built_run(monkeypatch, run_dir, data, *K3, *overrides, model="k3_tiny")
-    trainer = parts["trainer"]
-    if resume is not None:
-        trainer.resume(resume)
-    trainer.fit()
-    return trainer
+    return fit_k3(monkeypatch, run_dir, data, *RUN, *overrides, resume=resume)
 
 
 def _same(a, b, where=""):
@@ -85,7 +67,9 @@ def test_last_pt_moves_only_once_the_write_is_complete(monkeypatch, tmp_path, ti
     """While a save is in flight last.pt is the previous checkpoint; poll() renames the new one into place."""
     run = tmp_path / "run"
     run.mkdir()
-    _, parts = built_run(monkeypatch, run, tiny_data_dir, *K3, "train.checkpoint_async=true", model="k3_tiny")
+    _, parts = built_run(
+        monkeypatch, run, tiny_data_dir, *K3_SHRUNK, *RUN, "train.checkpoint_async=true", model="k3_tiny"
+    )
     trainer = parts["trainer"]
     trainer.train_step()
     trainer.state.step = 1

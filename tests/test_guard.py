@@ -11,33 +11,14 @@ from k3train.observe.metrics import read_metrics
 from k3train.train.guard import Guard, SpikeDetector
 from k3train.train.trainer import TrainingDiverged
 
-from helpers.config import built_run
+from helpers.config import built_run, fit_k3
 
-# k3_tiny shrunk: Muon + AdamW, the Quantile-Balanced MoE (its bias moves in every training forward) and QK-Clip
-K3 = [
-    "model.d_model=64",
-    "model.expert_ffn_dim=32",
-    "model.dense_ffn_dim=64",
-    "model.kda_chunk_size=16",
-    "schedule.warmup_steps=0",
-    "train.eval_interval=0",
-    "train.log_interval=1",
-    "train.max_steps=40",
-    "train.progress=lines",
-    "guard.warmup=8",
-    "guard.window=16",
-]
+GUARDED = ("train.max_steps=40", "guard.warmup=8", "guard.window=16")
 SPIKE = 30  # the step whose update gets random tokens: the loss has fallen from 5.5 to about 2 by then
 
 
 def _fit(monkeypatch, run_dir, data, *overrides, resume=None):
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _, parts = built_run(monkeypatch, run_dir, data, *K3, *overrides, model="k3_tiny")
-    trainer = parts["trainer"]
-    if resume is not None:
-        trainer.resume(resume)
-    trainer.fit()
-    return trainer
+    return fit_k3(monkeypatch, run_dir, data, *GUARDED, *overrides, resume=resume)
 
 
 def _events(run_dir, name):

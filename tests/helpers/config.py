@@ -54,3 +54,29 @@ def built_run(monkeypatch, run_dir, data_dir, *overrides: str, model: str = "smo
     world = World()
     device, threads = build.set_up_process(OmegaConf.to_object(cfg.train), world)
     return cfg, build.build_parts(cfg, run_dir, device, world, threads, resuming=False)
+
+
+# k3_tiny shrunk for in-process runs: Muon + AdamW, the Quantile-Balanced MoE (its bias moves in every training
+# forward) and QK-Clip, logging every update, no evals before the end
+K3_SHRUNK = (
+    "model.d_model=64",
+    "model.expert_ffn_dim=32",
+    "model.dense_ffn_dim=64",
+    "model.kda_chunk_size=16",
+    "schedule.warmup_steps=0",
+    "train.eval_interval=0",
+    "train.log_interval=1",
+    "train.progress=lines",
+)
+
+
+def fit_k3(monkeypatch, run_dir, data_dir, *overrides: str, resume=None):
+    """build_parts' Trainer of the shrunk k3_tiny with `overrides` (a resume from `resume` first), fitted to the end;
+    the run directory made as the runner makes it."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _, parts = built_run(monkeypatch, run_dir, data_dir, *K3_SHRUNK, *overrides, model="k3_tiny")
+    trainer = parts["trainer"]
+    if resume is not None:
+        trainer.resume(resume)
+    trainer.fit()
+    return trainer
