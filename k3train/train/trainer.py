@@ -98,7 +98,6 @@ class Trainer:
         self.callbacks, self.profile = callbacks or {}, profile or ProfileConfig()
         self.guard = guard or Guard(mode="off")
         self.state, self.session_start_step = TrainState(), 0
-        self._last_save_started = time.perf_counter()  # train.checkpoint_interval_minutes counts from here
         # False: step on a non-finite loss or norm too (a dry run, whose fake collectives leave values meaningless)
         self.skip_non_finite = True
         self.signals = StopSignals()  # the runner installs it around fit(); the loop only reads the flag
@@ -215,6 +214,7 @@ class Trainer:
     def fit(self) -> str:
         """Train until a stop condition; returns the end reason. Final eval and checkpoint on a clean stop."""
         self.session_start_step = self.state.step
+        self._last_save_started = time.perf_counter()  # train.checkpoint_interval_minutes counts from here
         if self._resumed_from is not None:
             self._log_resume()
         self._announce()
