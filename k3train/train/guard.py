@@ -52,7 +52,6 @@ class Spike:
 
     step: int
     tripped: dict
-    figures: dict
 
     def describe(self) -> str:
         parts = [
@@ -90,7 +89,7 @@ class SpikeDetector:
                     "sigmas": sigmas,
                     "threshold": threshold,
                 }
-        return Spike(step, tripped, dict(figures)) if tripped else None
+        return Spike(step, tripped) if tripped else None
 
     def add(self, figures: dict[str, float]) -> None:
         for name in self.thresholds:

@@ -130,6 +130,7 @@ class DataParallelStep:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.expert_shards = frozenset(id(p) for p in expert_shards(model))
         self.takes_target_losses = takes_target_losses(model)
+        self._buffers: list[torch.Tensor] | None = None
 
     def forward_backward(self, batches: list[Batch], per_target: bool = False) -> StepLoss:
         losses = []
@@ -160,7 +161,9 @@ class DataParallelStep:
         return local
 
     def buffers(self) -> list[torch.Tensor]:
-        return persistent_buffers([self.model])
+        if self._buffers is None:  # found once: the update loop asks every update
+            self._buffers = persistent_buffers([self.model])
+        return self._buffers
 
 
 class PipelineStep:
@@ -185,6 +188,7 @@ class PipelineStep:
         self.params = [p for p in pipeline.parameters() if p.requires_grad]
         self.expert_shards = frozenset(id(p) for p in expert_shards(model))
         self.takes_target_losses = all(takes_target_losses(m) for m in pipeline.modules)
+        self._buffers: list[torch.Tensor] | None = None
 
     def forward_backward(self, batches: list[Batch], per_target: bool = False) -> StepLoss:
         """One schedule step over the update's micro-batches (every forward and backward), the stages' gradients
@@ -234,4 +238,6 @@ class PipelineStep:
         return merge_stage_figures(parts, callbacks)
 
     def buffers(self) -> list[torch.Tensor]:
-        return persistent_buffers(self.pipeline.modules)
+        if self._buffers is None:  # found once: the update loop asks every update
+            self._buffers = persistent_buffers(self.pipeline.modules)
+        return self._buffers
