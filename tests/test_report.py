@@ -274,11 +274,11 @@ def _known_run(path, *, grad_norms=GRAD_NORMS, grad_clip=CLIP, mfu=True, loss_sh
         for k, s in enumerate([20, 40])
     ]
     skip = {"event": "skip", "step": 25, "tokens": 4096 * 25, "loss": "nan", "grad_norm": "inf"}
-    spike = {"event": "spike", "step": 33, "tokens": 4096 * 33, "loss": 9.0, "grad_norm": 20.0, "action": "rewind"}
-    rewind = {"event": "rewind", "step": 33, "to": 30, "tokens": 4096 * 30, "rewinds": 1}
+    # a spike after step 50, rewound to the step-50 checkpoint itself: no step is redone, every train event counts
+    spike = {"event": "spike", "step": 50, "tokens": 4096 * 50, "loss": 9.0, "grad_norm": 20.0, "action": "rewind"}
+    rewind = {"event": "rewind", "step": 50, "to": 50, "tokens": 4096 * 50, "rewinds": 1}
     events = [{"event": "session", "session": 0, "step": 0}, *train[:2], evals[0], skip, *train[2:4], evals[1]]
-    events += [spike, rewind]
-    events.append(train[4])
+    events += [train[4], spike, rewind]
     (path / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     config = {
         "train": {"grad_clip": grad_clip},
@@ -313,7 +313,7 @@ def test_the_loss_figure_draws_train_and_val_loss_against_steps_with_tokens_abov
         "train (mean since the last log line)": (_of(events, "train", "step"), _of(events, "train", "loss")),
         "val (the first train.eval_batches val batches)": (_of(events, "eval", "step"), _of(events, "eval", "loss")),
     }
-    assert panel.line("loss spike (guard)").xs == [33] and panel.line("rewind (guard)").xs == [33]
+    assert panel.line("loss spike (guard)").xs == [50] and panel.line("rewind (guard)").xs == [50]
     assert panel.legend_outside
 
 

@@ -227,8 +227,8 @@ def fsync(fd):
 torch.save, os.fsync = save, fsync
 import k3train.train.trainer as trainer
 real_after = trainer.Trainer.save
-def after_save(self):
-    real_after(self)
+def after_save(self, wait=None):
+    real_after(self, wait)
     state["armed"] = True  # from now on the disk is full
 trainer.Trainer.save = after_save
 sys.argv = ["k3train", *sys.argv[1:]]
