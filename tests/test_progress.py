@@ -87,3 +87,16 @@ def test_a_one_update_run_needs_no_eta(capsys, monkeypatch):
     run_updates(progress, clock, range(1, 2), warm_up_s=5.6, pace_s=0.4, log_interval=1)
     first, logged = capsys.readouterr().out.splitlines()
     assert first == "first update took 5.60 s" and logged.endswith("| ETA 0:00:00")
+
+
+def test_a_guard_rewind_measures_the_pace_again_from_the_step_it_went_back_to(capsys):
+    """The fault trials' guarded run found it: back at the first update's own step, the pace divided by zero."""
+    progress = Progress(TrainConfig(progress="lines", log_interval=100), start=0, total=10, label="")
+    progress.update(3, 5.0, 100.0)
+    progress.update(4, 5.0, 100.0)
+    progress.rewound(3)
+    assert progress.eta_seconds(3) is None  # no pace measured since the rewind yet
+    progress.update(3, 5.0, 100.0)
+    assert progress.eta_seconds(3) is None  # the same step again: still no pace, not a division by zero
+    progress.update(5, 5.0, 100.0)
+    assert progress.eta_seconds(5) > 0
