@@ -8,7 +8,7 @@ train.checkpoint_async (the loop waits while the state is copied: blocked_s; a t
 then trains on while that write runs, timing those updates against updates with no write behind them (the write's
 cost to the loop beyond the copy: on a CPU the thread takes cycles from training). Target (issue 51): blocked_s <=
 25% of wall_s. Writes benchmarks/results/checkpoint_async.json (or --out) with the CPU and its load.
-The sharded (FSDP2) format has no background write yet: it is not measured here.
+The sharded format (FSDP2, ep > 1), written by DCP's writer processes, is bench_checkpoint_async_fsdp.py's.
 """
 
 from __future__ import annotations

@@ -76,8 +76,26 @@ def _reraise_write_error(exc: BaseException, path: Path):
 @contextlib.contextmanager
 def atomic_directory(path: Path, may_replace: Callable[[Path], None] | None = None) -> Iterator[Path]:
     """Yield a new empty temporary directory beside path to fill; when the block ends without an exception, its
-    files are fsynced and it is renamed to path in one step. An exception, or a kill, never leaves anything at path
-    (a kill may leave the temporary directory, which nothing reads).
+    files are fsynced and it is renamed to path in one step (commit_directory). An exception, or a kill, never
+    leaves anything at path (a kill may leave the temporary directory, which nothing reads)."""
+    tmp = temp_directory(path)
+    try:
+        yield tmp
+        commit_directory(tmp, path, may_replace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # after the rename tmp no longer exists
+
+
+def temp_directory(path: Path) -> Path:
+    """atomic_directory's first half: a new empty directory beside path, `.<name>.tmp-<pid>-<random>`, to fill (an
+    asynchronous sharded checkpoint's writer process fills it in the background)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=f"{temp_path(path).name}-", dir=path.parent))
+
+
+def commit_directory(tmp: Path, path: Path, may_replace: Callable[[Path], None] | None = None) -> None:
+    """The second half: tmp's files fsynced and tmp renamed to path in one step, the rename made durable.
 
     A path that is missing or an empty directory is simply replaced. A non-empty one is replaced only through
     may_replace(path), called just before the swap (it raises to refuse); without it the swap raises
@@ -85,30 +103,24 @@ def atomic_directory(path: Path, may_replace: Callable[[Path], None] | None = No
     kill inside that window leaves the old directory under `.<name>.tmp-<pid>-<random>-old` and nothing at path.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{temp_path(path).name}-", dir=path.parent))
-    try:
-        yield tmp
-        for file in tmp.rglob("*"):
-            if file.is_file():
-                _fsync_file(file)
-        _fsync_dir(tmp)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
-            if may_replace is None:
-                raise FileExistsError(f"{path} already exists and is not empty")
-            may_replace(path)
-            old = tmp.with_name(tmp.name + "-old")
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old)
-        else:
-            try:
-                os.rename(tmp, path)  # replaces an empty directory; fails if something filled path meanwhile
-            except OSError as exc:
-                raise FileExistsError(f"{path} appeared while it was being written") from exc
-        _fsync_dir(path.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)  # after the rename tmp no longer exists
+    for file in tmp.rglob("*"):
+        if file.is_file():
+            _fsync_file(file)
+    _fsync_dir(tmp)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        if may_replace is None:
+            raise FileExistsError(f"{path} already exists and is not empty")
+        may_replace(path)
+        old = tmp.with_name(tmp.name + "-old")
+        os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old)
+    else:
+        try:
+            os.rename(tmp, path)  # replaces an empty directory; fails if something filled path meanwhile
+        except OSError as exc:
+            raise FileExistsError(f"{path} appeared while it was being written") from exc
+    _fsync_dir(path.parent)
 
 
 def _fsync_file(path: Path) -> None:
@@ -142,5 +154,16 @@ def remove_stale_temp_files(directory: Path) -> list[Path]:
     for path in sorted(Path(directory).glob(TEMP_GLOB)):
         if path.is_file():
             path.unlink()
+            removed.append(path)
+    return removed
+
+
+def remove_stale_temp_directories(directory: Path) -> list[Path]:
+    """Delete the temporary directories (atomic_directory's, half filled) of dead writers in directory; only call
+    it while holding its lock."""
+    removed = []
+    for path in sorted(Path(directory).glob(TEMP_GLOB)):
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
             removed.append(path)
     return removed

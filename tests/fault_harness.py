@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from k3train.files import TEMP_GLOB
+
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = REPO / "tests" / "fault_entry.py"
 
@@ -89,7 +91,7 @@ def command(model: str, interval: int) -> list[str]:
 
 
 def temp_files(run_dir: Path) -> list[Path]:
-    return sorted(run_dir.glob(".*.tmp-*"))
+    return sorted(run_dir.glob(TEMP_GLOB))
 
 
 # ---- processes --------------------------------------------------------------------------------------------
@@ -104,6 +106,7 @@ class Proc:
         fault: str = "",
         handshake: Path | None = None,
         env: dict | None = None,
+        entry: list[str] | None = None,
     ):
         self.log = log
         env = {
@@ -115,7 +118,7 @@ class Proc:
             "K3TRAIN_FAULT_DIR": str(handshake or ""),
             **(env or {}),
         }
-        entry = [str(ENTRY)] if fault else ["-m", "k3train"]
+        entry = entry or ([str(ENTRY)] if fault else ["-m", "k3train"])
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
             self.popen = subprocess.Popen([sys.executable, *entry, *args], cwd=REPO, env=env, stdout=out, stderr=err)
@@ -181,13 +184,14 @@ def checkpoint_step(run_dir: Path) -> int:
     return torch.load(path, weights_only=True)["trainer"]["step"] if path.exists() else 0
 
 
-def check_loadable(run_dir: Path) -> list[str]:
-    """Every checkpoint loads with the product's loader (weights_only), run.json parses, metrics.jsonl reads."""
+def check_loadable(run_dir: Path, checkpoints: str = "*.pt") -> list[str]:
+    """Every checkpoint (`checkpoints`: their names' pattern; "*.dcp" for sharded ones) loads with the product's
+    loader (weights_only), run.json parses, metrics.jsonl reads."""
     from k3train.checkpoint.checkpointer import load_checkpoint
     from k3train.observe.metrics import read_metrics
 
     problems = []
-    for path in sorted(run_dir.glob("*.pt")):
+    for path in sorted(run_dir.glob(checkpoints)):
         try:
             load_checkpoint(path)
         except Exception as exc:  # noqa: BLE001 - any failure is the finding
@@ -373,14 +377,22 @@ def run_kill_trial(trial: KillTrial, baseline: Baseline, work: Path, cache: Path
 
 
 def finish_and_compare(
-    args: list[str], baseline: Baseline, run_dir: Path, log: Path, cache: Path, result: TrialResult
+    args: list[str],
+    baseline: Baseline,
+    run_dir: Path,
+    log: Path,
+    cache: Path,
+    result: TrialResult,
+    launch=None,
+    compare=None,
 ) -> TrialResult:
-    """resume=auto to the end, then the comparison with the uninterrupted run."""
-    final = run(args, log, cache)
-    if final.popen.returncode != 0:
+    """resume=auto to the end (`launch(args, log, cache)`: a Proc, one process unless given), then the comparison
+    with the uninterrupted run (`compare(baseline_dir, run_dir)`: compare_to_baseline unless given)."""
+    final = (launch or Proc)(args, log, cache)
+    if final.wait() != 0:
         result.problems.append(f"resume=auto exited {final.popen.returncode}:\n{final.stderr()[-2000:]}")
         return result
-    mismatch = compare_to_baseline(baseline.run_dir, run_dir)
+    mismatch = (compare or compare_to_baseline)(baseline.run_dir, run_dir)
     result.bitwise = not mismatch
     result.problems += mismatch
     return result
@@ -479,9 +491,15 @@ def run_trials(trials: list, work: Path, cache: Path, jobs: int = 2) -> dict[str
     """Baselines first, then the trials, `jobs` at a time (each is a few subprocesses); name -> result."""
     from concurrent.futures import ThreadPoolExecutor
 
-    keys = sorted({(t.model, t.interval) for t in trials})
+    makers = {(t.model, t.interval): getattr(t, "baseline", None) for t in trials}  # a trial kind's own, if any
+    keys = sorted(makers)
+
+    def baseline(key: tuple[str, int]) -> Baseline:
+        model, interval = key
+        return makers[key](interval, work, cache) if makers[key] else make_baseline(model, interval, work, cache)
+
     with ThreadPoolExecutor(jobs) as pool:
-        baselines = dict(zip(keys, pool.map(lambda key: make_baseline(*key, work, cache), keys)))
+        baselines = dict(zip(keys, pool.map(baseline, keys)))
 
         def one(trial) -> TrialResult:
             try:

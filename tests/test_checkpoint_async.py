@@ -10,6 +10,7 @@ from k3train.checkpoint.checkpointer import load_checkpoint
 from k3train.observe.metrics import read_metrics
 
 from helpers.config import K3_SHRUNK, built_run, fit_k3
+from helpers.trees import assert_same_tree
 
 RUN = ("train.max_steps=8", "train.checkpoint_interval=3", "train.keep_last_k=5")
 
@@ -18,29 +19,13 @@ def _fit(monkeypatch, run_dir, data, *overrides, resume=None):
     return fit_k3(monkeypatch, run_dir, data, *RUN, *overrides, resume=resume)
 
 
-def _same(a, b, where=""):
-    """Two checkpoint trees, tensors bit for bit and everything else equal."""
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _same(a[key], b[key], f"{where}/{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same(x, y, f"{where}/{i}")
-    elif torch.is_tensor(a):
-        assert torch.equal(a, b), where
-    else:
-        assert a == b or (a != a and b != b), where  # NaN == NaN here
-
-
 def test_a_background_save_writes_what_a_synchronous_one_does(monkeypatch, tmp_path, tiny_data_dir):
     sync = _fit(monkeypatch, tmp_path / "sync", tiny_data_dir, "train.checkpoint_async=false")
     background = _fit(monkeypatch, tmp_path / "async", tiny_data_dir, "train.checkpoint_async=true")
     for step in (3, 6, 8):
         a = load_checkpoint(tmp_path / "sync" / f"step_{step:07d}.pt")
         b = load_checkpoint(tmp_path / "async" / f"step_{step:07d}.pt")
-        _same(a, b)
+        assert_same_tree(a, b)
     events = {e["step"]: e for e in read_metrics(tmp_path / "async" / "metrics.jsonl") if e["event"] == "checkpoint"}
     assert sorted(events) == [3, 6, 8]
     assert events[3]["background_s"] > 0 and events[6]["background_s"] > 0  # written behind the loop
@@ -60,7 +45,7 @@ def test_a_resume_from_a_background_save_ends_where_the_uninterrupted_run_does(m
     )
     for name, value in straight.model.state_dict().items():
         assert torch.equal(resumed.model.state_dict()[name], value), name
-    _same(straight.optimizer.state_dict(), resumed.optimizer.state_dict())
+    assert_same_tree(straight.optimizer.state_dict(), resumed.optimizer.state_dict())
 
 
 def test_last_pt_moves_only_once_the_write_is_complete(monkeypatch, tmp_path, tiny_data_dir):

@@ -7,7 +7,13 @@ import os
 import pytest
 
 from k3train import files
-from k3train.files import atomic_directory, remove_stale_temp_files, write_atomic
+from k3train.files import (
+    atomic_directory,
+    remove_stale_temp_directories,
+    remove_stale_temp_files,
+    temp_directory,
+    write_atomic,
+)
 
 
 def leftovers(directory):
@@ -164,3 +170,16 @@ def test_atomic_directory_loses_the_race_cleanly(tmp_path, monkeypatch):
         with atomic_directory(out) as tmp:
             (tmp / "new.bin").write_bytes(b"new")
     assert [p.name for p in out.iterdir()] == ["theirs.bin"] and leftovers(tmp_path) == []
+
+
+def test_stale_temporary_directories_are_removed_and_nothing_else(tmp_path):
+    """What a writer killed in the middle of filling atomic_directory's temporary directory leaves (an asynchronous
+    sharded save's writer processes, say) is removed on the next start; complete directories and links stay."""
+    half = temp_directory(tmp_path / "step_0000003-ab12cd34")
+    (half / "__0_0.distcp").write_bytes(b"half")
+    complete = tmp_path / "step_0000002-0123abcd"
+    complete.mkdir()
+    (complete / ".metadata").write_bytes(b"m")
+    (tmp_path / ".last.dcp.tmp-123").symlink_to(complete)  # a link: remove_stale_temp_links' business
+    assert remove_stale_temp_directories(tmp_path) == [half]
+    assert not half.exists() and (complete / ".metadata").exists() and (tmp_path / ".last.dcp.tmp-123").is_symlink()

@@ -34,9 +34,13 @@ import torch.distributed.tensor as distributed_tensor
 from k3train.checkpoint.dcp import (
     CodeRefused,
     MakeShard,
+    ShardedWrite,
+    new_stager,
     point_to,
     read_sharded,
     safe_load,
+    start_sharded_write,
+    start_writer_processes,
     whole_tensor,
     write_sharded,
 )
@@ -210,11 +214,22 @@ class Checkpointer:
         the background: None, and poll() / wait() put it in place once written. One save at a time: a save first
         waits for the one in flight."""
         self.wait()
-        if wait or not self.writes_in_background:
+        if wait:
             self._keep_previous()
             size = self._write(step)
             self._written(step)
             return size
+        self._in_flight = self._start_write(step)
+        return None
+
+    def start_background_writers(self) -> float:
+        """Before training, when saves will be asynchronous: what writes them in the background started (the
+        single-file format's thread starts with each save: nothing); the seconds it took."""
+        return 0.0
+
+    def _start_write(self, step: int) -> BackgroundWrite | None:
+        """save(wait=False)'s first half: the state copied, its write started in a thread (None where this process
+        is not the writer)."""
         start = time.perf_counter()
         payload = self.payload(step)  # a collective where the parts gather (GatheredCheckpointer)
         if not self.writer:
@@ -223,11 +238,14 @@ class Checkpointer:
         staged = staged_copy(payload)
         if torch.cuda.is_available():
             torch.cuda.synchronize()  # the copies to pinned memory have landed
-        write = BackgroundWrite(step, self.path, lambda f: torch.save(staged, f), time.perf_counter() - start)
-        self._in_flight = write
-        return None
+        return BackgroundWrite(step, self.path, lambda f: torch.save(staged, f), time.perf_counter() - start)
 
-    writes_in_background = True  # whether save(wait=False) can write in the background (the sharded one: not yet)
+    def _put_in_place(self, write: BackgroundWrite) -> int:
+        """The second half, once the write has ended: last.pt moved to previous.pt and the written file renamed to
+        last.pt; its size."""
+        tmp = write.result()
+        self._keep_previous()
+        return commit_temp(tmp, self.path)
 
     @property
     def latest_step(self) -> int | None:
@@ -237,9 +255,13 @@ class Checkpointer:
     def poll(self) -> dict | None:
         """The save in flight put in place if its write has ended (raising what the write raised): its figures
         {step, path, bytes, blocked_s, background_s}; None while none has ended."""
-        if self._in_flight is None or not self._in_flight.done():
+        if self._in_flight is None or not self._written_everywhere(self._in_flight.done()):
             return None
         return self.wait()
+
+    def _written_everywhere(self, done: bool) -> bool:
+        """Whether the save in flight has ended wherever it is written: here, the writer alone."""
+        return done
 
     def wait(self) -> dict | None:
         """Wait for the save in flight, put it in place and return its figures (poll's); None without one. A
@@ -247,9 +269,7 @@ class Checkpointer:
         write, self._in_flight = self._in_flight, None
         if write is None:
             return None
-        tmp = write.result()
-        self._keep_previous()
-        size = commit_temp(tmp, self.path)
+        size = self._put_in_place(write)
         self._written(write.step)
         if self._good_when_written == write.step:
             self._good_when_written = None
@@ -401,7 +421,6 @@ class ShardedCheckpointer(Checkpointer):
 
     suffix = ".dcp"
     sharded = True
-    writes_in_background = False  # DCP's async_save is not wired in yet: train.checkpoint_async saves in the loop
 
     def __init__(
         self,
@@ -416,6 +435,7 @@ class ShardedCheckpointer(Checkpointer):
         self.layouts = layouts
         self.store = self.run_dir / SHARDED_STORE
         self.merge_group = merge_group  # a pipeline's: its stages' parts are merged into one tree (write_sharded)
+        self._stager = None  # save(wait=False)'s staging buffers, made at the first and reused (dcp.new_stager)
 
     def _write(self, step: int) -> int:
         directory = self.store / f"step_{step:07d}-{secrets.token_hex(4)}"  # rank 0's name is the one used
@@ -423,6 +443,39 @@ class ShardedCheckpointer(Checkpointer):
         if self.writer:
             point_to(self.path, directory.relative_to(self.run_dir))
         return size
+
+    def _start_write(self, step: int) -> ShardedWrite:
+        """Every rank's shards copied to shared memory and handed to its writer process (dcp.ShardedWrite): a
+        collective, and every rank then holds the save in flight."""
+        if self._stager is None:
+            self._stager = new_stager()
+        directory = self.store / f"step_{step:07d}-{secrets.token_hex(4)}"  # rank 0's name is the one used
+        write = start_sharded_write(directory, self.payload(step), self.writer, self._stager, self.merge_group)
+        write.step = step
+        return write
+
+    def _written_everywhere(self, done: bool) -> bool:
+        """Every rank's writer has ended (rank 0's ends last, with .metadata, but a failure ends them all): the
+        same answer on every rank, so every rank puts the save in place, or raises its error, at one boundary."""
+        if not dist.is_initialized():
+            return done
+        flag = torch.tensor([int(done)], dtype=torch.int32)  # on the CPU: a run's group has gloo for it
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def _put_in_place(self, write: ShardedWrite) -> int:
+        size = write.result()  # every rank; rank 0 renames the directory into place
+        self._keep_previous()
+        if self.writer:
+            point_to(self.path, write.directory.relative_to(self.run_dir))
+        return size
+
+    def start_background_writers(self) -> float:
+        """Before training, when saves will be asynchronous: every rank's writer process started (a collective;
+        dcp.start_writer_processes); the seconds it took."""
+        if self._stager is None:
+            self._stager = new_stager()
+        return start_writer_processes(self.store, self._stager)
 
     def _read(self, path: Path) -> dict:
         if not path.is_dir() and ("dp_shard",) in self.layouts:
@@ -448,6 +501,8 @@ class ShardedCheckpointer(Checkpointer):
 
     def _forget_unnamed(self) -> None:
         named = {link.resolve() for link in self.run_dir.glob(f"*{self.suffix}") if link.is_symlink()}
+        if self._in_flight is not None:
+            named.add(self._in_flight.tmp.resolve())  # being written: named once it is complete
         for directory in self.store.iterdir() if self.store.is_dir() else ():
             if directory.resolve() not in named:
                 shutil.rmtree(directory, ignore_errors=True)

@@ -7,7 +7,9 @@ and saved with `dcp.save`, each rank writing its own shards; the rest of the tre
 cursors, RNG, buffers: the same on every rank) is rank 0's `extra.pt`. Reading allocates each placeholder with
 `make_shard(shape, dtype, mesh)` (a DTensor laid out as this run holds that kind of tensor, or a whole plain
 tensor) and lets `dcp.load` fill it, so a checkpoint saved by N ranks loads on M ranks, or in one process
-(consolidate.py).
+(consolidate.py). Written in the background (train.checkpoint_async), the same directory is
+filled by DCP's async_save with its process-based executor, each rank's writer process writing that rank's shards
+(ShardedWrite, start_sharded_write), and renamed into place once every rank's writer has ended.
 
 Opening a checkpoint never runs code from it. DCP itself reads `.metadata` with a plain `pickle.load` and
 non-tensor entries with `torch.load(weights_only=False)` (torch 2.13's filesystem.py and default_planner.py:
@@ -22,10 +24,14 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 import os
 import pickle
 import pickletools
 import re
+import shutil
+import threading
+import time
 import warnings
 import zipfile
 from collections.abc import Callable
@@ -37,10 +43,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter, _StorageInfo
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.tensor import DTensor
 
-from k3train.files import _os_error, atomic_directory, temp_path
+from k3train.files import _os_error, atomic_directory, commit_directory, temp_directory, temp_path
 
 MakeShard = Callable[[torch.Size, torch.dtype, tuple[str, ...]], torch.Tensor]
 EXTRA = "extra.pt"  # rank 0's part: the tree with placeholders where the sharded tensors go
@@ -209,11 +217,7 @@ def write_sharded(directory: Path, tree: Any, writer: bool, merge_group: dist.Pr
     its own shards. A write that fails (a full disk, a read-only directory) leaves no temporary directory and
     raises, on every rank, an OSError naming rank 0's `directory`, as a single-file checkpoint's does
     (files.write_atomic)."""
-    skeleton, shards = split_shards(tree)
-    if merge_group is not None:  # tensors stay where they are: only the skeletons (placeholders, small state) move
-        parts: list | None = [None] * dist.get_world_size(merge_group) if writer else None
-        dist.gather_object(skeleton, parts, group=merge_group, group_dst=0)
-        skeleton = merge_trees(parts) if parts is not None else skeleton
+    skeleton, shards = _split_and_merge(tree, writer, merge_group)
     named = directory  # in errors: rank 0's name, the one used, on every rank
     try:
         if not writer:
@@ -225,14 +229,182 @@ def write_sharded(directory: Path, tree: Any, writer: bool, merge_group: dist.Pr
             dcp.save(shards, checkpoint_id=tmp)  # every rank its shards; rank 0 also .metadata, once all are written
             torch.save(skeleton, tmp / EXTRA)
     except (CheckpointException, OSError, RuntimeError) as exc:
-        error = rank_error(exc) if isinstance(exc, CheckpointException) else exc
-        failure = _write_error(error)
-        if failure is not None:
-            raise OSError(failure.errno, failure.strerror or str(failure), str(named)) from exc
-        if error is exc:
-            raise  # not a write that failed (a lost peer, say): as it came
-        raise error from exc
+        _raise_write_error(exc, named)
+    return _size(directory)
+
+
+def _split_and_merge(tree: Any, writer: bool, merge_group: dist.ProcessGroup | None) -> tuple[Any, dict]:
+    """(the skeleton the writer's extra.pt holds, this rank's shards): see write_sharded."""
+    skeleton, shards = split_shards(tree)
+    if merge_group is not None:  # tensors stay where they are: only the skeletons (placeholders, small state) move
+        parts: list | None = [None] * dist.get_world_size(merge_group) if writer else None
+        dist.gather_object(skeleton, parts, group=merge_group, group_dst=0)
+        skeleton = merge_trees(parts) if parts is not None else skeleton
+    return skeleton, shards
+
+
+def _size(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.iterdir())
+
+
+def _raise_write_error(exc: BaseException, named: Path | str):
+    """A failed sharded write as the OSError naming `named` that a single-file checkpoint's would raise, when it
+    is one (a full disk, a read-only directory); anything else (a lost peer, say) as it came."""
+    error = rank_error(exc) if isinstance(exc, CheckpointException) else exc
+    failure = _write_error(error)
+    if failure is not None:
+        raise OSError(failure.errno, failure.strerror or str(failure), str(named)) from exc
+    if error is exc:
+        raise exc
+    raise error from exc
+
+
+class ShardedWrite:
+    """A sharded checkpoint being written in the background (train.checkpoint_async), started by every rank at
+    the same update boundary: the loop waited only while each rank's shards were copied to shared CPU memory
+    (pinned from a GPU) and rank 0 wrote extra.pt into the temporary directory; DCP's async_save hands the copy to
+    a writer process per rank (its process-based executor, with its own gloo group among the writers), which
+    writes the shards and, on rank 0 once all are written, .metadata. `result()` waits for it; rank 0 then fsyncs
+    the directory and renames it into place (files.commit_directory), so a kill at any moment leaves no
+    checkpoint at `directory` or a complete one."""
+
+    def __init__(self, directory: Path, tmp: Path, writer: bool, future: Any, blocked_s: float):
+        self.directory, self.tmp, self.writer, self.blocked_s = directory, tmp, writer, blocked_s
+        self._future = future
+        self._started = time.perf_counter()
+        self.step: int | None = None  # the step saved (the Checkpointer's)
+        self.seconds: float | None = None  # the background write's duration, once it has ended
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def result(self) -> int:
+        """Wait for every rank's shards, put the directory in place (rank 0) and return its bytes on disk (0 on
+        other ranks); a write that failed raises on every rank as write_sharded's does, leaving no directory."""
+        try:
+            self._future.result()
+            self.seconds = time.perf_counter() - self._started
+            if not self.writer:
+                return 0
+            commit_directory(self.tmp, self.directory)
+        except BaseException as exc:
+            if self.writer:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+            if not isinstance(exc, (Exception, CheckpointException)):
+                raise  # a second Ctrl-C, say: as it came
+            error = rank_error(exc) if isinstance(exc, CheckpointException) else exc
+            failure = _write_error(error)
+            if failure is not None:  # a full disk, a read-only directory
+                raise OSError(failure.errno, failure.strerror or str(failure), str(self.directory)) from exc
+            # the writer process died, or lost its peers (another rank's writer died): a write that failed
+            said = (str(error).strip().splitlines() or [type(error).__name__])[0]
+            raise OSError(errno.EIO, f"the checkpoint writer process failed: {said}", str(self.directory)) from exc
+        return _size(self.directory)
+
+
+def start_sharded_write(
+    directory: Path, tree: Any, writer: bool, stager: Any, merge_group: dist.ProcessGroup | None = None
+) -> ShardedWrite:
+    """write_sharded's asynchronous twin (ShardedWrite): a collective at an update boundary, every rank calls it
+    with the same `stager` each time (a DCP DefaultStager, whose staging buffers are reused from save to save)."""
+    start = time.perf_counter()
+    skeleton, shards = _split_and_merge(tree, writer, merge_group)
+    failed = None
+    if writer:
+        tmp = temp_directory(directory)
+        try:
+            torch.save(skeleton, tmp / EXTRA)  # small, and the loop changes it next: written now
+        except (OSError, RuntimeError) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            failed = exc
+        tmp, named, error = _broadcast([str(tmp), str(directory), None if failed is None else repr(failed)])
+    else:
+        tmp, named, error = _broadcast([None, None, None])
+    if failed is not None:
+        _raise_write_error(failed, directory)
+    if error is not None:  # rank 0's extra.pt failed: every rank stops saving at the same boundary
+        raise OSError(errno.EIO, f"rank 0 could not write {EXTRA}: {error}", named)
+    with warnings.catch_warnings():  # "experimental": the behaviour k3train relies on is checked by its tests
+        warnings.filterwarnings("ignore", ".*async_save.*", UserWarning)
+        future = dcp.async_save(
+            shards,
+            storage_writer=ProcessFileSystemWriter(tmp),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+            async_stager=stager,
+        )
+    return ShardedWrite(Path(named), Path(tmp), writer, future, time.perf_counter() - start)
+
+
+def start_writer_processes(store: Path, stager: Any) -> float:
+    """Start every rank's checkpoint writer process now, before training (a collective): a save of one small
+    tensor into a temporary directory, waited for, then removed; the seconds it took.
+
+    A writer learns of its rank's death only once it serves a save (ProcessFileSystemWriter). While it starts, it
+    meets the other ranks' writers in a gloo rendezvous, and a writer whose rank was killed then waits out gloo's
+    timeout (30 minutes) for a peer that torchrun has ended (found by the fault trials, when writers started at a
+    run's first save). Started here, that window is a few seconds of the job's own start-up, not any moment of
+    training."""
+    start = time.perf_counter()
+    writer = not dist.is_initialized() or dist.get_rank() == 0
+    tmp = temp_directory(store / "writers") if writer else None
+    [tmp] = _broadcast([None if tmp is None else str(tmp)])
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", ".*async_save.*", UserWarning)
+            dcp.async_save(
+                {"started": torch.zeros(1)},
+                storage_writer=ProcessFileSystemWriter(tmp),
+                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+                async_stager=stager,
+            ).result()
+    finally:
+        if writer:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return time.perf_counter() - start
+
+
+def new_stager() -> Any:
+    """The stager a run's asynchronous sharded saves share: copies to shared memory, which the writer process
+    maps without another copy (pinned as well from a GPU, the copy non-blocking)."""
+    cuda = torch.cuda.is_available()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=True, use_async_staging=False, use_non_blocking_copy=cuda
+        )
+    )
+
+
+class ProcessFileSystemWriter(FileSystemWriter):
+    """DCP's FileSystemWriter, which also sets up the writer process it is unpickled in (DCP's process-based
+    executor sends it with each save; torch 2.13's _async_process_executor.py):
+    - the process ends within a second of its rank's death. Idle, it would end by itself (its pipe closes), but
+      in the middle of a write it goes on, its gloo peers waiting on it, for as long as the write takes or until
+      gloo's timeout (the fault trials found writers alive 30 s after their job); its half-written directory is
+      removed on the next start. (Not the parent-death signal: it fires when the thread that started the
+      process ends, and DCP starts it from a pool thread that ends after the first save.)
+    - its root logger is lowered to WARNING: the executor sets it to INFO, three lines a rank for every save;
+      what it says once at start-up still shows."""
+
+    def __setstate__(self, state: dict) -> None:  # in the writer process, before the save is logged
+        self.__dict__.update(state)
+        logging.getLogger().setLevel(logging.WARNING)
+        _end_with_rank()
+
+
+_WATCHING: list[int] = []  # the rank this writer process watches, once watched
+
+
+def _end_with_rank() -> None:
+    if _WATCHING:
+        return
+    _WATCHING.append(os.getppid())
+
+    def watch() -> None:
+        while os.getppid() == _WATCHING[0]:
+            time.sleep(1.0)
+        os._exit(1)  # the rank died: no clean-up of a process whose work nobody will use
+
+    threading.Thread(target=watch, name="end-with-rank", daemon=True).start()
 
 
 # torch.save's zip writer checks that each write wrote it all: a short write, which is how a full disk answers

@@ -22,6 +22,7 @@ from k3train.runtime.bootstrap import bootstrap
 bootstrap()  # before torch loads (runtime/bootstrap.py)
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 
@@ -31,6 +32,7 @@ from hydra.utils import instantiate  # noqa: E402
 
 from k3train.config import register_configs  # noqa: E402
 from k3train.plan.activations import cp_kda_refusal  # noqa: E402
+from k3train.plan.checkpoint import checkpoint_lines, plan_checkpoint  # noqa: E402
 from k3train.plan.estimate import PREFER, estimate, propose  # noqa: E402
 from k3train.plan.hardware import CHOICES, lookup  # noqa: E402
 from k3train.plan.mesh import Mesh  # noqa: E402
@@ -91,6 +93,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--cp", type=int, help="split each row's sequence over this many ranks (default: parallel.cp)")
     ap.add_argument("--headroom", type=float, default=PlanSettings.headroom, help="fraction of device memory kept free")
     ap.add_argument("--vocab-size", type=int, help="for a model whose vocab_size is null (the data's)")
+    ap.add_argument(
+        "--storage-gbps",
+        type=float,
+        help="the checkpoint storage's write bandwidth per node, GB/s: the plan then gives the write's time",
+    )
     ap.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = ap.parse_args(argv)
     if args.gpus is not None and args.gpus < 1:
@@ -101,6 +108,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         ap.error("--mfu must be in (0, 1]")
     if not 0 <= args.headroom < 1:
         ap.error("--headroom must be in [0, 1)")
+    if args.storage_gbps is not None and not args.storage_gbps > 0:
+        ap.error("--storage-gbps must be > 0 (GB/s a node)")
     return args
 
 
@@ -219,8 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         run, title = None, None
+    storage = args.storage_gbps * 1e9 if args.storage_gbps else None
+    checkpoint = plan_checkpoint(spec, shown, hw, storage)
     if args.json:
         plan = as_json(spec, hw, chosen, tried, args.mfu)
+        plan["checkpoint"] = dataclasses.asdict(checkpoint)
         plan["prefer"] = args.prefer
         plan["run"] = None if run is None else run_json(*run, devices, hw, args.overrides)
         if search is not None:
@@ -233,6 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         text = render(
             spec, hw, devices, args.overrides, chosen, tried, args.mfu, mesh is None, notes, lead, args.prefer
         )
+        text += "\n\n" + "\n".join(checkpoint_lines(checkpoint, storage))
         if search is not None:
             text += "\n" + "\n".join(search_lines(search, spec, args.overrides, planner_flags(args), hw))
         print(text)

@@ -16,6 +16,9 @@ Sources (NVIDIA's pages and documents; the MLCommons entries are NVIDIA's and Ne
   NVLink 14.4 TB/s: per GPU 180 GB, 8 TB/s, 1.8 TB/s) and
   https://raw.githubusercontent.com/mlcommons/inference_results_v6.0/main/closed/Nebius/systems/nebius_b200_n1.json
   (B200-SXM-180GB, 8 per node, 8x ConnectX-7 400 Gb/s); 2,250 TFLOP/s dense bf16 and 75 TFLOP/s fp32 as mfu.py
+- The host link: PCIe Gen5 x16, 128 GB/s both directions (H100's and H200's pages, above; for B200 the same is
+  assumed: the DGX B200 page gives no per-GPU host-link figure), so a checkpoint's copy to pinned host memory reaches
+  at most 64 GB/s a GPU (plan/checkpoint.py)
 - 8 GPUs a node and 400 Gb/s per GPU for HGX H100, H200 and B200 alike (NVIDIA's 2-8-9-400 reference design):
   https://docs.nvidia.com/reference-architectures/hgx-ai-factory-h100-h200-b200/abstract.md
 `cpu` is this machine: the calibrated matmul peak of k3train/observe/mfu.py (cached per CPU, dtype and threads), the
@@ -43,6 +46,7 @@ class Hardware:
     network_bits_per_s: float | None  # per device, one direction; None: one node only
     devices_per_node: int | None  # None: every device on one node (the CPU)
     source: str
+    host_link_bytes_per_s: float | None = None  # device to host memory, both directions together (PCIe as quoted)
 
     def peak_flops(self, precision: str) -> float:
         """The matmul peak in the run's precision (conf/precision: bf16, fp16 or fp32)."""
@@ -51,6 +55,11 @@ class Hardware:
     @property
     def link_one_way(self) -> float | None:
         return None if self.link_bytes_per_s is None else self.link_bytes_per_s / 2
+
+    @property
+    def host_one_way(self) -> float | None:
+        """What a copy of the device's memory to the host's (a checkpoint's staging) can reach."""
+        return None if self.host_link_bytes_per_s is None else self.host_link_bytes_per_s / 2
 
     @property
     def network_one_way(self) -> float | None:
@@ -63,15 +72,15 @@ class Hardware:
 GPUS: dict[str, Hardware] = {
     "h100": Hardware(
         "NVIDIA H100 SXM", 989.5 * TERA, 67 * TERA, 80 * GIGA, 3.35e12, 900 * GIGA, 400 * GIGA, 8,
-        "nvidia.com/en-us/data-center/h100; NVIDIA HGX AI Factory RA (8 GPUs, 400 Gb/s each)",
+        "nvidia.com/en-us/data-center/h100; NVIDIA HGX AI Factory RA (8 GPUs, 400 Gb/s each)", 128 * GIGA,
     ),
     "h200": Hardware(
         "NVIDIA H200 SXM", 989.5 * TERA, 67 * TERA, 141 * GIGA, 4.8e12, 900 * GIGA, 400 * GIGA, 8,
-        "nvidia.com/en-us/data-center/h200; NVIDIA HGX AI Factory RA (8 GPUs, 400 Gb/s each)",
+        "nvidia.com/en-us/data-center/h200; NVIDIA HGX AI Factory RA (8 GPUs, 400 Gb/s each)", 128 * GIGA,
     ),
     "b200": Hardware(
         "NVIDIA B200 (HGX)", 2250 * TERA, 75 * TERA, 180 * GIGA, 8e12, 1800 * GIGA, 400 * GIGA, 8,
-        "nvidia.com/en-us/data-center/dgx-b200; NVIDIA HGX AI Factory RA (8 GPUs, 400 Gb/s each)",
+        "nvidia.com/en-us/data-center/dgx-b200; NVIDIA HGX AI Factory RA (8 GPUs, 400 Gb/s each)", 128 * GIGA,
     ),
 }  # fmt: skip
 CHOICES = (*GPUS, "cpu")
@@ -95,7 +104,16 @@ def this_cpu() -> Hardware:
     model = cpu_description()["cpu_model"]
     copy = memory_copy_bandwidth()
     return Hardware(
-        f"CPU: {model}", bf16, fp32, float(ram), copy, copy, None, None, "measured: mfu.py calibration, RAM, a copy"
+        f"CPU: {model}",
+        bf16,
+        fp32,
+        float(ram),
+        copy,
+        copy,
+        None,
+        None,
+        "measured: mfu.py calibration, RAM, a copy",
+        2 * copy,  # staging a checkpoint is a copy within the same memory
     )
 
 

@@ -25,11 +25,11 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue
 
-from k3train.checkpoint.checkpointer import CheckpointError
+from k3train.checkpoint.checkpointer import SHARDED_STORE, CheckpointError
 from k3train.checkpoint.dcp import remove_stale_temp_links
 from k3train.config import TrainConfig, check_known_keys
 from k3train.config_targets import check_target_settings
-from k3train.files import remove_stale_temp_files
+from k3train.files import remove_stale_temp_directories, remove_stale_temp_files
 from k3train.models.protocol import takes_document_ids
 from k3train.observe.metrics import MetricsLogger
 from k3train.observe.run_manifest import RunManifest, environment, read_run_json
@@ -133,8 +133,10 @@ def _run(cfg: DictConfig, run_dir: Path, claim: rundir.RunDirClaim, multirun: bo
 
 
 def _remove_stale_temp_files(run_dir: Path) -> list[Path]:
-    """The temporary files, and sharded checkpoints' temporary links, that dead writers left in run_dir, deleted."""
-    return remove_stale_temp_files(run_dir) + remove_stale_temp_links(run_dir)
+    """The temporary files, and sharded checkpoints' temporary links and directories, that dead writers left in
+    run_dir, deleted."""
+    stale = remove_stale_temp_files(run_dir) + remove_stale_temp_links(run_dir)
+    return stale + remove_stale_temp_directories(run_dir / SHARDED_STORE)  # asynchronous sharded saves' half-written
 
 
 def _build_and_restore(cfg: DictConfig, run_dir: Path) -> dict:
@@ -169,6 +171,7 @@ def _train(cfg: DictConfig, run_dir: Path, parts: dict, multirun: bool) -> str |
         except TrainingDiverged as exc:
             reason, failure = "diverged", str(exc)
         except OSError as exc:  # a full disk, a read-only directory: say what was kept, no traceback
+            _settle_save_in_flight(trainer)
             reason, failure = f"error: {exc}", _write_failed(exc, trainer)
         except Interrupted:  # a second Ctrl-C: out now, in one line
             _close(trainer, metrics, manifest, "interrupted")
@@ -197,6 +200,17 @@ def _train(cfg: DictConfig, run_dir: Path, parts: dict, multirun: bool) -> str |
     if failure is not None:
         return fail(failure, 1, multirun)
     return reason
+
+
+def _settle_save_in_flight(trainer: Trainer) -> None:
+    """A write that failed while an asynchronous save was in flight (a full disk, met by the metrics log first):
+    that save is put in place if its own write completed, or its temporary file or directory removed if it failed
+    too, so the run ends with what the message names (_kept) and nothing half-written. No collective: each rank
+    waits for its own writer."""
+    try:
+        trainer.checkpointer.wait()
+    except Exception:  # noqa: BLE001 - it failed too (the same full disk): its temporary files are removed
+        pass
 
 
 def _report_before_redelivery(exc: BaseException) -> None:

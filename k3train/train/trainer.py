@@ -218,6 +218,13 @@ class Trainer:
         if self._resumed_from is not None:
             self._log_resume()
         self._announce()
+        c = self.config
+        saves = c.checkpoint_interval > 0 or c.checkpoint_interval_minutes is not None
+        if c.asynchronous_checkpoints and saves and self.checkpointer.sharded:
+            seconds = self.checkpointer.start_background_writers()  # a collective
+            say(
+                f"{self.label}checkpoint writer processes started in {seconds:.1f} s: saves are written behind training"
+            )
         progress = Progress(self.config, self.state.step, self.total_steps, self.label)
         window = Window()
         reason = self._stop_reason()
@@ -447,6 +454,7 @@ class Trainer:
         """Checkpoint at an update boundary (gradients are already cleared): written now, or with
         train.checkpoint_async (`wait` False) copied now and written in the background, its `checkpoint` event
         logged when the write ends (_checkpoint_written)."""
+        self._checkpoint_written(self.checkpointer.wait())  # one save at a time: the one in flight ends first
         t0 = time.perf_counter()
         self._last_save_started = t0
         self.guard.saved(self.state.step)
