@@ -67,6 +67,12 @@ CASES = {
         "k3train.consolidate", ["-m", "k3train.consolidate", "{tmp}/nope"], ["{tmp}/nope"]
     ),
     "report missing run": Case("k3train.report", ["-m", "k3train.report", "{tmp}/nope"], ["{tmp}/nope"]),
+    "tokenizer vocabulary under the bytes": Case(
+        "tokenizer",
+        ["-m", "k3train.tokenizer", "train", "{input}", "--vocab-size", "200", "--out", "{tmp}/tok.json"],
+        ["200", "256 byte tokens", "at least 257"],
+        absent=["tok.json"],
+    ),
     "prepare missing input": Case(
         "prepare",
         ["-m", "k3train.prepare", "{tmp}/nope.jsonl", "--output", "{tmp}/out"],

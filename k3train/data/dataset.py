@@ -19,6 +19,7 @@ import numpy as np
 from k3train.data.builtin import prepare_builtin
 from k3train.data.loader import TokenDataLoader
 from k3train.data.manifest import FORMAT_VERSION, MANIFEST_NAME, read_manifest
+from k3train.data.tiktoken_format import RANKS_FILE, TiktokenTokenizer
 from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 CHECK_CHUNK_TOKENS = 1 << 24  # 32 MiB of uint16 per read of the id check
@@ -195,11 +196,15 @@ class TokenData:
 
     def tokenizer(self) -> Tokenizer:
         """The tokenizer the data was prepared with, for decoding ids back to text."""
-        if self.train.tokenizer_identity["name"] == "byte":
+        identity = self.train.tokenizer_identity
+        if identity["name"] == "byte":
             return ByteTokenizer()
-        tok = HFTokenizer(self.path / "tokenizer.json", self.train.tokenizer_identity["eod_token"])
-        if tok.identity() != self.train.tokenizer_identity:
-            raise ValueError(f"{self.path / 'tokenizer.json'} does not match the manifest's tokenizer; {_REPREPARE}")
+        if identity["name"] == "tiktoken":
+            tok = TiktokenTokenizer(self.path / RANKS_FILE, identity["eod_token"])
+        else:
+            tok = HFTokenizer(self.path / "tokenizer.json", identity["eod_token"])
+        if tok.identity() != identity:
+            raise ValueError(f"{tok.path} does not match the manifest's tokenizer; {_REPREPARE}")
         return tok
 
     def __repr__(self) -> str:

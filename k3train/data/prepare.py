@@ -46,7 +46,7 @@ from k3train.data.sources import (
     plan_split,
     split_by_plan,
 )
-from k3train.data.tokenizers import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from k3train.data.tokenizers import ByteTokenizer, Tokenizer, load_tokenizer
 from k3train.files import atomic_directory
 from k3train.runtime.cpu import usable_cpus
 
@@ -222,8 +222,8 @@ def write_dataset(
             "splits": splits,
             "source": source,
         }
-        if isinstance(tokenizer, HFTokenizer):
-            shutil.copyfile(tokenizer.path, tmp / "tokenizer.json")
+        for file in tokenizer.files():  # a BPE tokenizer's own (tokenizer.json; tiktoken.model and its config)
+            shutil.copyfile(file, tmp / file.name)
         (tmp / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")  # written last, fsynced by the swap
     return manifest
 

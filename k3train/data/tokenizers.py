@@ -1,8 +1,10 @@
-"""Tokenizers for prepare: a built-in byte-level one and any local Hugging Face tokenizer.json.
+"""Tokenizers for prepare: a built-in byte-level one, any local Hugging Face tokenizer.json, and Kimi's released
+format (tiktoken ranks: tiktoken_format.py). `python -m k3train.tokenizer train` makes a tokenizer.json.
 
-Both expose the same small surface: `vocab_size`, `eod_id` (the end-of-document id appended after every
+All expose the same small surface: `vocab_size`, `eod_id` (the end-of-document id appended after every
 document), `identity()` (a JSON-able dict recorded in the manifest and hashed into the fingerprint),
-`encode_batch(texts) -> list[np.ndarray]` and `decode(ids) -> str`.
+`encode_batch(texts) -> list[np.ndarray]`, `decode(ids) -> str` and `files()` (what a prepared dataset keeps to
+decode its tokens later).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import Any, Protocol
 import numpy as np
 import tokenizers as hf
 
+from k3train.data.tiktoken_format import RANKS_FILE, TiktokenTokenizer
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -25,6 +29,8 @@ class Tokenizer(Protocol):
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...
 
     def decode(self, ids: Iterable[int]) -> str: ...
+
+    def files(self) -> list[Path]: ...
 
 
 class ByteTokenizer:
@@ -37,6 +43,9 @@ class ByteTokenizer:
 
     def identity(self) -> dict[str, Any]:
         return {"name": "byte", "vocab_size": self.vocab_size, "eod_id": self.eod_id}
+
+    def files(self) -> list[Path]:
+        return []  # nothing to keep: it is built in
 
     def encode(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
@@ -123,6 +132,10 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
+    def files(self) -> list[Path]:
+        """What a prepared dataset keeps beside its tokens, to decode them later."""
+        return [self.path]
+
     def __reduce__(self) -> tuple:
         # Worker processes rebuild the tokenizer from its file rather than pickling the Rust object.
         return HFTokenizer, (str(self.path), self.eod_token)
@@ -132,9 +145,13 @@ class HFTokenizer:
 
 
 def load_tokenizer(spec: str | Path = "byte", eod_token: str | None = None) -> Tokenizer:
-    """ "byte" for the built-in byte tokenizer, else the path of a tokenizer.json (or a folder holding one)."""
+    """ "byte" for the built-in byte tokenizer, else the path of a tokenizer.json (or a folder holding one), or of
+    a tokenizer in Kimi's released format (its tiktoken.model, or a folder holding it: tiktoken_format.py)."""
     if str(spec) == "byte":
         if eod_token is not None:
             raise ValueError("the byte tokenizer's end-of-document id is fixed at 256; drop --eod-token")
         return ByteTokenizer()
+    path = Path(spec)
+    if path.name == RANKS_FILE or (path.is_dir() and (path / RANKS_FILE).is_file()):
+        return TiktokenTokenizer(path, eod_token)
     return HFTokenizer(spec, eod_token)
