@@ -86,3 +86,24 @@ def test_a_wall_clock_interval_saves_when_that_long_has_passed(monkeypatch, tmp_
     _fit(monkeypatch, tmp_path, tiny_data_dir, *overrides)
     saved = [e["step"] for e in read_metrics(tmp_path / "metrics.jsonl") if e["event"] == "checkpoint"]
     assert saved == [1, 2, 3, 4]
+
+
+def test_a_write_failure_elsewhere_settles_the_save_in_flight(monkeypatch, tmp_path, tiny_data_dir):
+    """A full disk met first by another write (the metrics log) while a save is in flight: the runner puts that
+    save in place once its own write has ended, so the run ends with what its message names and no temporary
+    file (run/runner.py, _settle_save_in_flight)."""
+    from k3train.files import TEMP_GLOB
+    from k3train.run import runner
+
+    run = tmp_path / "run"
+    run.mkdir()
+    _, parts = built_run(
+        monkeypatch, run, tiny_data_dir, *K3_SHRUNK, *RUN, "train.checkpoint_async=true", model="k3_tiny"
+    )
+    trainer = parts["trainer"]
+    trainer.train_step()
+    trainer.save()  # in the background
+    runner._settle_save_in_flight(trainer)
+    assert trainer.checkpointer.latest_step == trainer.checkpointer.saved_step == trainer.state.step
+    assert load_checkpoint(run / "last.pt")["meta"]["step"] == trainer.state.step
+    assert not list(run.glob(TEMP_GLOB))

@@ -22,7 +22,6 @@ from k3train.runtime.bootstrap import bootstrap
 bootstrap()  # before torch loads (runtime/bootstrap.py)
 
 import argparse  # noqa: E402
-import dataclasses  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 
@@ -32,7 +31,6 @@ from hydra.utils import instantiate  # noqa: E402
 
 from k3train.config import register_configs  # noqa: E402
 from k3train.plan.activations import cp_kda_refusal  # noqa: E402
-from k3train.plan.checkpoint import checkpoint_lines, plan_checkpoint  # noqa: E402
 from k3train.plan.estimate import PREFER, estimate, propose  # noqa: E402
 from k3train.plan.hardware import CHOICES, lookup  # noqa: E402
 from k3train.plan.mesh import Mesh  # noqa: E402
@@ -228,11 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     else:
         run, title = None, None
-    storage = args.storage_gbps * 1e9 if args.storage_gbps else None
-    checkpoint = plan_checkpoint(spec, shown, hw, storage)
+    storage = _storage(args)
     if args.json:
-        plan = as_json(spec, hw, chosen, tried, args.mfu)
-        plan["checkpoint"] = dataclasses.asdict(checkpoint)
+        plan = as_json(spec, hw, chosen, tried, args.mfu, storage)
         plan["prefer"] = args.prefer
         plan["run"] = None if run is None else run_json(*run, devices, hw, args.overrides)
         if search is not None:
@@ -243,9 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         if run is not None:
             lead = run_lines(title, *run, devices, hw, args.overrides)
         text = render(
-            spec, hw, devices, args.overrides, chosen, tried, args.mfu, mesh is None, notes, lead, args.prefer
+            spec, hw, devices, args.overrides, chosen, tried, args.mfu, mesh is None, notes, lead, args.prefer, storage
         )
-        text += "\n\n" + "\n".join(checkpoint_lines(checkpoint, storage))
         if search is not None:
             text += "\n" + "\n".join(search_lines(search, spec, args.overrides, planner_flags(args), hw))
         print(text)
@@ -289,7 +284,7 @@ def plan_fewest(args: argparse.Namespace, spec, hw, settings: PlanSettings) -> i
         )
         notes = []
     if args.json:
-        plan = as_json(plan_spec, hw, chosen, tried, args.mfu)
+        plan = as_json(plan_spec, hw, chosen, tried, args.mfu, _storage(args))
         plan.update(devices=devices, overrides=overrides, search=search_json(found, spec, args.overrides, hw))
         plan.update(prefer=args.prefer, run=run_json(plan_spec, chosen.mesh, devices, hw, args.overrides))
         print(json.dumps(plan, indent=2))
@@ -298,11 +293,19 @@ def plan_fewest(args: argparse.Namespace, spec, hw, settings: PlanSettings) -> i
     lead = run_lines(title, plan_spec, chosen.mesh, devices, hw, args.overrides)
     proposed = configured is not None
     text = [*lines, ""]
-    text.append(render(plan_spec, hw, devices, overrides, chosen, tried, args.mfu, proposed, notes, lead, args.prefer))
+    storage = _storage(args)
+    text.append(
+        render(plan_spec, hw, devices, overrides, chosen, tried, args.mfu, proposed, notes, lead, args.prefer, storage)
+    )
     if configured is None:
         text += search_lines(found, spec, args.overrides, planner_flags(args), hw)
     print("\n".join(text))
     return 0
+
+
+def _storage(args: argparse.Namespace) -> float | None:
+    """--storage-gbps in bytes a second, or None."""
+    return args.storage_gbps * 1e9 if args.storage_gbps else None
 
 
 def _pace(e) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 
+from k3train.plan.checkpoint import checkpoint_lines, plan_checkpoint
 from k3train.plan.command import launch, run_overrides, short_rows
 from k3train.plan.estimate import Estimate, why
 from k3train.plan.hardware import Hardware
@@ -171,19 +172,39 @@ def run_json(spec: RunSpec, mesh: Mesh, devices: int, hw: Hardware, given: list[
 
 
 def render(
-    spec, hw, devices, overrides, chosen, tried, mfu, proposed: bool, notes: list[str], lead: list[str], prefer="step"
+    spec,
+    hw,
+    devices,
+    overrides,
+    chosen,
+    tried,
+    mfu,
+    proposed: bool,
+    notes: list[str],
+    lead: list[str],
+    prefer="step",
+    storage: float | None = None,
 ) -> str:
-    """The plan as text: the header, then `lead` (what to run), the mesh and why, the table, the meshes tried."""
+    """The plan as text: the header, then `lead` (what to run), the mesh and why, the table, the meshes tried, and
+    a checkpoint's size and time (`storage`: the write bandwidth a node, bytes/s, when stated)."""
     shown = chosen or min(tried, key=lambda e: e.memory.peak)
     lines = header(spec, hw, devices, overrides, shown.mesh.cp) + ["", *lead, ""]
     lines += [("proposed " if proposed else "") + "mesh, and why:"]
     lines += [f"  {line}" for line in why(chosen, tried, spec, prefer)]
     lines += [f"  note: {n}" for n in notes]
     lines += [""] + table(shown, spec, mfu, hw) + alternatives(tried)
+    lines += [""] + checkpoint_lines(plan_checkpoint(spec, shown, hw, storage), storage)
     return "\n".join(lines)
 
 
-def as_json(spec: RunSpec, hw: Hardware, chosen: Estimate | None, tried: list[Estimate], mfu: float) -> dict:
+def as_json(
+    spec: RunSpec,
+    hw: Hardware,
+    chosen: Estimate | None,
+    tried: list[Estimate],
+    mfu: float,
+    storage: float | None = None,
+) -> dict:
     def one(e: Estimate) -> dict:
         m = e.memory
         return {
@@ -252,6 +273,9 @@ def as_json(spec: RunSpec, hw: Hardware, chosen: Estimate | None, tried: list[Es
         "notes": [line for line in [short_rows(spec)] if line],
         "chosen": one(chosen) if chosen else None,
         "tried": [one(e) for e in tried],
+        "checkpoint": dataclasses.asdict(
+            plan_checkpoint(spec, chosen or min(tried, key=lambda e: e.memory.peak), hw, storage)
+        ),
     }
 
 
