@@ -13,13 +13,14 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from k3train.config import register_configs
+from k3train.config import register_configs, register_plugins
 from k3train.run.override_keys import unknown_key_error
 from k3train.run.remembered import remember_run_overrides
 from k3train.runtime import distributed, signals
 from k3train.runtime.console import notice
 
 register_configs()
+register_plugins()
 _composed = False  # Hydra composed a config and called the task: a SystemExit(1) before that is a config error
 
 

@@ -221,12 +221,28 @@ def check_known_keys(cfg, schema: type = Config, prefix: str = "") -> None:
 def model_option(name: str):
     """conf/model/NAME.yaml as a run composes it, its defaults list followed (k3_tiny is k3_base plus its sizes), as a
     plain DictConfig the caller may change: what benchmarks and notebooks build a model from without a run."""
+    return option("model", name)
+
+
+def option(group: str, name: str):
+    """conf/GROUP/NAME.yaml as a run composes it (model_option for any group)."""
     from hydra import compose, initialize_config_module
 
     register_configs()
     with initialize_config_module(config_module="k3train.conf", version_base="1.3"):
-        model = compose("config", overrides=[f"model={name}"]).model
-    return OmegaConf.create(OmegaConf.to_container(model))
+        node = compose("config", overrides=[f"{group}={name}"])[group]
+    return OmegaConf.create(OmegaConf.to_container(node))
+
+
+def register_plugins() -> None:
+    """k3train's own Hydra plugins (hydra_plugins/k3train_search: hydra/sweeper=optuna), registered by name: Hydra
+    finds plugins by scanning the hydra_plugins namespace package, and an editable install's portion of a namespace
+    is importable but not listed to that scan."""
+    from hydra.core.plugins import Plugins
+
+    from hydra_plugins.k3train_search.optuna_sweeper import OptunaSweeper
+
+    Plugins.instance().register(OptunaSweeper)
 
 
 def register_configs() -> None:

@@ -79,7 +79,7 @@ def _parser_of(build, monkeypatch) -> argparse.ArgumentParser:
 
 
 def _cli_parsers():
-    from k3train import consolidate, evaluate, export, generate, import_hf
+    from k3train import consolidate, evaluate, export, generate, import_hf, ladder, mup_check
     from k3train.data import prepare
     from k3train.plan import __main__ as plan
     from k3train.report import cli as report
@@ -93,6 +93,8 @@ def _cli_parsers():
         "prepare": lambda: prepare._parser().parse_args([]),
         "report": lambda: report.main([]),
         "plan": lambda: plan.parse([]),
+        "ladder": lambda: ladder.main([]),
+        "mup_check": lambda: mup_check.main([]),
     }
 
 

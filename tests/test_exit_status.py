@@ -73,6 +73,21 @@ CASES = {
         ["200", "256 byte tokens", "at least 257"],
         absent=["tok.json"],
     ),
+    "ladder with one rung": Case(
+        "ladder",
+        ["-m", "k3train.ladder", "{tmp}/ladder", "--widths", "64", "--lrs", "1e-2", "--steps", "5"],
+        ["--widths=64", "at least 2"],
+        absent=["ladder"],
+    ),
+    "mup on a model family without it": Case(
+        "k3train",
+        ["-m", "k3train", "model=dense_peer", "model.parametrization=mup", "hydra.run.dir={tmp}/run"],
+        ["model.parametrization", "no muP parametrization"],
+        absent=["run"],
+    ),
+    "mup_check on a model family without it": Case(
+        "mup_check", ["-m", "k3train.mup_check", "--model", "dense_peer", "--out", "{tmp}/out"], ["no muP"]
+    ),
     "prepare missing input": Case(
         "prepare",
         ["-m", "k3train.prepare", "{tmp}/nope.jsonl", "--output", "{tmp}/out"],

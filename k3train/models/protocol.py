@@ -90,6 +90,18 @@ class Pipelines(Protocol):
         ...
 
 
+@runtime_checkable
+class HasParametrizationBase(Protocol):
+    """Optional: a model whose learning rates scale with its width against a base of its family (muP; KimiK3 under
+    model.parametrization=mup, k3train/models/k3/mup.py). The optimizer builders (k3train/optim/mup.py) compare each
+    parameter's shape, and its matrix views, with the base's of the same name."""
+
+    def parametrization_base(self) -> torch.nn.Module | None:
+        """The family's base model on the meta device, its parameters under this model's names; None when this
+        model's learning rates do not scale (standard parametrization)."""
+        ...
+
+
 def missing_members(model: object) -> list[str]:
     """The LanguageModel members `model` lacks (empty when it has them all)."""
     methods = [name for name, value in vars(LanguageModel).items() if callable(value) and not name.startswith("_")]

@@ -14,6 +14,7 @@ import csv
 import fcntl
 import html
 import io
+import json
 import math
 import sys
 from dataclasses import dataclass, field
@@ -189,14 +190,46 @@ def edge_notes(keys: list[str], rows: list[JobRow]) -> list[str]:
     return notes
 
 
+# A search's space, written beside its trials by hydra/sweeper=optuna (hydra_plugins/k3train_search/optuna_sweeper.py):
+# {key: {"type": "float" | "int", "low", "high", "log"} or {"type": "categorical", "choices"}}.
+SEARCH_SPACE = "search_space.json"
+RANGE_EDGE = 0.1  # the outer tenth of a range at each end (of its log for a log range) counts as its edge
+
+
+def range_edge_notes(rows: list[JobRow], space: dict) -> list[str]:
+    """For a search: each number whose best job (the lowest final val loss) drew a value in the outer tenth of its
+    range: the optimum may lie outside the range searched. A search's extreme draws are not its range's ends, so the
+    grid's rule (edge_notes) would not say this."""
+    finished = [r for r in rows if r.final_val_loss is not None and math.isfinite(r.final_val_loss)]
+    if not finished:
+        return []
+    best, notes = finished[0], []
+    for key, spec in space.items():
+        if spec.get("type") == "categorical" or key not in best.overrides:
+            continue
+        scale = math.log if spec.get("log") else float
+        low, high = scale(spec["low"]), scale(spec["high"])
+        at = (scale(float(best.overrides[key])) - low) / (high - low)
+        if at <= RANGE_EDGE or at >= 1 - RANGE_EDGE:
+            side = "lower" if at <= RANGE_EDGE else "upper"
+            notes.append(
+                f"best final val loss at {key}={best.overrides[key]}, near the {side} end of its search range "
+                f"({spec['low']:g}..{spec['high']:g}): the optimum may lie outside it; widen the range there"
+            )
+    return notes
+
+
 def write_sweep_summary(sweep_dir: Path, table: tuple[list[str], list[JobRow]] | None = None) -> str:
     """Write SWEEP_DIR/sweep_summary.md and .csv (each atomically) and return the markdown table, with a note under
-    it for a best value at the edge of its grid (edge_notes); `table` (keys, rows) when the caller has read the jobs
-    already."""
+    it for a best value at the edge of its grid (edge_notes) or of a search's range (range_edge_notes); `table`
+    (keys, rows) when the caller has read the jobs already."""
     sweep_dir = Path(sweep_dir)
     keys, rows = table if table is not None else sweep_table(sweep_dir)
     markdown = to_markdown(keys, rows, sweep_dir)
-    notes = edge_notes(keys, rows)
+    space_file = sweep_dir / SEARCH_SPACE
+    notes = (
+        range_edge_notes(rows, json.loads(space_file.read_text())) if space_file.exists() else edge_notes(keys, rows)
+    )
     if notes:
         markdown += "\n" + "".join(f"**Note:** {note}.\n" for note in notes)
     for suffix, text in ((".md", markdown), (".csv", to_csv(keys, rows, sweep_dir))):

@@ -24,17 +24,23 @@ from k3train.runtime.cpu import native_bf16
 def adamw(
     model: nn.Module, *, lr: float, weight_decay: float, betas: Sequence[float], eps: float
 ) -> torch.optim.Optimizer:
-    """The AdamW baseline: groups "decay" and "no_decay", no-decay by the same rules as muon_adamw."""
+    """The AdamW baseline: groups "decay" and "no_decay", no-decay by the same rules as muon_adamw. Under muP
+    (k3train/optim/mup.py) each is split by lr factor, as torch's AdamW takes one lr a group: "decay_x0.25" holds the
+    decayed parameters at a quarter of lr."""
     check_adamw_settings("optim.", lr, weight_decay, betas, eps)
-    groups = {"decay": [], "no_decay": []}
-    for a in partition_parameters(model):
-        groups["decay" if a.weight_decay else "no_decay"].append(a.param)
+    groups: dict[tuple[str, float], list] = {}
+    for a in partition_parameters(model, muon=False):
+        groups.setdefault(("decay" if a.weight_decay else "no_decay", a.lr_scale), []).append(a.param)
     param_groups = [
         dict(
-            name=name, kind="adamw", params=params, weight_decay=weight_decay if name == "decay" else 0.0, initial_lr=lr
+            name=name if scale == 1.0 else f"{name}_x{scale:.6g}",
+            kind="adamw",
+            params=params,
+            weight_decay=weight_decay if name == "decay" else 0.0,
+            lr=lr * scale,
+            initial_lr=lr * scale,
         )
-        for name, params in groups.items()
-        if params
+        for (name, scale), params in sorted(groups.items(), key=lambda item: (item[0][0], -item[0][1]))
     ]
     check_partition(model, param_groups)
     return torch.optim.AdamW(param_groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused_adamw_applies(model))
@@ -84,6 +90,8 @@ def muon_adamw(
         )
         if kind == "muon":
             group["head_splits"] = [a.head_split for a in members]
+        if any(a.lr_scale != 1.0 for a in members):  # muP (k3train/optim/mup.py)
+            group["lr_scales"] = [a.lr_scale for a in members]
         param_groups.append(group)
     check_partition(model, param_groups)
     return MuonAdamW(

@@ -139,7 +139,8 @@ class MuonAdamW(torch.optim.Optimizer):
     """One optimizer, param groups of kind "muon" or "adamw" (each with a "name"); see the module docstring.
 
     Group keys (missing ones are filled from the constructor's defaults):
-      all:   name, kind, params, lr, weight_decay
+      all:   name, kind, params, lr, weight_decay; optional lr_scales (one per param: its lr over the group's, as
+             muP's k3train/optim/mup.py sets them; absent: 1 for every param)
       muon:  momentum, nesterov, ns_steps, ns_coefficients, ns_eps, ns_dtype ("bf16" | "fp32"), rms_match,
              head_splits (one per param, or None)
       adamw: betas, eps
@@ -194,6 +195,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self._update_sq: dict[str, tuple[Tensor, int]] = {}  # group name -> (sum of squared updates, numel)
         self._ortho_error: dict[str, float] = {}
         self._sharded_weight_sq: dict[str, float] = {}  # FSDP2 groups: squared weight norm after the last step
+        self._lr_scales: dict[int, float] = {}  # id(param) -> its group's lr_scales entry, read at each step
         super().__init__(list(param_groups), dict(lr=lr, weight_decay=weight_decay))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -223,7 +225,12 @@ class MuonAdamW(torch.optim.Optimizer):
                 check_head_split(p.shape, s, f"group {name!r} param {i}")
                 for i, (p, s) in enumerate(zip(params, splits))
             ]
-        elif "head_splits" in param_group:
+        if "lr_scales" in param_group:
+            scales = [float(s) for s in param_group["lr_scales"]]
+            if len(scales) != len(params) or not all(math.isfinite(s) and s > 0 for s in scales):
+                raise ValueError(f"group {name!r}: lr_scales must be {len(params)} finite numbers > 0, one per param")
+            param_group["lr_scales"] = scales
+        if kind != "muon" and "head_splits" in param_group:
             raise ValueError(f"group {name!r} is AdamW; head_splits only make sense for Muon groups")
         if param_group.get("ns_dtype", "bf16") not in NS_DTYPES:
             raise ValueError(f"group {name!r}: ns_dtype={param_group['ns_dtype']!r} must be one of {sorted(NS_DTYPES)}")
@@ -246,6 +253,9 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._lr_scales = {
+            id(p): s for group in self.param_groups for p, s in zip(group["params"], group.get("lr_scales", ()))
+        }
         for group in self.param_groups:
             if group["kind"] == "muon":
                 self._muon_step(group)
@@ -297,8 +307,9 @@ class MuonAdamW(torch.optim.Optimizer):
         scaled update's sum of squares."""
         p, split = with_grad[i]
         matrix = as_matrices(torch.empty(p.shape, device="meta"), split).shape
-        scaled_lr = group["lr"] * (group["rms_match"] * math.sqrt(max(matrix[-2:])))
-        p.mul_(1 - group["lr"] * group["weight_decay"])
+        lr = group["lr"] * self._lr_scales.get(id(p), 1.0)
+        scaled_lr = lr * (group["rms_match"] * math.sqrt(max(matrix[-2:])))
+        p.mul_(1 - lr * group["weight_decay"])
         local_part(p).add_(update, alpha=-scaled_lr)
         # squared into a row-major tensor: a sum's order follows the layout, and one process's tall updates are
         # transposed views where the ranks' are row-major copies, so their sums would differ in the last bit
@@ -429,7 +440,7 @@ class MuonAdamW(torch.optim.Optimizer):
     def _adamw_step(self, group: dict[str, Any]) -> None:
         # Same arithmetic as torch.optim.AdamW's single-tensor path, except that the update is materialised
         # (exp_avg / denom) so its RMS can be reported.
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        wd, eps = group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         update_sq, numel = torch.zeros(()), 0
         for p in group["params"]:
@@ -442,6 +453,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p)
             state["step"] += 1
             t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
+            lr = group["lr"] * self._lr_scales.get(id(p), 1.0)
             p.mul_(1 - lr * wd)
             exp_avg.lerp_(p.grad, 1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)

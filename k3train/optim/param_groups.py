@@ -22,6 +22,7 @@ nanoGPT's optimizer groups (every 2D weight decays, embeddings included): https:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,8 @@ from typing import Any
 from torch import nn
 
 from k3train.models.layout import parameter_layouts
+from k3train.models.protocol import HasParametrizationBase
+from k3train.optim import mup
 from k3train.optim.muon import HeadSplit, check_head_split
 
 # group -> (optimizer kind, weight decay on)
@@ -61,10 +64,37 @@ class ParamAssignment:
     reason: str
     head_split: HeadSplit | None = None  # what the optimizer uses for a "heads" view
     param: nn.Parameter = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    lr_scale: float = 1.0  # this parameter's lr over its group's: 1 but under muP (k3train/optim/mup.py)
 
 
-def partition_parameters(model: nn.Module, head_wise: bool = True) -> list[ParamAssignment]:
-    """One ParamAssignment per trainable parameter of `model` (tied weights once, under their first name)."""
+def partition_parameters(model: nn.Module, head_wise: bool = True, muon: bool = True) -> list[ParamAssignment]:
+    """One ParamAssignment per trainable parameter of `model` (tied weights once, under their first name), each
+    with its muP lr factor when the model has a parametrization base (k3train/optim/mup.py): Muon's for the
+    hidden matrices, or with muon=False (the AdamW baseline) AdamW's for every parameter."""
+    assignments = _partition(model, head_wise)
+    bases = _base_assignments(model, head_wise)
+    if not bases:
+        return assignments
+    return [dataclasses.replace(a, lr_scale=mup.lr_scale(a, bases[a.name], muon)) for a in assignments]
+
+
+def _base_assignments(model: nn.Module, head_wise: bool) -> dict[str, ParamAssignment]:
+    """The base's assignment of every parameter of each module in `model` that has a parametrization base (the model,
+    or each pipeline stage of the ModuleList a pipelined run optimises), under `model`'s names; empty when none has."""
+    bases: dict[str, ParamAssignment] = {}
+    holders: list[str] = []
+    for prefix, module in model.named_modules():
+        inside = any(h == "" or prefix.startswith(f"{h}.") for h in holders)
+        if inside or not isinstance(module, HasParametrizationBase):
+            continue
+        holders.append(prefix)
+        base = module.parametrization_base()
+        for a in _partition(base, head_wise) if base is not None else ():
+            bases[f"{prefix}.{a.name}" if prefix else a.name] = a
+    return bases
+
+
+def _partition(model: nn.Module, head_wise: bool) -> list[ParamAssignment]:
     owners = {name: module for name, module in model.named_modules()}
     head_splits = {name: layout.head_split for name, layout in parameter_layouts(model).items()}
     assignments = []

@@ -24,7 +24,7 @@ def group_settings(group: dict[str, Any]) -> dict[str, Any]:
         if value is None or value is False:
             continue
         if isinstance(value, list) and len(value) == n_params:
-            counts = Counter(str(v) for v in value if v is not None)
+            counts = Counter(f"{v:.4g}" if isinstance(v, float) else str(v) for v in value if v is not None)
             if not counts:
                 continue
             value = ", ".join(f"{v} x{n}" for v, n in counts.items())

@@ -97,6 +97,13 @@ def _unknown_option(override: Override, options: list[str]) -> str | None:
     return None
 
 
+# Keys some options have and others lack, and what to say when the chosen option lacks one.
+ELSEWHERE = {
+    "model.parametrization": "this model family has no muP parametrization; the KimiK3 family has one "
+    "(model=k3_tiny, k3_small, kimi_linear_tiny, kimi_linear_small: model.parametrization=mup)",
+}
+
+
 def _unknown_key(override: Override, cfg: DictConfig) -> str | None:
     parts = override.key_or_group.split(".")
     node = cfg
@@ -111,7 +118,9 @@ def _unknown_key(override: Override, cfg: DictConfig) -> str | None:
         close = difflib.get_close_matches(part, known, n=3)
         full = [f"{parent}.{key}" if parent else key for key in close]
         where = parent or "the config"
-        if close:
+        if override.key_or_group in ELSEWHERE:
+            hint = ELSEWHERE[override.key_or_group]
+        elif close:
             hint = f"did you mean {_either(full)}?"
         else:
             listed = ", ".join(known[:LISTED_KEYS]) + (", ..." if len(known) > LISTED_KEYS else "")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from fractions import Fraction
 
 from k3train.models.common.situ import ACTIVATIONS as FFN_ACTIVATIONS
 from k3train.models.k3.moe import BALANCING as ROUTERS
@@ -17,6 +18,18 @@ from k3train.models.kda.layer import IMPLEMENTATIONS as KDA_IMPLEMENTATIONS
 from k3train.models.kda.layer import OUTPUT_GATES as KDA_OUTPUT_GATES
 
 LAYER_TYPES = ("kda", "mla")
+PARAMETRIZATIONS = ("standard", "mup")
+# The fields a family scales with d_model under mup (heads at a fixed head width): the base model has them all
+# scaled by mup_base_width / d_model (k3train/models/k3/mup.py).
+WIDTH_FIELDS = (
+    "mla_n_heads",
+    "kda_n_heads",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "expert_ffn_dim",
+    "dense_ffn_dim",
+    "expert_latent_dim",
+)
 # Fields that change how a model trains or runs, not what its weights mean.
 TRAINING_ONLY = (
     "kda_implementation",
@@ -95,6 +108,13 @@ class KimiK3Config:
     kda_gate_lower_bound: float = -5.0  # the sigmoid gate's log decay lies in (lower bound, 0)
     kda_qk_norm_eps: float = 1e-6  # q and k are x / sqrt(sum x^2 + eps), as FLA's kernel normalises them
 
+    # How the init, the forward's multipliers and each tensor's learning rate depend on width and depth
+    # (k3train/models/k3/mup.py): "standard", or "mup", under which the best lr of a family (the widths and depths
+    # of one shape, heads scaled at a fixed head width) stays where it was found at the base width and depth.
+    parametrization: str = "standard"
+    mup_base_width: int = 128  # the d_model the family's lr was tuned at (k3_tiny's)
+    mup_base_depth: int = 4  # the n_layers it was tuned at
+
     def __post_init__(self) -> None:
         if self.model_type != "kimi_k3":
             raise ValueError(f"model_type={self.model_type!r}: KimiK3Config only builds 'kimi_k3'")
@@ -122,6 +142,9 @@ class KimiK3Config:
             if getattr(self, name) is not None:
                 _positive(self, name)
         _choice(self, "ffn_activation", FFN_ACTIVATIONS)
+        _choice(self, "parametrization", PARAMETRIZATIONS)
+        _positive(self, "mup_base_width")
+        _positive(self, "mup_base_depth")
         _choice(self, "kda_output_gate", KDA_OUTPUT_GATES)
         if self.kda_output_gate == "full_rank" and self.kda_output_gate_bias:
             raise ValueError("kda_output_gate_bias=true needs kda_output_gate=low_rank: the full-rank gate has no bias")
@@ -161,6 +184,34 @@ class KimiK3Config:
             # Hydra hands over a ListConfig; keep a plain list so the config stays picklable and JSON-able.
             self.layer_types = [str(t) for t in self.layer_types]
         _ = self.layer_pattern  # validates the pattern now rather than at model build
+        if self.parametrization == "mup":
+            _ = self.mup_base()  # every width field must scale to the base in whole numbers
+
+    def mup_base(self) -> KimiK3Config:
+        """The family's base under mup: this config at width mup_base_width, its own depth, parametrized as
+        standard. Its tensors' shapes say which dims of each tensor grow with width."""
+        try:
+            return dataclasses.replace(self, parametrization="standard").at_width(self.mup_base_width)
+        except ValueError as e:
+            raise ValueError(f"parametrization=mup with mup_base_width={self.mup_base_width}: {e}") from None
+
+    def at_width(self, d_model: int) -> KimiK3Config:
+        """This config's family member at `d_model`: WIDTH_FIELDS scaled with it (heads at a fixed head width)."""
+        ratio = Fraction(d_model, self.d_model)
+        changes: dict = {"d_model": d_model}
+        for name in WIDTH_FIELDS:
+            value = getattr(self, name)
+            if value is None:
+                continue
+            scaled = value * ratio
+            if scaled.denominator != 1:
+                raise ValueError(
+                    f"{name}={value} at d_model={self.d_model} scales to {float(scaled):g} at d_model={d_model}, "
+                    f"not a whole number: a family scales every one of {', '.join(WIDTH_FIELDS)} with d_model, so "
+                    "choose widths (and model.mup_base_width) a power of two apart"
+                )
+            changes[name] = int(scaled)
+        return dataclasses.replace(self, **changes)
 
     @property
     def layer_pattern(self) -> list[str]:
@@ -205,6 +256,8 @@ class KimiK3Config:
             del fields["situ_beta"], fields["situ_linear_beta"]
         if not self.mla_rope:
             del fields["rope_theta"]
+        if self.parametrization == "standard":  # the base only matters under mup; older checkpoints lack all three
+            del fields["parametrization"], fields["mup_base_width"], fields["mup_base_depth"]
         return fields
 
     def is_moe_layer(self, layer_idx: int) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 from k3train.hf import HFFormatError
+from k3train.models.k3 import mup
 from k3train.models.k3.config import KimiK3Config
 
 LAYOUTS = ("kimi_linear", "kimi_k3")
@@ -246,6 +247,12 @@ def to_hf_config(cfg: KimiK3Config, layout: str, eos_token_id: int | None, dtype
 def _check_common(cfg: KimiK3Config) -> None:
     if cfg.vocab_size is None:
         raise ValueError("vocab_size is unset: build the model from its data first")
+    if mup.branch_multiplier(cfg) != 1.0:
+        raise NotExpressible(
+            f"parametrization=mup at n_layers={cfg.n_layers} != mup_base_depth={cfg.mup_base_depth} without attention "
+            "residuals multiplies each residual branch, which the formats cannot say (the logits' multiplier is "
+            "folded into the final norm; the branches' is not yet)"
+        )
     if cfg.mla_rope:
         raise NotExpressible("mla_rope=true: Kimi Linear and Kimi K3 attention is NoPE (mla_use_nope)")
     latent_eps = cfg.mla_latent_norm_eps if cfg.mla_latent_norm_eps is not None else cfg.norm_eps

@@ -59,6 +59,7 @@ from k3train.models.common.init import ONE, ZERO, InitialWeights, Normal, Rule, 
 from k3train.models.common.loss import TargetLosses, linear_cross_entropy
 from k3train.models.common.norm import RMSNorm
 from k3train.models.common.swiglu import SwiGLU
+from k3train.models.k3 import mup
 from k3train.models.k3.attn_res import attn_res_mix
 from k3train.models.k3.cache import MLACache
 from k3train.models.k3.config import KimiK3Config
@@ -105,6 +106,7 @@ class Block(nn.Module):
         self.residual_stats = WindowStats()  # the output's RMS over the training forwards since the last read
         self.track_residual = True  # the health panel's (KimiK3.set_health_tracking)
         self.attn_res_block_size = c.attn_res_block_size
+        self.branch_multiplier = mup.branch_multiplier(c)  # 1 but under mup without attention residuals
         self.mixer_type = c.layer_pattern[layer_idx]
         self.mixer_norm = RMSNorm(c.d_model, eps=c.norm_eps)
         if self.mixer_type == "kda":
@@ -225,6 +227,9 @@ class Block(nn.Module):
         self, h: torch.Tensor, blocks: tuple[torch.Tensor, ...], mixer: Callable[[torch.Tensor], torch.Tensor]
     ) -> torch.Tensor:
         if self.attn_res_block_size is None:
+            if self.branch_multiplier != 1.0:
+                h = h + self.branch_multiplier * mixer(self.mixer_norm(h))
+                return h + self.branch_multiplier * self._ffn(self.ffn_norm(h))
             h = h + mixer(self.mixer_norm(h))
             return h + self._ffn(self.ffn_norm(h))
         x = self._mix(blocks + (h,), self.self_attention_res_norm, self.self_attention_res_proj) if blocks else h
@@ -267,6 +272,7 @@ class KimiK3(nn.Module):
                 "entry point, so set it when building the model directly"
             )
         self.config = config
+        self.output_multiplier = mup.output_multiplier(config)  # the logits' (1 but under mup)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, eps=config.norm_eps)
@@ -286,6 +292,11 @@ class KimiK3(nn.Module):
     def parallelize(self, dims, fully_shard) -> dict:
         """Spread over a run's ranks (k3train/models/k3/parallelize.py; the Parallelizes protocol)."""
         return parallelize_k3(self, dims, fully_shard)
+
+    def parametrization_base(self) -> nn.Module | None:
+        """Under mup the family's base on the meta device (k3train/models/k3/mup.py), else None (the
+        HasParametrizationBase protocol)."""
+        return mup.base_model(type(self), self.config)
 
     def set_activation_checkpointing(self, mode: str) -> None:
         """mode: none | block | selective (module docstring); in effect for passes that build a graph."""
@@ -307,22 +318,32 @@ class KimiK3(nn.Module):
         biases and the MoE's balancing bias at 0. KDA's own parameters that are not linear maps (A_log, dt_bias,
         the short convolutions) start as its layer draws them (its init_rules). The attention residuals' [1, d]
         query projections (`*_res_proj`) are linear maps too: Normal(init_std), as the reference initialises them
-        (not zeros, which would start every mix uniform).
+        (not zeros, which would start every mix uniform). Under mup every matrix but the embedding and LM head has
+        its std scaled by mup.init_scale against the family's base, and n_layers is the base depth.
         https://github.com/karpathy/nanoGPT/blob/3adf61e154c3fe3fca428ad6bc3818b27a3b8291/model.py
         https://github.com/fla-org/flash-linear-attention/blob/bc3b101dcb713ddc5bd8924b66754eb68b5ccf89/fla/models/kda/modeling_kda.py
         """
         std = self.config.init_std
-        residual_std = std / math.sqrt(2 * self.config.n_layers)
+        residual_std = std / math.sqrt(2 * mup.residual_init_depth(self.config))
+        shapes = {name: tuple(t.shape) for name, t in self.state_dict().items()}
+        base = mup.base_model(type(self), self.config)
+        bases = shapes if base is None else {name: tuple(t.shape) for name, t in base.state_dict().items()}
+
+        def normal(name: str, std: float) -> Normal:
+            return Normal(std * mup.init_scale(shapes[name], bases[name]))
+
         rules: dict[str, Rule] = {"embed_tokens.weight": Normal(std)}
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear) and module.weight is not self.embed_tokens.weight:
                 is_residual = name.endswith(("o_proj", "w_down", "latent_up"))
-                rules[f"{name}.weight"] = Normal(residual_std if is_residual else std)
+                is_head = name == "lm_head"  # scaled by the output multiplier instead
+                weight = f"{name}.weight"
+                rules[weight] = Normal(std) if is_head else normal(weight, residual_std if is_residual else std)
                 if module.bias is not None:
                     rules[f"{name}.bias"] = ZERO
             elif isinstance(module, RoutedExperts):
-                rules |= {f"{name}.w_gate": Normal(std), f"{name}.w_up": Normal(std)}
-                rules[f"{name}.w_down"] = Normal(residual_std)
+                rules |= {f"{name}.{w}": normal(f"{name}.{w}", std) for w in ("w_gate", "w_up")}
+                rules[f"{name}.w_down"] = normal(f"{name}.w_down", residual_std)
             elif isinstance(module, nn.RMSNorm):
                 rules[f"{name}.weight"] = ONE
             elif isinstance(module, MoE):
@@ -350,7 +371,7 @@ class KimiK3(nn.Module):
         blocks: tuple[torch.Tensor, ...] = ()
         for layer in self.layers:
             h, blocks = layer(h, blocks, documents), self._blocks_after(layer, h, blocks)
-        h = self.norm(self._output_mix(h, blocks))
+        h = self._head_input(h, blocks)
         if targets is None:
             return self.lm_head(h), None
         loss = linear_cross_entropy(
@@ -376,13 +397,18 @@ class KimiK3(nn.Module):
         blocks: tuple[torch.Tensor, ...] = ()
         for layer, layer_cache in zip(self.layers, cache, strict=True):
             h, blocks = layer.forward_cached(h, layer_cache, blocks), self._blocks_after(layer, h, blocks)
-        return self.lm_head(self.norm(self._output_mix(h, blocks)))
+        return self.lm_head(self._head_input(h, blocks))
 
     @staticmethod
     def _blocks_after(layer: Block, h: torch.Tensor, blocks: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """blocks after `layer`, given its input h: h joins them when the layer starts a block. Kept here, not
         returned by the Block: under FSDP2 a module that returns (a view of) its own input draws a warning."""
         return blocks + (h,) if layer.starts_block else blocks
+
+    def _head_input(self, h: torch.Tensor, blocks: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """What the LM head reads: the final norm of the last layer's output (mixed), times the output multiplier."""
+        h = self.norm(self._output_mix(h, blocks))
+        return h * self.output_multiplier if self.output_multiplier != 1.0 else h
 
     def _output_mix(self, h: torch.Tensor, blocks: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """The last layer's output h, or with attention residuals its mix with the finished blocks."""

@@ -22,6 +22,7 @@ from torch import nn
 
 from k3train.models.common.documents import Documents
 from k3train.models.common.loss import TargetLosses, linear_cross_entropy
+from k3train.models.k3 import mup
 from k3train.models.k3.parallelize import parallelize as parallelize_k3
 
 
@@ -56,8 +57,14 @@ class KimiK3Stage(nn.Module):
                 self.output_attn_res_norm = model.output_attn_res_norm
                 self.output_attn_res_proj = model.output_attn_res_proj
         self._output_mix = type(model)._output_mix  # KimiK3's, called on this stage's modules
+        self.output_multiplier = model.output_multiplier
+        self._model_class = type(model)  # the base under mup is one of these (parametrization_base)
         self.blocks_in = blocks_before(model, first)
         self.blocks_out = blocks_before(model, last)
+
+    def parametrization_base(self) -> nn.Module | None:
+        """The whole model's base under mup (HasParametrizationBase): its names are this stage's."""
+        return mup.base_model(self._model_class, self.config)
 
     def parallelize(self, dims, fully_shard) -> dict:
         """This stage spread over the ranks that hold it, as the whole model would be (the Parallelizes protocol):
@@ -88,6 +95,8 @@ class KimiK3Stage(nn.Module):
         if targets is None:
             raise ValueError("the last pipeline stage computes the loss: it needs targets")
         h = self.norm(self._output_mix(self, h, blocks))
+        if self.output_multiplier != 1.0:  # mup's (KimiK3._head_input)
+            h = h * self.output_multiplier
         # a new tensor, not a view of the scalar: FSDP2 hooks a root's outputs for backward, and warns at a view
         loss = linear_cross_entropy(
             h.flatten(0, 1), self.lm_head.weight, targets.flatten(), target_losses=target_losses

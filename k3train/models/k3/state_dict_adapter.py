@@ -36,7 +36,7 @@ import torch
 
 from k3train.hf import HFFormatError
 from k3train.hf.adapter import Slot
-from k3train.models.k3 import hf_config
+from k3train.models.k3 import hf_config, mup
 from k3train.models.k3.config import KimiK3Config
 from k3train.models.k3.model import KimiK3
 
@@ -132,9 +132,13 @@ def canonical(name: str, plan: dict[str, Slot]) -> str:
 
 
 def to_hf(state: dict[str, torch.Tensor], cfg: KimiK3Config, layout: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, tensor) for every tensor of a k3train state dict, experts one by one, A_log in the HF shape."""
+    """(HF name, tensor) for every tensor of a k3train state dict, experts one by one, A_log in the HF shape. Under
+    mup the logits' multiplier is folded into the final norm's gain (the formats have no field for it): the same
+    logits from a standard model."""
     for hf_name, slot in hf_names(cfg, layout, state).items():
         tensor = state[slot.name]
+        if slot.name == "norm.weight" and mup.output_multiplier(cfg) != 1.0:
+            tensor = tensor * mup.output_multiplier(cfg)
         if slot.expert is not None:
             tensor = tensor[slot.expert]
         elif slot.name.endswith("mixer.A_log"):
