@@ -50,6 +50,10 @@ class OptunaSweeper(Sweeper):
         study_name: str = "k3train",
         max_batch_size: int | None = None,
     ) -> None:
+        try:
+            import optuna  # noqa: F401
+        except ImportError as exc:
+            raise ImportError("hydra/sweeper=optuna needs optuna: pip install 'k3train[search]'") from exc
         self.space = check_space(
             OmegaConf.to_container(params, resolve=True) if isinstance(params, DictConfig) else params
         )

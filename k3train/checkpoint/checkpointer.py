@@ -450,9 +450,7 @@ class ShardedCheckpointer(Checkpointer):
         if self._stager is None:
             self._stager = new_stager()
         directory = self.store / f"step_{step:07d}-{secrets.token_hex(4)}"  # rank 0's name is the one used
-        write = start_sharded_write(directory, self.payload(step), self.writer, self._stager, self.merge_group)
-        write.step = step
-        return write
+        return start_sharded_write(step, directory, self.payload(step), self.writer, self._stager, self.merge_group)
 
     def _written_everywhere(self, done: bool) -> bool:
         """Every rank's writer has ended (rank 0's ends last, with .metadata, but a failure ends them all): the

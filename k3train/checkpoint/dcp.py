@@ -268,11 +268,10 @@ class ShardedWrite:
     the directory and renames it into place (files.commit_directory), so a kill at any moment leaves no
     checkpoint at `directory` or a complete one."""
 
-    def __init__(self, directory: Path, tmp: Path, writer: bool, future: Any, blocked_s: float):
-        self.directory, self.tmp, self.writer, self.blocked_s = directory, tmp, writer, blocked_s
+    def __init__(self, step: int, directory: Path, tmp: Path, writer: bool, future: Any, blocked_s: float):
+        self.step, self.directory, self.tmp, self.writer, self.blocked_s = step, directory, tmp, writer, blocked_s
         self._future = future
         self._started = time.perf_counter()
-        self.step: int | None = None  # the step saved (the Checkpointer's)
         self.seconds: float | None = None  # the background write's duration, once it has ended
 
     def done(self) -> bool:
@@ -303,7 +302,12 @@ class ShardedWrite:
 
 
 def start_sharded_write(
-    directory: Path, tree: Any, writer: bool, stager: Any, merge_group: dist.ProcessGroup | None = None
+    step: int,
+    directory: Path,
+    tree: Any,
+    writer: bool,
+    stager: Any,
+    merge_group: dist.ProcessGroup | None = None,
 ) -> ShardedWrite:
     """write_sharded's asynchronous twin (ShardedWrite): a collective at an update boundary, every rank calls it
     with the same `stager` each time (a DCP DefaultStager, whose staging buffers are reused from save to save)."""
@@ -324,15 +328,20 @@ def start_sharded_write(
         _raise_write_error(failed, directory)
     if error is not None:  # rank 0's extra.pt failed: every rank stops saving at the same boundary
         raise OSError(errno.EIO, f"rank 0 could not write {EXTRA}: {error}", named)
+    future = _async_save(shards, tmp, stager)
+    return ShardedWrite(step, Path(named), Path(tmp), writer, future, time.perf_counter() - start)
+
+
+def _async_save(state: Any, tmp: str, stager: Any) -> Any:
+    """DCP's async_save of `state` into `tmp` by this rank's writer process; its future."""
     with warnings.catch_warnings():  # "experimental": the behaviour k3train relies on is checked by its tests
         warnings.filterwarnings("ignore", ".*async_save.*", UserWarning)
-        future = dcp.async_save(
-            shards,
+        return dcp.async_save(
+            state,
             storage_writer=ProcessFileSystemWriter(tmp),
             async_checkpointer_type=AsyncCheckpointerType.PROCESS,
             async_stager=stager,
         )
-    return ShardedWrite(Path(named), Path(tmp), writer, future, time.perf_counter() - start)
 
 
 def start_writer_processes(store: Path, stager: Any) -> float:
@@ -349,14 +358,7 @@ def start_writer_processes(store: Path, stager: Any) -> float:
     tmp = temp_directory(store / "writers") if writer else None
     [tmp] = _broadcast([None if tmp is None else str(tmp)])
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", ".*async_save.*", UserWarning)
-            dcp.async_save(
-                {"started": torch.zeros(1)},
-                storage_writer=ProcessFileSystemWriter(tmp),
-                async_checkpointer_type=AsyncCheckpointerType.PROCESS,
-                async_stager=stager,
-            ).result()
+        _async_save({"started": torch.zeros(1)}, tmp, stager).result()
     finally:
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
