@@ -116,21 +116,48 @@ def test_lr_factors_per_rule(tiny) -> None:
     assert any(p is q for p in groups["decay_x0.25"]["params"])
 
 
-def test_a_params_lr_scale_is_the_update_of_a_group_at_that_lr() -> None:
+def test_a_params_lr_scale_scales_its_update_and_leaves_its_weight_decay() -> None:
     torch.manual_seed(0)
-    w = [torch.nn.Parameter(torch.randn(16, 8)) for _ in range(2)]
-    v = [torch.nn.Parameter(p.detach().clone()) for p in w]
     for kind in ("muon", "adamw"):
-        scaled = MuonAdamW([dict(name="g", kind=kind, params=[w[0]], lr_scales=[0.25])], lr=0.1, ns_dtype="fp32")
-        plain = MuonAdamW([dict(name="g", kind=kind, params=[v[0]], lr=0.025)], lr=0.1, ns_dtype="fp32")
-        for p, q in ((w[0], v[0]),):
-            g = torch.randn(16, 8)
-            p.grad, q.grad = g.clone(), g.clone()
+        w, v = torch.nn.Parameter(torch.randn(16, 8)), None
+        v = torch.nn.Parameter(w.detach().clone())
+        scaled = MuonAdamW([dict(name="g", kind=kind, params=[w], lr_scales=[0.25])], lr=0.1, weight_decay=0.0)
+        plain = MuonAdamW([dict(name="g", kind=kind, params=[v], lr=0.025)], lr=0.1, weight_decay=0.0)
+        g = torch.randn(16, 8)
+        w.grad, v.grad = g.clone(), g.clone()
         scaled.step(), plain.step()
-        # the same weight decay factor (1 - lr_eff * wd) and the same update
-        assert torch.equal(w[0], v[0]), kind
+        assert torch.equal(w, v), kind  # the update at lr * factor
+    # the decay a step is the group's lr * wd whatever the factor, as the mup package's MuAdam keeps it
+    p = torch.nn.Parameter(torch.ones(4, 4))
+    decayed = MuonAdamW([dict(name="g", kind="adamw", params=[p], lr_scales=[0.25])], lr=0.1, weight_decay=0.5)
+    p.grad = torch.zeros(4, 4)
+    decayed.step()
+    assert torch.equal(p, torch.full((4, 4), 1 - 0.1 * 0.5))
     with pytest.raises(ValueError, match="lr_scales must be 1 finite"):
-        MuonAdamW([dict(name="g", kind="muon", params=[w[1]], lr_scales=[0.0])])
+        MuonAdamW([dict(name="g", kind="muon", params=[p], lr_scales=[0.0])])
+
+
+def test_adamws_factors_are_the_mup_packages_where_both_dims_grow_and_tp5s_for_output_like_matrices(tiny) -> None:
+    mup_package = pytest.importorskip("mup", reason="the comparison needs the mup package (pip install mup)")
+    wide = build(tiny.at_width(512), parametrization="mup")
+    base = build(wide.config.mup_base())
+    # do_assert=False: the package asks that every matrix with a fixed fan_out be its MuReadout (see below)
+    mup_package.set_base_shapes(wide, base, rescale_params=False, do_assert=False)
+    factors = {a.name: a.lr_scale for a in partition_parameters(wide, muon=False)}
+    params = dict(wide.named_parameters())
+    checked = 0
+    for name, factor in factors.items():
+        infshape = params[name].infshape
+        if name in ("embed_tokens.weight", "lm_head.weight") or infshape.ninf() < 2:
+            # MuAdam's vector-like: factor 1, except a matrix whose fan_in grows into a fixed fan_out (a router, a
+            # residual query, a gate's first projection), which TP5 gives 1/fan_in and MuAdam leaves to MuReadout
+            output_like = params[name].ndim >= 2 and name not in ("embed_tokens.weight", "lm_head.weight")
+            output_like = output_like and infshape[-1].isinf() and not infshape[-2].isinf()
+            assert factor == (1 / infshape[-1].width_mult() if output_like else 1.0), name
+        else:
+            assert math.isclose(factor, 1 / infshape.width_mult()), name  # MuAdam: lr / width_mult
+            checked += 1
+    assert checked > 30
 
 
 def test_a_pipeline_stage_applies_the_output_multiplier(tiny) -> None:

@@ -26,7 +26,8 @@ def adamw(
 ) -> torch.optim.Optimizer:
     """The AdamW baseline: groups "decay" and "no_decay", no-decay by the same rules as muon_adamw. Under muP
     (k3train/optim/mup.py) each is split by lr factor, as torch's AdamW takes one lr a group: "decay_x0.25" holds the
-    decayed parameters at a quarter of lr."""
+    decayed parameters at a quarter of lr, and four times the weight decay, so that the decay a step (lr * wd) is the
+    base's, as the mup package's MuAdam does."""
     check_adamw_settings("optim.", lr, weight_decay, betas, eps)
     groups: dict[tuple[str, float], list] = {}
     for a in partition_parameters(model, muon=False):
@@ -36,7 +37,7 @@ def adamw(
             name=name if scale == 1.0 else f"{name}_x{scale:.6g}",
             kind="adamw",
             params=params,
-            weight_decay=weight_decay if name == "decay" else 0.0,
+            weight_decay=weight_decay / scale if name == "decay" else 0.0,  # lr * wd a step as at the base
             lr=lr * scale,
             initial_lr=lr * scale,
         )

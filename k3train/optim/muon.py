@@ -139,8 +139,9 @@ class MuonAdamW(torch.optim.Optimizer):
     """One optimizer, param groups of kind "muon" or "adamw" (each with a "name"); see the module docstring.
 
     Group keys (missing ones are filled from the constructor's defaults):
-      all:   name, kind, params, lr, weight_decay; optional lr_scales (one per param: its lr over the group's, as
-             muP's k3train/optim/mup.py sets them; absent: 1 for every param)
+      all:   name, kind, params, lr, weight_decay; optional lr_scales (one per param: its update's lr over the
+             group's, as muP's k3train/optim/mup.py sets them; absent: 1 for every param). The weight decay stays
+             lr * weight_decay a step whatever the factor, as the mup package's MuAdam keeps it)
       muon:  momentum, nesterov, ns_steps, ns_coefficients, ns_eps, ns_dtype ("bf16" | "fp32"), rms_match,
              head_splits (one per param, or None)
       adamw: betas, eps
@@ -307,9 +308,8 @@ class MuonAdamW(torch.optim.Optimizer):
         scaled update's sum of squares."""
         p, split = with_grad[i]
         matrix = as_matrices(torch.empty(p.shape, device="meta"), split).shape
-        lr = group["lr"] * self._lr_scales.get(id(p), 1.0)
-        scaled_lr = lr * (group["rms_match"] * math.sqrt(max(matrix[-2:])))
-        p.mul_(1 - lr * group["weight_decay"])
+        scaled_lr = group["lr"] * self._lr_scales.get(id(p), 1.0) * (group["rms_match"] * math.sqrt(max(matrix[-2:])))
+        p.mul_(1 - group["lr"] * group["weight_decay"])  # the group's lr: muP's factor leaves the decay as it was
         local_part(p).add_(update, alpha=-scaled_lr)
         # squared into a row-major tensor: a sum's order follows the layout, and one process's tall updates are
         # transposed views where the ranks' are row-major copies, so their sums would differ in the last bit
@@ -454,7 +454,7 @@ class MuonAdamW(torch.optim.Optimizer):
             state["step"] += 1
             t, exp_avg, exp_avg_sq = state["step"], state["exp_avg"], state["exp_avg_sq"]
             lr = group["lr"] * self._lr_scales.get(id(p), 1.0)
-            p.mul_(1 - lr * wd)
+            p.mul_(1 - group["lr"] * wd)  # the group's lr: muP's factor leaves the decay as it was
             exp_avg.lerp_(p.grad, 1 - beta1)
             exp_avg_sq.mul_(beta2).addcmul_(p.grad, p.grad, value=1 - beta2)
             step_size = lr / (1 - beta1**t)
