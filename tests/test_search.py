@@ -85,7 +85,7 @@ def test_a_six_trial_search_killed_partway_resumes_its_study(tmp_path) -> None:
     while sum(t.state.name == "COMPLETE" for t in study_trials(sweep_dir)) < 2:
         assert first.poll() is None and time.monotonic() < deadline, "the first 2 trials did not finish"
         time.sleep(0.5)
-    os.killpg(first.pid, signal.SIGTERM)  # the sweep and its trials, as a scheduler's stop would
+    os.killpg(first.pid, signal.SIGKILL)  # the sweep and its trials at once (submitit's local jobs share its group)
     first.wait(timeout=120)
     before = {t.number: t.state.name for t in study_trials(sweep_dir)}
     assert 2 <= sum(s == "COMPLETE" for s in before.values()) < 6, before
