@@ -51,6 +51,39 @@ def test_a_best_value_in_the_outer_tenth_of_its_log_range_is_noted_and_one_insid
     assert "near the lower end" in note
 
 
+class Finished:
+    """A launcher whose jobs leave run directories that ended as `ends` says (trial number -> end reason)."""
+
+    def __init__(self, sweep_dir: Path, ends: dict[int, str]) -> None:
+        self.sweep_dir, self.ends = sweep_dir, ends
+
+    def launch(self, batch, initial_job_idx):
+        from hydra.core.utils import JobReturn, JobStatus
+
+        results = []
+        for number in range(initial_job_idx, initial_job_idx + len(batch)):
+            run = self.sweep_dir / str(number)
+            run.mkdir(parents=True)
+            (run / "run.json").write_text(json.dumps({"sessions": [{"end_reason": self.ends[number]}]}))
+            (run / "metrics.jsonl").write_text(json.dumps({"event": "eval", "step": 2, "tokens": 64, "loss": 2.5}))
+            results.append(JobReturn(status=JobStatus.COMPLETED, _return_value=None))
+        return results
+
+
+def test_a_trial_stopped_before_its_end_is_no_result_and_ends_the_sweep(tmp_path) -> None:
+    from hydra_plugins.k3train_search.optuna_sweeper import OptunaSweeper
+
+    sweeper = OptunaSweeper(params={"optim.lr": {"low": 1e-3, "high": 1e-1, "log": True}}, n_trials=4)
+    sweeper.launcher = Finished(tmp_path, {0: "max_steps", 1: "SIGTERM"})
+    sweeper.validate_batch_is_legal = lambda batch: None
+    study = optuna.create_study()
+    trials = [study.ask() for _ in range(2)]
+    assert not sweeper._run(study, [(t.number, {"optim.lr": 0.01}) for t in trials], [], tmp_path)
+    done, stopped = study.get_trials()
+    assert done.state.name == "COMPLETE" and done.value == 2.5
+    assert stopped.state.name == "RUNNING"  # the same command resumes it, rather than scoring a partial run
+
+
 def study_trials(sweep_dir: Path) -> list:
     from optuna.storages import JournalStorage
     from optuna.storages.journal import JournalFileBackend

@@ -37,6 +37,7 @@ from k3train.observe.sweep_table import SEARCH_SPACE, read_job
 log = logging.getLogger(__name__)
 
 JOURNAL = "optuna_journal.log"
+PLANNED_ENDS = ("max_steps", "max_tokens", "end_of_data")  # how a run ends when it has done what it was asked
 TYPES = ("float", "int", "categorical")
 
 
@@ -95,35 +96,49 @@ class OptunaSweeper(Sweeper):
         if done or stale:
             log.info(f"study {sweep_dir / JOURNAL}: {done} trial(s) done, {len(stale)} to finish, of {self.n_trials}")
         for trial in stale:  # one at a time: each keeps its own number, so its run directory
-            self._run(study, [(trial.number, trial.params)], fixed, sweep_dir)
+            if not self._run(study, [(trial.number, trial.params)], fixed, sweep_dir):
+                return
         while (
             done := sum(t.state in (TrialState.COMPLETE, TrialState.FAIL) for t in study.get_trials())
         ) < self.n_trials:
             asked = [study.ask(distributions(self.space)) for _ in range(min(self.n_jobs, self.n_trials - done))]
-            self._run(study, [(t.number, t.params) for t in asked], fixed, sweep_dir)
+            if not self._run(study, [(t.number, t.params) for t in asked], fixed, sweep_dir):
+                return
         finished = [t for t in study.get_trials() if t.state == TrialState.COMPLETE]
         if finished:
             best = min(finished, key=lambda t: t.value)
             log.info(f"best trial {best.number}: val loss {best.value:.4f} at {best.params}")
 
-    def _run(self, study, trials: list[tuple[int, dict]], fixed: list[str], sweep_dir: Path) -> None:
-        """Launch trials numbered consecutively (or one) as one batch and tell the study each final val loss."""
+    def _run(self, study, trials: list[tuple[int, dict]], fixed: list[str], sweep_dir: Path) -> bool:
+        """Launch trials numbered consecutively (or one) as one batch and tell the study each one's final val loss.
+        A run stopped before its planned end (a stop signal, a time limit) is no result: its trial stays running in
+        the study, the sweep ends, and the same command resumes it. False then."""
         from optuna.trial import TrialState
 
         batch = [[*fixed, *(f"{key}={value}" for key, value in params.items()), "resume=auto"] for _, params in trials]
         self.validate_batch_is_legal(batch)
         results = self.launcher.launch(batch, initial_job_idx=trials[0][0])
+        stopped = []
         for (number, _), result in zip(trials, results):
-            value = read_job(sweep_dir / str(number)).final_val_loss
+            row = read_job(sweep_dir / str(number))
             try:
                 _ = result.return_value  # raises the job's exception if it failed
             except Exception as exc:  # noqa: BLE001 - one trial's failure is a result, not the sweep's end
                 log.warning(f"trial {number} failed: {exc}")
-                value = None
-            if value is None or not math.isfinite(value):
+                study.tell(number, state=TrialState.FAIL)
+                continue
+            if row.end not in PLANNED_ENDS:
+                stopped.append(f"{number} ({row.end})")
+            elif row.final_val_loss is None or not math.isfinite(row.final_val_loss):
                 study.tell(number, state=TrialState.FAIL)
             else:
-                study.tell(number, value)
+                study.tell(number, row.final_val_loss)
+        if stopped:
+            log.warning(
+                f"trial(s) {', '.join(stopped)} stopped before their last update: the study keeps them running, and "
+                f"the same command with hydra.sweep.dir={sweep_dir} resumes them and goes on"
+            )
+        return not stopped
 
 
 def check_space(space: dict[str, Any]) -> dict[str, dict]:
